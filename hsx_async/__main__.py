@@ -1,0 +1,3 @@
+from hsx_async.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,215 @@
+"""The SGLang side of the client: ``POST /generate`` and a rotation of server replicas.
+
+:class:`ServerPool` spreads requests over the healthy servers (fewest in flight first),
+takes a server out of rotation on a connection error or after repeated 5xx/timeouts,
+probes it with ``GET /health`` and brings it back. Workers wait for a healthy server
+instead of burning attempts while every server is down; only when none has answered for
+``server.unreachable_timeout`` does the run stop with :class:`NoServerError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+import numpy.typing as npt
+import orjson
+import structlog
+
+from hsx_async.errors import NoServerError, RequestError
+from hsx_async.protocol import check_response, generate_body
+
+log = structlog.get_logger("hsx.client")
+
+# Consecutive 5xx or timeouts before a server leaves rotation; a refused or reset
+# connection takes it out at once.
+SOFT_FAILURES_TO_EVICT = 3
+_BODY_EXCERPT = 300
+
+
+@dataclass(eq=False)
+class Server:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    soft_failures: int = 0
+    requests: int = 0
+    last_error: str = ""
+    down_since: float | None = None
+    retired: bool = False  # removed from the config by a reload
+
+
+class ServerPool:
+    def __init__(
+        self, urls: Sequence[str], *, health_interval: float, unreachable_timeout: float
+    ) -> None:
+        self.servers = [Server(u.rstrip("/")) for u in urls]
+        self.health_interval = health_interval
+        self.unreachable_timeout = unreachable_timeout
+        self._changed = asyncio.Condition()
+        self._rr = 0
+
+    def healthy(self) -> list[Server]:
+        return [s for s in self.servers if s.healthy and not s.retired]
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_healthy(self) -> None:
+        """Return once a server is in rotation; NoServerError after the unreachable timeout."""
+        if self.healthy():
+            return
+        try:
+            async with asyncio.timeout(self.unreachable_timeout), self._changed:
+                await self._changed.wait_for(lambda: bool(self.healthy()))
+        except TimeoutError:
+            detail = "; ".join(f"{s.url}: {s.last_error or 'no answer'}" for s in self.servers)
+            raise NoServerError(
+                f"no server answered for {self.unreachable_timeout:.0f} s "
+                f"(server.unreachable_timeout) — {detail}. Start or fix the servers, or "
+                "check [server].urls"
+            ) from None
+
+    @contextlib.asynccontextmanager
+    async def lease(self) -> AsyncIterator[Server]:
+        """A healthy server for one attempt, least loaded first (round robin on ties)."""
+        await self.wait_healthy()
+        candidates = self.healthy()
+        self._rr += 1
+        low = min(s.in_flight for s in candidates)
+        ties = [s for s in candidates if s.in_flight == low]
+        server = ties[self._rr % len(ties)]
+        server.in_flight += 1
+        server.requests += 1
+        try:
+            yield server
+        finally:
+            server.in_flight -= 1
+
+    def succeeded(self, server: Server) -> None:
+        server.soft_failures = 0
+
+    async def failed(self, server: Server, error: RequestError) -> None:
+        server.last_error = str(error)
+        if not error.server_fault:
+            return
+        server.soft_failures += 1
+        if error.hard or server.soft_failures >= SOFT_FAILURES_TO_EVICT:
+            await self.evict(server, str(error))
+
+    async def evict(self, server: Server, reason: str) -> None:
+        if server.healthy:
+            server.healthy = False
+            server.down_since = time.monotonic()
+            log.warning(
+                "server_out_of_rotation",
+                server=server.url,
+                reason=reason,
+                healthy=len(self.healthy()),
+            )
+            await self._notify()
+
+    async def restore(self, server: Server) -> None:
+        if not server.healthy:
+            down = time.monotonic() - (server.down_since or time.monotonic())
+            server.healthy, server.soft_failures, server.down_since = True, 0, None
+            log.info("server_back_in_rotation", server=server.url, down_s=round(down, 1))
+            await self._notify()
+
+    async def set_urls(self, urls: Sequence[str]) -> None:
+        """Live reload: add new servers, retire removed ones (in-flight calls finish)."""
+        wanted = [u.rstrip("/") for u in urls]
+        for s in self.servers:
+            s.retired = s.url not in wanted
+        known = {s.url for s in self.servers}
+        self.servers.extend(Server(u) for u in wanted if u not in known)
+        await self._notify()
+
+
+class SGLangClient:
+    """HTTP calls to one or more SGLang servers, over one pooled session."""
+
+    def __init__(self, session: aiohttp.ClientSession, pool: ServerPool) -> None:
+        self.session = session
+        self.pool = pool
+
+    async def generate(
+        self, server: Server, *, rid: str, ns: str, input_ids: npt.NDArray[np.int64], timeout: float
+    ) -> None:
+        """One prefill-only request; raises RequestError or DumpError (bad response)."""
+        body = orjson.dumps(generate_body(rid, ns, input_ids), option=orjson.OPT_SERIALIZE_NUMPY)
+        try:
+            async with self.session.post(
+                f"{server.url}/generate",
+                data=body,
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as resp:
+                payload = await resp.read()
+                status = resp.status
+        except TimeoutError:
+            raise RequestError(
+                f"{server.url}: no response within {timeout:.0f} s (server.request_timeout)"
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise RequestError(f"{server.url}: {type(exc).__name__}: {exc}", hard=True) from None
+        _raise_for_status(server.url, status, payload)
+        try:
+            parsed = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            raise RequestError(
+                f"{server.url}: 200 with a body that is not JSON", server_fault=False
+            ) from None
+        check_response(parsed, rid=rid, num_tokens=int(input_ids.shape[0]))
+
+    async def health(self, url: str, timeout: float = 5.0) -> str:
+        """'' when ``GET /health`` answers 200, else why not."""
+        try:
+            async with self.session.get(
+                f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                await resp.read()
+                return "" if resp.status == 200 else f"/health answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+    async def get_json(self, url: str, path: str, timeout: float = 10.0) -> object:
+        async with self.session.get(
+            f"{url}{path}", timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
+            payload = await resp.read()
+            _raise_for_status(url, resp.status, payload)
+            return orjson.loads(payload)
+
+    async def probe_forever(self) -> None:
+        """Bring evicted servers back once ``/health`` answers 200 (a long-lived task)."""
+        while True:
+            down = [s for s in self.pool.servers if not s.healthy and not s.retired]
+            results = await asyncio.gather(*(self.health(s.url) for s in down))
+            for server, error in zip(down, results, strict=True):
+                if error:
+                    server.last_error = error
+                else:
+                    await self.pool.restore(server)
+            await asyncio.sleep(self.pool.health_interval)
+
+    async def probe_all(self) -> None:
+        """At start: put every server that answers into rotation, evict the others."""
+        results = await asyncio.gather(*(self.health(s.url) for s in self.pool.servers))
+        for server, error in zip(self.pool.servers, results, strict=True):
+            if error:
+                server.last_error = error
+                await self.pool.evict(server, error)
+
+
+def _raise_for_status(url: str, status: int, payload: bytes) -> None:
+    if status == 200:
+        return
+    excerpt = payload[:_BODY_EXCERPT].decode("utf-8", "replace").strip()
+    raise RequestError(f"{url}: HTTP {status}: {excerpt}", server_fault=status >= 500)

@@ -1,0 +1,379 @@
+"""The configuration file: TOML into frozen dataclasses, validated once.
+
+Every section is a frozen dataclass whose fields are the keys; a key's default is the
+field's default, and a field without a default is required. Unknown keys are rejected with
+the nearest valid name, mistyped values with the expected type, so a typo never silently
+becomes a default in a 70-hour job. Relative paths are relative to the config file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from hsx_async.errors import ConfigError
+from hsx_async.protocol import DEFAULT_DUMP_ROOT, NS_PATTERN, row_bytes, valid_ns
+
+Size = typing.NewType("Size", int)  # bytes; TOML gives an integer or a string like "16GiB"
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(value: object, key: str) -> int:
+    """Bytes from an integer or a string such as ``"16GiB"`` or ``"500 MB"``."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m:
+            return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+    raise ConfigError(key, f'{value!r} is not a size; write bytes or a string like "16GiB"')
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    urls: tuple[str, ...]
+    request_timeout: float = 600.0
+    health_interval: float = 5.0
+    unreachable_timeout: float = 1800.0
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    path: Path
+    max_tokens: int = 32768
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: Path
+    disk_reserve: Size = Size(20 << 30)
+
+
+@dataclass(frozen=True)
+class DumpConfig:
+    root: Path = Path(DEFAULT_DUMP_ROOT)
+    timeout: float = 120.0
+    shm_budget: Size = Size(8 << 30)
+    namespace_prefix: str = "hsx"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden_size: int
+    aux_layers: tuple[int, ...]
+
+    @property
+    def row_bytes(self) -> int:
+        return row_bytes(self.hidden_size, self.aux_layers)
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    concurrency: int = 8
+    max_attempts: int = 5
+    backoff_base: float = 0.5
+    backoff_max: float = 30.0
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    threads: int = 2
+    queue_depth: int = 16
+    method: Literal["auto", "direct", "sendfile"] = "auto"
+    fsync: bool = True
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    drain_timeout: float = 120.0
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    metrics_listen: str = "127.0.0.1:9464"
+    progress_interval: float = 30.0
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    index: int = 0
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig
+    input: InputConfig
+    output: OutputConfig
+    model: ModelConfig
+    dump: DumpConfig = field(default_factory=DumpConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    writer: WriterConfig = field(default_factory=WriterConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    path: Path | None = None  # the file it came from; not a key
+
+    @property
+    def sample_bytes_per_token(self) -> int:
+        return self.model.row_bytes
+
+
+# --- generic loading -------------------------------------------------------------------
+
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _nearest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(sorted(valid))}"
+
+
+def _convert(value: Any, hint: Any, key: str, base: Path) -> Any:
+    origin = get_origin(hint)
+    if hint is Size:
+        return Size(parse_size(value, key))
+    if hint is Path:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(key, f"{value!r} is not a path; write a non-empty string")
+        path = Path(os.path.expandvars(value)).expanduser()
+        return path if path.is_absolute() else base / path
+    if origin is Literal:
+        if value not in get_args(hint):
+            choices = " | ".join(repr(c) for c in get_args(hint))
+            raise ConfigError(key, f"{value!r} is not one of {choices}")
+        return value
+    if origin is tuple:
+        item = get_args(hint)[0]
+        if not isinstance(value, list):
+            raise ConfigError(key, f"{value!r} is not a list; write [ ... ]")
+        return tuple(_convert(v, item, f"{key}[{i}]", base) for i, v in enumerate(value))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not hint:
+        raise ConfigError(key, f"{value!r} is not {_TYPE_WORDS.get(hint, str(hint))}")
+    return value
+
+
+def _section(cls: type[Any], raw: Any, name: str, base: Path) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(name, f"must be a table ([{name}]), got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            raise ConfigError(f"{name}.{key}", f"unknown key; {_nearest(key, list(fields))}")
+    values = {}
+    for fname, f in fields.items():
+        if fname in raw:
+            values[fname] = _convert(raw[fname], hints[fname], f"{name}.{fname}", base)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{name}.{fname}", "is required; add it to the file")
+    return cls(**values)
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "server": ServerConfig,
+    "input": InputConfig,
+    "output": OutputConfig,
+    "model": ModelConfig,
+    "dump": DumpConfig,
+    "workers": WorkersConfig,
+    "writer": WriterConfig,
+    "daemon": DaemonConfig,
+    "shard": ShardConfig,
+}
+_REQUIRED = ("server", "input", "output", "model")
+
+
+def config_from_dict(raw: dict[str, Any], *, base: Path, path: Path | None = None) -> Config:
+    for name in raw:
+        if name not in _SECTIONS:
+            raise ConfigError(name, f"unknown section; {_nearest(name, list(_SECTIONS))}")
+    for name in _REQUIRED:
+        if name not in raw:
+            raise ConfigError(name, f"section [{name}] is required; add it to the file")
+    sections = {
+        name: _section(cls, raw[name], name, base) for name, cls in _SECTIONS.items() if name in raw
+    }
+    if "shard" not in raw:
+        sections["shard"] = shard_from_env(os.environ)
+    config = Config(**sections, path=path)
+    validate(config)
+    return config
+
+
+def load_config(path: Path) -> Config:
+    """Read, check and freeze a config file. Raises :class:`ConfigError` naming the key."""
+    try:
+        with path.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError("", f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("", f"{path} is not valid TOML: {exc}") from None
+    return config_from_dict(raw, base=path.resolve().parent, path=path.resolve())
+
+
+def shard_from_env(env: typing.Mapping[str, str]) -> ShardConfig:
+    """The shard of an Indexed Job (k8s) or array job (Slurm) when ``[shard]`` is absent."""
+    for index_var, count_vars in (
+        ("JOB_COMPLETION_INDEX", ("HSX_SHARD_COUNT",)),
+        ("SLURM_ARRAY_TASK_ID", ("HSX_SHARD_COUNT", "SLURM_ARRAY_TASK_COUNT")),
+    ):
+        if index_var not in env:
+            continue
+        count_var = next((v for v in count_vars if v in env), None)
+        if count_var is None:
+            raise ConfigError(
+                "shard.count",
+                f"{index_var} is set but {count_vars[0]} is not; "
+                "set it to the number of shards or add [shard] to the file",
+            )
+        try:
+            shard = ShardConfig(index=int(env[index_var]), count=int(env[count_var]))
+        except ValueError:
+            raise ConfigError("shard", f"{index_var}/{count_var} are not integers") from None
+        return shard
+    return ShardConfig()
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def validate(c: Config) -> None:
+    """Cross-field checks; each failure names the key and what to change."""
+    _check(bool(c.server.urls), "server.urls", "list at least one server URL")
+    for i, url in enumerate(c.server.urls):
+        _check(
+            url.startswith(("http://", "https://")),
+            f"server.urls[{i}]",
+            f"{url!r} must start with http:// or https://",
+        )
+    _check(len(set(c.server.urls)) == len(c.server.urls), "server.urls", "lists a URL twice")
+    for key, value in (
+        ("server.request_timeout", c.server.request_timeout),
+        ("server.health_interval", c.server.health_interval),
+        ("server.unreachable_timeout", c.server.unreachable_timeout),
+        ("dump.timeout", c.dump.timeout),
+        ("daemon.drain_timeout", c.daemon.drain_timeout),
+        ("daemon.progress_interval", c.daemon.progress_interval),
+    ):
+        _check(value > 0, key, f"must be a positive number of seconds, got {value}")
+    _check(c.input.max_tokens >= 1, "input.max_tokens", "must be at least 1")
+    _check(c.model.hidden_size >= 1, "model.hidden_size", "must be at least 1")
+    _check(
+        bool(c.model.aux_layers), "model.aux_layers", "list at least one layer, e.g. [2, 30, 58]"
+    )
+    _check(all(k >= 0 for k in c.model.aux_layers), "model.aux_layers", "layer ids are ≥ 0")
+    _check(
+        valid_ns(c.dump.namespace_prefix + "-w0"),
+        "dump.namespace_prefix",
+        f"must make names matching {NS_PATTERN} (letters, digits, '._-', ≤ 50 chars)",
+    )
+    _check(c.workers.concurrency >= 1, "workers.concurrency", "must be at least 1")
+    _check(c.workers.max_attempts >= 1, "workers.max_attempts", "must be at least 1")
+    _check(
+        0 <= c.workers.backoff_base <= c.workers.backoff_max,
+        "workers.backoff_base",
+        "must be ≥ 0 and ≤ workers.backoff_max",
+    )
+    _check(c.writer.threads >= 1, "writer.threads", "must be at least 1")
+    _check(c.writer.queue_depth >= 1, "writer.queue_depth", "must be at least 1")
+    _check(c.shard.count >= 1, "shard.count", "must be at least 1")
+    _check(
+        0 <= c.shard.index < c.shard.count,
+        "shard.index",
+        f"must be in [0, shard.count) = [0, {c.shard.count}), got {c.shard.index}",
+    )
+    one_sample = c.input.max_tokens * c.model.row_bytes
+    _check(
+        c.dump.shm_budget >= one_sample,
+        "dump.shm_budget",
+        f"{c.dump.shm_budget} bytes cannot hold one sample of input.max_tokens "
+        f"({c.input.max_tokens} tokens × {c.model.row_bytes} bytes = {one_sample}); "
+        "raise dump.shm_budget or lower input.max_tokens",
+    )
+    _check(
+        _listen_ok(c.daemon.metrics_listen),
+        "daemon.metrics_listen",
+        f'{c.daemon.metrics_listen!r} is not HOST:PORT (or "" to disable)',
+    )
+
+
+def _listen_ok(value: str) -> bool:
+    if value == "":
+        return True
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 <= int(port) < 65536)
+
+
+def listen_address(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+# --- live reload ------------------------------------------------------------------------
+
+# Keys a SIGHUP may change while running; everything else needs a restart.
+LIVE_KEYS = frozenset(
+    {
+        "server.urls",
+        "server.request_timeout",
+        "server.health_interval",
+        "server.unreachable_timeout",
+        "dump.timeout",
+        "dump.shm_budget",
+        "workers.concurrency",
+        "workers.max_attempts",
+        "workers.backoff_base",
+        "workers.backoff_max",
+        "daemon.log_level",
+        "daemon.progress_interval",
+        "daemon.drain_timeout",
+        "output.disk_reserve",
+    }
+)
+
+
+def flatten(config: Config) -> dict[str, Any]:
+    """``{"section.key": value}`` for every key (the config file's own path excluded)."""
+    out: dict[str, Any] = {}
+    for name in _SECTIONS:
+        section = getattr(config, name)
+        for f in dataclasses.fields(section):
+            out[f"{name}.{f.name}"] = getattr(section, f.name)
+    return out
+
+
+@dataclass(frozen=True)
+class ConfigDiff:
+    live: dict[str, tuple[Any, Any]]
+    restart: dict[str, tuple[Any, Any]]
+
+
+def diff_config(old: Config, new: Config) -> ConfigDiff:
+    a, b = flatten(old), flatten(new)
+    changed = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+    return ConfigDiff(
+        live={k: v for k, v in changed.items() if k in LIVE_KEYS},
+        restart={k: v for k, v in changed.items() if k not in LIVE_KEYS},
+    )

@@ -1,0 +1,161 @@
+"""Reading a request's dump from shared memory (PROTOCOL §3), and keeping namespaces clean.
+
+A worker owns ``<root>/<ns>/``: it clears it at start, reads only ``<ns>/<rid>/`` for its
+own rids, deletes each dump once the writer has it on disk, and removes anything else it
+finds there as debris (late writes of abandoned attempts, stray files). Nothing in a dump
+is trusted: links are never followed, sizes are checked against ``meta.json``, and the
+writer re-checks each part's size on the descriptor it copies from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import shutil
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsx_async.errors import DumpError
+from hsx_async.protocol import (
+    META_NAME,
+    DumpMeta,
+    check_meta,
+    check_part_sizes,
+    parse_meta,
+    parse_part_name,
+    part_name,
+)
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_META_MAX = 1 << 20
+_POLL_FIRST = 0.001
+_POLL_MAX = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class Dump:
+    """A complete, validated dump: its directory and its parts in row order."""
+
+    path: Path
+    meta: DumpMeta
+
+    def part_paths(self) -> list[Path]:
+        return [self.path / part_name(s, e) for s, e in self.meta.parts]
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a file, link or directory tree without following links out of it."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        # rmtree refuses to follow a symlink and works on fds (safe against races).
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def prepare_namespace(root: Path, ns: str) -> Path:
+    """Create ``<root>/<ns>/`` empty. A link planted there is removed, never followed."""
+    root.mkdir(parents=True, exist_ok=True)
+    ns_dir = root / ns
+    remove_tree(ns_dir)
+    ns_dir.mkdir(mode=0o777)
+    # Servers may run as another user sharing the tmpfs; the mode above is cut by umask.
+    with contextlib.suppress(PermissionError):
+        ns_dir.chmod(0o777)
+    return ns_dir
+
+
+def sweep_namespace(ns_dir: Path, keep: Iterable[str]) -> int:
+    """Remove everything in the namespace but the ``keep`` rids; returns entries removed."""
+    keep = set(keep)
+    removed = 0
+    try:
+        entries = list(os.scandir(ns_dir))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        if entry.name not in keep:
+            remove_tree(Path(entry.path))
+            removed += 1
+    return removed
+
+
+def _read_meta(rid_dir: Path) -> bytes | None:
+    """``meta.json`` bytes once visible; None before. Links and non-files are refused."""
+    try:
+        fd = os.open(rid_dir / META_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise DumpError(f"{rid_dir.name}: meta.json or its directory is a link") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DumpError(f"{rid_dir.name}: meta.json is not a regular file")
+        data = os.read(fd, _META_MAX + 1)
+    finally:
+        os.close(fd)
+    if len(data) > _META_MAX:
+        raise DumpError(f"{rid_dir.name}: meta.json is over {_META_MAX} bytes")
+    return data
+
+
+async def wait_for_meta(rid_dir: Path, timeout: float) -> bytes:
+    """Poll for the commit. The hook writes it as the response leaves, so the first or
+    second look usually finds it; the poll backs off so a late commit costs no CPU."""
+    delay = _POLL_FIRST
+    try:
+        async with asyncio.timeout(timeout):
+            while (data := _read_meta(rid_dir)) is None:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX)
+    except TimeoutError:
+        raise DumpError(
+            f"no meta.json in {rid_dir} {timeout:.0f} s after the response (dump.timeout); "
+            "is the hsx hook loaded and HSX_DUMP_ROOT the same as dump.root?"
+        ) from None
+    return data
+
+
+def _part_sizes(rid_dir: Path) -> dict[tuple[int, int], int]:
+    """Sizes of the visible part files; temp files (leading '.') are ignored."""
+    sizes: dict[tuple[int, int], int] = {}
+    dir_fd = os.open(rid_dir, _DIR_FLAGS)
+    try:
+        for entry in os.scandir(dir_fd):
+            span = parse_part_name(entry.name)
+            if span is None:
+                continue
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise DumpError(f"{entry.name} is not a regular file")
+            sizes[span] = st.st_size
+    finally:
+        os.close(dir_fd)
+    return sizes
+
+
+def validate_dump(
+    rid_dir: Path,
+    meta_bytes: bytes,
+    *,
+    rid: str,
+    num_tokens: int,
+    hidden_size: int,
+    aux_layers: tuple[int, ...],
+    row_bytes: int,
+) -> Dump:
+    """Every check of PROTOCOL §3; any failure raises :class:`DumpError`."""
+    meta = parse_meta(meta_bytes)
+    check_meta(meta, rid=rid, num_tokens=num_tokens, hidden_size=hidden_size, aux_layers=aux_layers)
+    check_part_sizes(meta, _part_sizes(rid_dir), row_bytes)
+    return Dump(rid_dir, meta)

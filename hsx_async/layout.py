@@ -1,0 +1,112 @@
+"""Where a sample goes in the dataset and how its safetensors file is laid out (PROTOCOL §4).
+
+Pure: the writer does the I/O. The file is a standard safetensors file, ordered so that the
+bulk tensor starts on a 4 KiB boundary (the header is padded with spaces, which the format
+allows), which lets the writer copy dump parts with O_DIRECT:
+
+    [u64 header length][JSON header, space padded][input_ids i64][hidden_states bf16][loss_mask u8]
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import orjson
+import xxhash
+
+from hsx_async.protocol import BYTES_PER_ELEMENT, PROTOCOL_VERSION, num_layers
+
+ALIGN = 4096
+SampleId = str | int
+
+_SAFE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+DATA_DIR = "data"
+FILE_SUFFIX = ".safetensors"
+
+
+def canonical_id(sample_id: SampleId) -> str:
+    """Ids are compared by their text: ``5`` and ``"5"`` are the same sample."""
+    return str(sample_id)
+
+
+def sample_key(sample_id: SampleId) -> str:
+    """The file-name-safe key of an id, unique per canonical id.
+
+    An id that is already safe is its own key. Any other id is sanitised, cut, and given
+    ``~`` plus a hash of the full id: ``~`` never occurs in a safe id, so the two kinds of
+    key cannot collide, and the hash keeps distinct unsafe ids apart.
+    """
+    text = canonical_id(sample_id)
+    if _SAFE_KEY.fullmatch(text) and text not in (".", ".."):
+        return text
+    stem = _UNSAFE_CHARS.sub("_", text)[:80]
+    return f"{stem}~{xxhash.xxh3_64_hexdigest(text.encode('utf-8', 'surrogatepass'))}"
+
+
+def data_relpath(key: str) -> str:
+    """``data/<2 hex>/<key>.safetensors``: 256 fan-out directories keep each one small."""
+    bucket = xxhash.xxh3_64_hexdigest(key.encode())[:2]
+    return f"{DATA_DIR}/{bucket}/{key}{FILE_SUFFIX}"
+
+
+@dataclass(frozen=True, slots=True)
+class FileLayout:
+    """Byte offsets of one sample file; ``prefix`` holds the header and ``input_ids``."""
+
+    header: bytes  # u64 length + padded JSON
+    num_tokens: int
+    hidden_offset: int  # where hidden_states starts (a multiple of ALIGN)
+    hidden_bytes: int
+    mask_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.hidden_offset + self.hidden_bytes + self.mask_bytes
+
+
+def build_layout(
+    *,
+    sample_id: SampleId,
+    num_tokens: int,
+    hidden_size: int,
+    aux_layers: Sequence[int],
+    has_loss_mask: bool,
+) -> FileLayout:
+    """The safetensors header for a sample, padded so ``hidden_states`` is 4 KiB aligned."""
+    t, layers = num_tokens, num_layers(aux_layers)
+    ids_bytes = 8 * t
+    hidden_bytes = t * layers * hidden_size * BYTES_PER_ELEMENT
+    mask_bytes = t if has_loss_mask else 0
+    tensors: dict[str, object] = {
+        "__metadata__": {
+            "id": canonical_id(sample_id),
+            "aux_layers": ",".join(str(x) for x in aux_layers),
+            "protocol": str(PROTOCOL_VERSION),
+        },
+        "input_ids": {"dtype": "I64", "shape": [t], "data_offsets": [0, ids_bytes]},
+        "hidden_states": {
+            "dtype": "BF16",
+            "shape": [t, layers, hidden_size],
+            "data_offsets": [ids_bytes, ids_bytes + hidden_bytes],
+        },
+    }
+    if has_loss_mask:
+        end = ids_bytes + hidden_bytes
+        tensors["loss_mask"] = {"dtype": "U8", "shape": [t], "data_offsets": [end, end + t]}
+    body = orjson.dumps(tensors)
+    # 8 + len(header) + ids_bytes must land on ALIGN; ids_bytes is a multiple of 8, so the
+    # padded header length stays a multiple of 8 as safetensors recommends.
+    unpadded = 8 + len(body) + ids_bytes
+    pad = -unpadded % ALIGN
+    header_len = len(body) + pad
+    header = header_len.to_bytes(8, "little") + body + b" " * pad
+    return FileLayout(
+        header=header,
+        num_tokens=t,
+        hidden_offset=len(header) + ids_bytes,
+        hidden_bytes=hidden_bytes,
+        mask_bytes=mask_bytes,
+    )

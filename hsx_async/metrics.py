@@ -1,0 +1,99 @@
+"""Run metrics: Prometheus series on a private registry, plus the figures ``/status`` shows.
+
+One :class:`Metrics` per run; labels stay low-cardinality (server URL, outcome, fault
+kind), never per sample.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+@dataclass
+class Totals:
+    """Plain counters of this run (Prometheus counters cannot be read back cheaply)."""
+
+    samples_done: int = 0
+    samples_quarantined: int = 0
+    samples_retried: int = 0
+    attempts_failed: int = 0
+    tokens_done: int = 0
+    bytes_written: int = 0
+    samples_skipped: int = 0  # already done by an earlier run
+    started: float = field(default_factory=time.monotonic)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.totals = Totals()
+        # Called after each sample is durable (tests and the progress reporter listen).
+        self.on_sample_done: list[Callable[[Totals], None]] = []
+        r = self.registry
+        self.samples = Counter(
+            "hsx_samples", "Samples finished, by outcome", ["outcome"], registry=r
+        )
+        self.retries = Counter(
+            "hsx_attempts_failed", "Failed attempts, by reason kind", ["kind"], registry=r
+        )
+        self.tokens = Counter("hsx_tokens", "Tokens written to the dataset", registry=r)
+        self.bytes = Counter("hsx_bytes_written", "Dataset bytes written", registry=r)
+        self.in_flight = Gauge(
+            "hsx_in_flight", "Samples between send and durable write", registry=r
+        )
+        self.shm_used = Gauge("hsx_shm_budget_used_bytes", "/dev/shm bytes reserved", registry=r)
+        self.shm_capacity = Gauge("hsx_shm_budget_bytes", "/dev/shm byte budget", registry=r)
+        self.writer_queue = Gauge(
+            "hsx_writer_queue_depth", "Dumps waiting for the writer", registry=r
+        )
+        self.workers = Gauge("hsx_workers", "Worker tasks running", registry=r)
+        self.server_up = Gauge(
+            "hsx_server_up", "1 if the server is in rotation", ["server"], registry=r
+        )
+        self.free_disk = Gauge("hsx_output_free_bytes", "Free bytes on the output disk", registry=r)
+        self.paused = Gauge(
+            "hsx_intake_paused", "1 while intake is paused (disk guard)", registry=r
+        )
+        self.remaining = Gauge("hsx_samples_remaining", "Samples not yet done", registry=r)
+        self.eta = Gauge("hsx_eta_seconds", "Estimated seconds to finish", registry=r)
+        self.request_latency = Histogram(
+            "hsx_request_seconds",
+            "/generate + dump wait, per attempt",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.write_latency = Histogram(
+            "hsx_write_seconds",
+            "Copy + hash + fsync + rename, per sample",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def sample_done(self, tokens: int, nbytes: int) -> None:
+        self.totals.samples_done += 1
+        self.totals.tokens_done += tokens
+        self.totals.bytes_written += nbytes
+        self.samples.labels("done").inc()
+        self.tokens.inc(tokens)
+        self.bytes.inc(nbytes)
+        for callback in self.on_sample_done:
+            callback(self.totals)
+
+    def sample_quarantined(self) -> None:
+        self.totals.samples_quarantined += 1
+        self.samples.labels("quarantined").inc()
+
+    def attempt_failed(self, kind: str) -> None:
+        self.totals.attempts_failed += 1
+        self.retries.labels(kind).inc()
+
+    def rates(self) -> tuple[float, float]:
+        """(tokens/s, bytes/s) since the start of this run."""
+        elapsed = max(time.monotonic() - self.totals.started, 1e-9)
+        return self.totals.tokens_done / elapsed, self.totals.bytes_written / elapsed

@@ -1,0 +1,355 @@
+"""The worker pool: N workers keep requests in flight; writers make dumps durable.
+
+Flow of one sample::
+
+    intake queue ─► worker: reserve /dev/shm bytes ─► POST /generate (rid per attempt)
+        ─► wait for meta.json ─► validate ─► writer queue ─► writer thread: copy, hash,
+        fsync, rename ─► committer: manifest line, fsync ─► delete dump ─► release bytes
+
+A failed attempt deletes its dump, backs off and retries with a new rid; after the last
+attempt the sample goes to quarantine with the reason. A sample reaches the manifest only
+after its file is durable, and leaves /dev/shm only after its manifest line is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from hsx_async.budget import ByteBudget
+from hsx_async.client import ServerPool, SGLangClient
+from hsx_async.config import Config
+from hsx_async.dump import Dump, prepare_namespace, remove_tree, sweep_namespace, validate_dump
+from hsx_async.dump import wait_for_meta as _wait_for_meta
+from hsx_async.errors import DumpError, RequestError
+from hsx_async.layout import build_layout, data_relpath, sample_key
+from hsx_async.manifest import AppendLog, ManifestEntry, QuarantineEntry
+from hsx_async.metrics import Metrics
+from hsx_async.retry import RetryPolicy
+from hsx_async.source import BadLine, Sample
+from hsx_async.writer import FileWriter, WriteJob
+
+log = structlog.get_logger("hsx.pool")
+
+
+class _Eof:
+    """End marker: a consumer that takes it puts it back for the next one."""
+
+
+EOF = _Eof()
+
+
+@dataclass(frozen=True, slots=True)
+class _Handoff:
+    """A validated dump on its way to the writer, with what the worker reserved for it."""
+
+    job: WriteJob
+    ns: str
+    need: int
+
+
+@dataclass
+class Committer:
+    """Group commit of manifest and quarantine lines: one write + fsync per batch.
+
+    Callers await :meth:`commit`; the task behind it gathers every line that arrived
+    while the previous fsync ran, so the cost per sample falls as load rises.
+    """
+
+    manifest: AppendLog
+    quarantine: AppendLog
+    executor: ThreadPoolExecutor
+    fsync: bool = True
+    _pending: list[tuple[AppendLog, bytes, asyncio.Future[None]]] = field(default_factory=list)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _closed: bool = False
+
+    async def commit(self, log_file: AppendLog, line: bytes) -> None:
+        if self._closed:
+            raise RuntimeError("committer is closed")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((log_file, line, fut))
+        self._wake.set()
+        await fut
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._pending = self._pending, []
+            if batch:
+                try:
+                    await loop.run_in_executor(self.executor, self._flush, batch)
+                except BaseException as exc:
+                    for _, _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(
+                                exc
+                                if isinstance(exc, Exception)
+                                else RuntimeError("commit cancelled")
+                            )
+                    raise
+                for _, _, fut in batch:
+                    if not fut.done():
+                        fut.set_result(None)
+            elif self._closed:
+                return
+
+    def _flush(self, batch: list[tuple[AppendLog, bytes, asyncio.Future[None]]]) -> None:
+        for log_file in (self.manifest, self.quarantine):
+            lines = [line for lf, line, _ in batch if lf is log_file]
+            if lines:
+                log_file.append(lines, sync=self.fsync)
+
+
+class Pipeline:
+    """Workers, writers and committer for one run. The daemon owns their tasks."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        client: SGLangClient,
+        metrics: Metrics,
+        manifest: AppendLog,
+        quarantine: AppendLog,
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.servers: ServerPool = client.pool
+        self.metrics = metrics
+        self.nonce = secrets.token_hex(6)  # rids stay unique across restarts
+        self.budget = ByteBudget(config.dump.shm_budget)
+        self.intake: asyncio.Queue[Sample | _Eof] = asyncio.Queue(
+            maxsize=2 * config.workers.concurrency
+        )
+        self.requeued: collections.deque[Sample] = collections.deque()
+        self.write_queue: asyncio.Queue[_Handoff | _Eof] = asyncio.Queue(
+            maxsize=config.writer.queue_depth
+        )
+        self.executor = ThreadPoolExecutor(config.writer.threads + 2, thread_name_prefix="hsx-io")
+        self.committer = Committer(manifest, quarantine, self.executor, config.writer.fsync)
+        self.file_writer = FileWriter(
+            config.output.dir,
+            method=config.writer.method,
+            fsync=config.writer.fsync,
+            row_bytes=config.model.row_bytes,
+        )
+        self.retry = RetryPolicy(
+            config.workers.max_attempts, config.workers.backoff_base, config.workers.backoff_max
+        )
+        self.target_workers = config.workers.concurrency
+        self.stopping = False
+        self.live_rids: dict[str, set[str]] = collections.defaultdict(set)  # ns → rids
+        self.workers_running = 0
+        self.workers_done = asyncio.Event()
+        self.namespaces: set[Path] = set()  # removed when the run ends
+        self._next_worker = 0
+        self.in_flight = 0
+        self.settled = 0  # samples taken from the intake that reached manifest or quarantine
+
+    # -- helpers ------------------------------------------------------------------------
+
+    async def to_thread(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def namespace(self, index: int) -> str:
+        prefix = self.config.dump.namespace_prefix
+        shard = self.config.shard
+        return f"{prefix}-s{shard.index}-w{index}" if shard.count > 1 else f"{prefix}-w{index}"
+
+    async def quarantine(self, line: int, sample_id: Any, reason: str) -> None:
+        entry = QuarantineEntry(sample_id, line, reason)
+        await asyncio.shield(self.committer.commit(self.committer.quarantine, entry.to_line()))
+        self.metrics.sample_quarantined()
+        log.warning("sample_quarantined", id=sample_id, line=line, reason=reason)
+
+    async def quarantine_bad_line(self, bad: BadLine) -> None:
+        await self.quarantine(bad.line, bad.id, bad.reason)
+
+    # -- workers ------------------------------------------------------------------------
+
+    def spawn_worker(self, tg: asyncio.TaskGroup) -> None:
+        index = self._next_worker
+        self._next_worker += 1
+        self.workers_running += 1
+        self.metrics.workers.set(self.workers_running)
+        tg.create_task(self._worker(index), name=f"hsx-worker-{index}")
+
+    async def _next_sample(self) -> Sample | _Eof:
+        if self.requeued:
+            return self.requeued.popleft()
+        return await self.intake.get()
+
+    async def _worker(self, index: int) -> None:
+        ns = self.namespace(index)
+        ns_dir = await self.to_thread(prepare_namespace, self.config.dump.root, ns)
+        self.namespaces.add(ns_dir)
+        try:
+            while index < self.target_workers:
+                item = await self._next_sample()
+                if isinstance(item, _Eof):
+                    self.intake.put_nowait(item)  # let the next worker see it too
+                    break
+                if self.stopping:
+                    continue  # stop intake: skip queued samples, a resume redoes them
+                await self._process(item, ns, ns_dir)
+        finally:
+            self.workers_running -= 1
+            self.metrics.workers.set(self.workers_running)
+            if self.workers_running == 0:
+                self.workers_done.set()
+            log.debug("worker_exit", worker=index, ns=ns)
+
+    async def _process(self, sample: Sample, ns: str, ns_dir: Path) -> None:
+        need = sample.num_tokens * self.config.model.row_bytes
+        await self.budget.acquire(need)
+        self.metrics.shm_used.set(self.budget.used)
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        handed_off = False
+        try:
+            dump = await self._extract(sample, ns, ns_dir)
+            if dump is not None:
+                await self._hand_off(sample, dump, ns, need)
+                handed_off = True
+        finally:
+            if not handed_off:
+                self._release(need)
+
+    def _release(self, need: int) -> None:
+        self.budget.release(need)
+        self.metrics.shm_used.set(self.budget.used)
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+
+    async def _extract(self, sample: Sample, ns: str, ns_dir: Path) -> Dump | None:
+        """Attempts until one yields a valid dump; None once the sample is quarantined."""
+        attempt = 0
+        while True:
+            attempt += 1
+            rid = f"{self.nonce}-{sample.line}-{attempt}"
+            # Anything in the namespace but dumps the writer holds is debris.
+            await self.to_thread(sweep_namespace, ns_dir, self.live_rids[ns])
+            started = time.monotonic()
+            try:
+                dump = await self._attempt(sample, rid, ns, ns_dir)
+            except (RequestError, DumpError) as exc:
+                await self.to_thread(remove_tree, ns_dir / rid)
+                kind = "request" if isinstance(exc, RequestError) else "dump"
+                self.metrics.attempt_failed(kind)
+                log.info("attempt_failed", id=sample.id, rid=rid, attempt=attempt, error=str(exc))
+                if self.retry.exhausted(attempt):
+                    reason = f"{attempt} attempts failed; last: {exc}"
+                    await self.quarantine(sample.line, sample.id, reason)
+                    self.settled += 1
+                    return None
+                if attempt == 1:
+                    self.metrics.totals.samples_retried += 1
+                await asyncio.sleep(self.retry.delay(attempt))
+                continue
+            self.metrics.request_latency.observe(time.monotonic() - started)
+            return dump
+
+    async def _attempt(self, sample: Sample, rid: str, ns: str, ns_dir: Path) -> Dump:
+        cfg = self.config
+        async with self.servers.lease() as server:
+            try:
+                await self.client.generate(
+                    server,
+                    rid=rid,
+                    ns=ns,
+                    input_ids=sample.input_ids,
+                    timeout=cfg.server.request_timeout,
+                )
+            except RequestError as exc:
+                await self.servers.failed(server, exc)
+                raise
+            self.servers.succeeded(server)
+        rid_dir = ns_dir / rid
+        meta = await _wait_for_meta(rid_dir, cfg.dump.timeout)
+        dump: Dump = await self.to_thread(
+            lambda: validate_dump(
+                rid_dir,
+                meta,
+                rid=rid,
+                num_tokens=sample.num_tokens,
+                hidden_size=cfg.model.hidden_size,
+                aux_layers=cfg.model.aux_layers,
+                row_bytes=cfg.model.row_bytes,
+            )
+        )
+        return dump
+
+    async def _hand_off(self, sample: Sample, dump: Dump, ns: str, need: int) -> None:
+        layout = build_layout(
+            sample_id=sample.id,
+            num_tokens=sample.num_tokens,
+            hidden_size=self.config.model.hidden_size,
+            aux_layers=self.config.model.aux_layers,
+            has_loss_mask=sample.loss_mask is not None,
+        )
+        job = WriteJob(
+            sample,
+            dump,
+            layout,
+            data_relpath(sample_key(sample.id)),
+            f"s{self.config.shard.index}-{self.nonce}",
+        )
+        self.live_rids[ns].add(dump.path.name)
+        await self.write_queue.put(_Handoff(job, ns, need))
+        self.metrics.writer_queue.set(self.write_queue.qsize())
+
+    # -- writers ------------------------------------------------------------------------
+
+    def remove_namespaces(self) -> None:
+        """At the end of a run: leave nothing in /dev/shm (blocking)."""
+        for ns_dir in self.namespaces:
+            remove_tree(ns_dir)
+
+    async def close_writers(self) -> None:
+        """After the last worker: let the writers finish the queue and stop."""
+        await self.workers_done.wait()
+        await self.write_queue.put(EOF)
+
+    async def writer(self) -> None:
+        while True:
+            item = await self.write_queue.get()
+            self.metrics.writer_queue.set(self.write_queue.qsize())
+            if isinstance(item, _Eof):
+                self.write_queue.put_nowait(item)
+                return
+            try:
+                await asyncio.shield(self._finish(item.job))
+            finally:
+                await self.to_thread(remove_tree, item.job.dump.path)
+                self.live_rids[item.ns].discard(item.job.dump.path.name)
+                self._release(item.need)
+
+    async def _finish(self, job: WriteJob) -> None:
+        """Write, then commit the manifest line: shielded so a drain never cuts it in half."""
+        started = time.monotonic()
+        try:
+            entry: ManifestEntry = await self.to_thread(self.file_writer.write, job)
+        except DumpError as exc:
+            log.warning("dump_changed_before_copy", id=job.sample.id, error=str(exc))
+            self.requeued.append(job.sample)  # a fresh attempt; nothing was written
+            return
+        await self.committer.commit(self.committer.manifest, entry.to_line())
+        self.settled += 1
+        self.metrics.write_latency.observe(time.monotonic() - started)
+        self.metrics.sample_done(entry.num_tokens, entry.size)
+        log.debug("sample_done", id=entry.id, tokens=entry.num_tokens, bytes=entry.size)

@@ -1,0 +1,232 @@
+"""The hsx protocol, version 1 (``PROTOCOL.md``): names, patterns and dump checks.
+
+Pure functions only: nothing here touches a socket or a file. The client, the built-in
+servers and the SGLang hook all import this module, so a rule lives in exactly one place.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from hsx_async.errors import DumpError
+
+PROTOCOL_VERSION = 1
+
+NS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+RID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_NS_RE = re.compile(NS_PATTERN)
+_RID_RE = re.compile(RID_PATTERN)
+_PART_RE = re.compile(r"^part-(\d{10})-(\d{10})\.bin$")
+
+META_NAME = "meta.json"
+DTYPE = "bfloat16"
+BYTES_PER_ELEMENT = 2
+CUSTOM_PARAM_NS = "hsx_ns"
+DEFAULT_DUMP_ROOT = "/dev/shm/hsx"
+
+
+def valid_ns(ns: object) -> bool:
+    """A namespace is safe to join to the dump root (no '/', no '..', no NUL)."""
+    # fullmatch: '$' alone would accept a trailing newline.
+    return isinstance(ns, str) and _NS_RE.fullmatch(ns) is not None
+
+
+def valid_rid(rid: object) -> bool:
+    return isinstance(rid, str) and _RID_RE.fullmatch(rid) is not None
+
+
+def num_layers(aux_layers: Sequence[int]) -> int:
+    """L: the aux layers plus the final (post-norm) hidden state."""
+    return len(aux_layers) + 1
+
+
+def row_bytes(hidden_size: int, aux_layers: Sequence[int]) -> int:
+    """Bytes of one token's rows in a dump: L × H bf16 values."""
+    return num_layers(aux_layers) * hidden_size * BYTES_PER_ELEMENT
+
+
+def part_name(start: int, end: int) -> str:
+    return f"part-{start:010d}-{end:010d}.bin"
+
+
+def parse_part_name(name: str) -> tuple[int, int] | None:
+    """(start, end) of a visible part file name, None for anything else."""
+    m = _PART_RE.fullmatch(name)
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2))
+
+
+def request_dir(root: Path, ns: str, rid: str) -> Path:
+    """``<root>/<ns>/<rid>``; refuses names that could leave the root."""
+    if not valid_ns(ns):
+        raise DumpError(f"namespace {ns!r} does not match {NS_PATTERN}")
+    if not valid_rid(rid):
+        raise DumpError(f"rid {rid!r} does not match {RID_PATTERN}")
+    return root / ns / rid
+
+
+def check_tiling(parts: Sequence[tuple[int, int]], num_tokens: int) -> None:
+    """The parts, in order, must cover ``[0, num_tokens)`` with no gap and no overlap."""
+    if num_tokens <= 0:
+        raise DumpError(f"num_tokens is {num_tokens}, expected at least 1")
+    if not parts:
+        raise DumpError("meta.json lists no parts")
+    expected = 0
+    for start, end in parts:
+        if start != expected:
+            kind = "gap" if start > expected else "overlap"
+            raise DumpError(f"parts have a {kind} at row {expected}: next part is [{start}, {end})")
+        if end <= start:
+            raise DumpError(f"part [{start}, {end}) is empty or reversed")
+        expected = end
+    if expected != num_tokens:
+        raise DumpError(f"parts cover [0, {expected}) but num_tokens is {num_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class DumpMeta:
+    """A parsed ``meta.json`` (PROTOCOL §3)."""
+
+    rid: str
+    num_tokens: int
+    hidden_size: int
+    aux_layers: tuple[int, ...]
+    parts: tuple[tuple[int, int], ...]
+    model: str
+    server: str
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(
+            {
+                "protocol": PROTOCOL_VERSION,
+                "rid": self.rid,
+                "num_tokens": self.num_tokens,
+                "hidden_size": self.hidden_size,
+                "aux_layers": list(self.aux_layers),
+                "dtype": DTYPE,
+                "parts": [list(p) for p in self.parts],
+                "model": self.model,
+                "server": self.server,
+            }
+        )
+
+
+def _int_field(raw: dict[str, Any], key: str) -> int:
+    value = raw.get(key)
+    if type(value) is not int:
+        raise DumpError(f"meta.json field {key!r} is {value!r}, expected an integer")
+    return value
+
+
+def parse_meta(data: bytes) -> DumpMeta:
+    """Parse and type-check ``meta.json``; semantic checks are in :func:`check_meta`."""
+    try:
+        raw = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise DumpError(f"meta.json is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise DumpError("meta.json is not a JSON object")
+    if raw.get("protocol") != PROTOCOL_VERSION:
+        raise DumpError(f"meta.json protocol is {raw.get('protocol')!r}, expected 1")
+    if raw.get("dtype") != DTYPE:
+        raise DumpError(f"meta.json dtype is {raw.get('dtype')!r}, expected {DTYPE!r}")
+    layers = raw.get("aux_layers")
+    if not isinstance(layers, list) or not all(type(x) is int for x in layers):
+        raise DumpError(f"meta.json aux_layers is {layers!r}, expected a list of integers")
+    parts_raw = raw.get("parts")
+    if not isinstance(parts_raw, list):
+        raise DumpError("meta.json parts is not a list")
+    parts: list[tuple[int, int]] = []
+    for p in parts_raw:
+        if not (isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p)):
+            raise DumpError(f"meta.json part {p!r} is not [start, end]")
+        parts.append((p[0], p[1]))
+    rid = raw.get("rid")
+    if not isinstance(rid, str):
+        raise DumpError("meta.json rid is missing")
+    return DumpMeta(
+        rid=rid,
+        num_tokens=_int_field(raw, "num_tokens"),
+        hidden_size=_int_field(raw, "hidden_size"),
+        aux_layers=tuple(layers),
+        parts=tuple(parts),
+        model=str(raw.get("model", "")),
+        server=str(raw.get("server", "")),
+    )
+
+
+def check_meta(
+    meta: DumpMeta, *, rid: str, num_tokens: int, hidden_size: int, aux_layers: Sequence[int]
+) -> None:
+    """The checks of PROTOCOL §3 that need no file system."""
+    if meta.rid != rid:
+        raise DumpError(f"meta.json rid is {meta.rid!r}, expected {rid!r}")
+    if meta.num_tokens != num_tokens:
+        raise DumpError(f"meta.json num_tokens is {meta.num_tokens}, the request had {num_tokens}")
+    if meta.hidden_size != hidden_size:
+        raise DumpError(
+            f"meta.json hidden_size is {meta.hidden_size}, config [model].hidden_size is "
+            f"{hidden_size}"
+        )
+    if list(meta.aux_layers) != list(aux_layers):
+        raise DumpError(
+            f"meta.json aux_layers is {list(meta.aux_layers)}, config [model].aux_layers is "
+            f"{list(aux_layers)}"
+        )
+    check_tiling(meta.parts, meta.num_tokens)
+
+
+def check_part_sizes(meta: DumpMeta, sizes: dict[tuple[int, int], int], per_row: int) -> None:
+    """Every listed part exists with exactly ``rows × L × H × 2`` bytes; nothing else is there."""
+    for start, end in meta.parts:
+        size = sizes.get((start, end))
+        if size is None:
+            raise DumpError(f"part {part_name(start, end)} is listed in meta.json but missing")
+        expected = (end - start) * per_row
+        if size != expected:
+            raise DumpError(
+                f"part {part_name(start, end)} has {size} bytes, expected {expected} "
+                f"({end - start} rows × {per_row} bytes)"
+            )
+    extra = sorted(set(sizes) - set(meta.parts))
+    if extra:
+        raise DumpError(f"part {part_name(*extra[0])} is not listed in meta.json")
+
+
+def generate_body(rid: str, ns: str, input_ids: Any) -> dict[str, Any]:
+    """The ``POST /generate`` body of PROTOCOL §2 (``input_ids`` may be a numpy array)."""
+    return {
+        "rid": rid,
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": 0, "custom_params": {CUSTOM_PARAM_NS: ns}},
+        "stream": False,
+    }
+
+
+def check_response(body: object, *, rid: str, num_tokens: int) -> None:
+    """The response checks of PROTOCOL §2."""
+    if not isinstance(body, dict):
+        raise DumpError("response is not a JSON object")
+    meta = body.get("meta_info")
+    if not isinstance(meta, dict):
+        raise DumpError("response has no meta_info")
+    if meta.get("id") != rid:
+        raise DumpError(f"response meta_info.id is {meta.get('id')!r}, expected {rid!r}")
+    if meta.get("prompt_tokens") != num_tokens:
+        raise DumpError(
+            f"response meta_info.prompt_tokens is {meta.get('prompt_tokens')!r}, "
+            f"the request had {num_tokens} tokens"
+        )
+    cached = meta.get("cached_tokens", 0)
+    if cached not in (0, None):
+        raise DumpError(
+            f"response meta_info.cached_tokens is {cached!r}: a prefix-cache hit skips rows; "
+            "start the server with --disable-radix-cache"
+        )

@@ -1,0 +1,25 @@
+"""Shared fixtures. Everything a test creates in /dev/shm lives under one unique directory
+that the fixture removes, whatever the test's outcome."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture
+def shm_root() -> Iterator[Path]:
+    """A fresh dump root in /dev/shm (tmpfs, like production), removed after the test."""
+    base = SHM if SHM.is_dir() else Path("/tmp")
+    root = base / f"hsx-test-{uuid.uuid4().hex[:12]}"
+    root.mkdir()
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
