@@ -32,6 +32,11 @@ def canonical_id(sample_id: SampleId) -> str:
     return str(sample_id)
 
 
+def shard_of_id(sample_id: SampleId, count: int) -> int:
+    """The shard that owns a sample: stable across runs, machines and Python versions."""
+    return xxhash.xxh3_64_intdigest(canonical_id(sample_id).encode()) % count
+
+
 def sample_key(sample_id: SampleId) -> str:
     """The file-name-safe key of an id, unique per canonical id.
 

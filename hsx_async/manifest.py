@@ -48,6 +48,12 @@ def log_files(out_dir: Path, kind: str) -> list[Path]:
     return sorted(found)
 
 
+def shard_index_of(path: Path) -> int:
+    """The shard a log file belongs to (0 for an unsharded ``manifest.jsonl``)."""
+    m = _SHARD_FILE.match(path.name)
+    return int(m.group(2)) if m and m.group(2) else 0
+
+
 @dataclass(frozen=True, slots=True)
 class ManifestEntry:
     id: SampleId

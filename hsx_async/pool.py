@@ -29,7 +29,9 @@ from hsx_async.client import ServerPool, SGLangClient
 from hsx_async.config import Config
 from hsx_async.dump import Dump, prepare_namespace, remove_tree, sweep_namespace, validate_dump
 from hsx_async.dump import wait_for_meta as _wait_for_meta
-from hsx_async.errors import DumpError, RequestError
+from hsx_async.errors import DiskFullError, DumpError, RequestError
+from hsx_async.failpoints import failpoint
+from hsx_async.guard import DiskGuard
 from hsx_async.layout import build_layout, data_relpath, sample_key
 from hsx_async.manifest import AppendLog, ManifestEntry, QuarantineEntry
 from hsx_async.metrics import Metrics
@@ -109,10 +111,12 @@ class Committer:
                 return
 
     def _flush(self, batch: list[tuple[AppendLog, bytes, asyncio.Future[None]]]) -> None:
+        failpoint("commit.before_append")
         for log_file in (self.manifest, self.quarantine):
             lines = [line for lf, line, _ in batch if lf is log_file]
             if lines:
                 log_file.append(lines, sync=self.fsync)
+        failpoint("commit.after_append")
 
 
 class Pipeline:
@@ -126,8 +130,10 @@ class Pipeline:
         metrics: Metrics,
         manifest: AppendLog,
         quarantine: AppendLog,
+        guard: DiskGuard,
     ) -> None:
         self.config = config
+        self.guard = guard
         self.client = client
         self.servers: ServerPool = client.pool
         self.metrics = metrics
@@ -194,12 +200,21 @@ class Pipeline:
             return self.requeued.popleft()
         return await self.intake.get()
 
+    def resize(self, target: int, tg: asyncio.TaskGroup) -> None:
+        """Live resize: spawn workers, or let the surplus retire after their sample."""
+        self.target_workers = target
+        while self.workers_running < target:
+            self.spawn_worker(tg)
+
     async def _worker(self, index: int) -> None:
         ns = self.namespace(index)
         ns_dir = await self.to_thread(prepare_namespace, self.config.dump.root, ns)
         self.namespaces.add(ns_dir)
         try:
-            while index < self.target_workers:
+            # The check and the decrement in `finally` run without an await between
+            # them, so exactly the surplus retires after a shrink.
+            while self.workers_running <= self.target_workers:
+                await self.guard.open.wait()  # the disk guard pauses intake here
                 item = await self._next_sample()
                 if isinstance(item, _Eof):
                     self.intake.put_nowait(item)  # let the next worker see it too
@@ -335,7 +350,7 @@ class Pipeline:
             try:
                 await asyncio.shield(self._finish(item.job))
             finally:
-                await self.to_thread(remove_tree, item.job.dump.path)
+                await self.to_thread(_delete_dump, item.job.dump.path)
                 self.live_rids[item.ns].discard(item.job.dump.path.name)
                 self._release(item.need)
 
@@ -348,8 +363,18 @@ class Pipeline:
             log.warning("dump_changed_before_copy", id=job.sample.id, error=str(exc))
             self.requeued.append(job.sample)  # a fresh attempt; nothing was written
             return
+        except DiskFullError as exc:
+            # The temp file is gone; pause intake and extract this sample again later.
+            self.guard.trip(str(exc))
+            self.requeued.append(job.sample)
+            return
         await self.committer.commit(self.committer.manifest, entry.to_line())
         self.settled += 1
         self.metrics.write_latency.observe(time.monotonic() - started)
         self.metrics.sample_done(entry.num_tokens, entry.size)
         log.debug("sample_done", id=entry.id, tokens=entry.num_tokens, bytes=entry.size)
+
+
+def _delete_dump(path: Path) -> None:
+    failpoint("dump.during_delete")
+    remove_tree(path)

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
-import xxhash
 
 from hsx_async.config import ShardConfig
 from hsx_async.errors import DatasetError
-from hsx_async.layout import DATA_DIR, FILE_SUFFIX, canonical_id
+from hsx_async.layout import DATA_DIR, FILE_SUFFIX, shard_of_id
 from hsx_async.manifest import ManifestEntry
 
 log = structlog.get_logger("hsx.resume")
@@ -55,8 +54,7 @@ def _owned(path: Path, shard: ShardConfig) -> bool:
     sample_id = _file_id(path)
     if sample_id is None:
         return False
-    digest = xxhash.xxh3_64_intdigest(canonical_id(sample_id).encode())
-    return digest % shard.count == shard.index
+    return shard_of_id(sample_id, shard.count) == shard.index
 
 
 def clean_orphans(out_dir: Path, entries: Iterable[ManifestEntry], shard: ShardConfig) -> Cleanup:

@@ -32,6 +32,7 @@ import xxhash
 
 from hsx_async.dump import Dump
 from hsx_async.errors import DiskFullError, DumpError, WriteError
+from hsx_async.failpoints import failpoint
 from hsx_async.layout import ALIGN, FileLayout
 from hsx_async.manifest import ManifestEntry
 from hsx_async.source import Sample
@@ -89,7 +90,9 @@ class FileWriter:
         tmp = final.parent / f".{final.name}.{job.tmp_tag}.tmp"
         try:
             digest, size = self._write_file(tmp, job)
+            failpoint("writer.after_fsync")
             tmp.rename(final)
+            failpoint("writer.after_rename")
         except BaseException as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -130,6 +133,7 @@ class FileWriter:
             size = os.fstat(fd).st_size
             if size != job.layout.total_bytes:
                 raise WriteError(f"{tmp}: wrote {size} bytes, expected {job.layout.total_bytes}")
+            failpoint("writer.after_temp_write")
             if self.fsync:
                 os.fsync(fd)
         finally:

@@ -23,3 +23,16 @@ def shm_root() -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs() -> Iterator[None]:
+    """Each test starts with warning-level JSON logs; a test that reconfigures logging
+    (a reload, a CLI run) does not leak its level into the next one."""
+    import structlog
+
+    from hsx_async.logs import configure_logging
+
+    configure_logging("json", "warning")
+    yield
+    structlog.reset_defaults()

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 import orjson
-import xxhash
 import torch
+import xxhash
 from safetensors.torch import load_file
 
 from hsx_async.config import Config, config_from_dict
@@ -62,7 +62,10 @@ def write_samples(
             bad[len(lines)] = BAD_LINES[len(bad) % len(BAD_LINES)]
             lines.append(bad[len(lines)])
         length = rng.randint(1, max_len)
-        obj: dict[str, Any] = {"id": f"s{i}", "input_ids": [rng.randrange(50_000) for _ in range(length)]}
+        obj: dict[str, Any] = {
+            "id": f"s{i}",
+            "input_ids": [rng.randrange(50_000) for _ in range(length)],
+        }
         if i % 3 == 0:
             obj["loss_mask"] = [rng.randint(0, 1) for _ in range(length)]
         good[obj["id"]] = obj
@@ -86,21 +89,52 @@ def make_config(
     **overrides: dict[str, Any],
 ) -> Config:
     """A small, fast config; ``overrides`` maps a section to keys replacing the defaults."""
+    raw = config_raw(
+        tmp, samples, urls, dump_root, hidden_size=hidden_size, aux_layers=aux_layers, **overrides
+    )
+    return config_from_dict(raw, base=tmp)
+
+
+def write_config(tmp: Path, raw: dict[str, Any], name: str = "hsx.toml") -> Path:
+    path = tmp / name
+    path.write_text(config_toml(raw))
+    return path
+
+
+def config_raw(
+    tmp: Path,
+    samples: Path,
+    urls: list[str],
+    dump_root: Path,
+    *,
+    hidden_size: int = 64,
+    aux_layers: tuple[int, ...] = (1, 3, 5),
+    **overrides: dict[str, Any],
+) -> dict[str, Any]:
+    """The raw dict behind :func:`make_config` (to write as TOML for subprocess runs)."""
     raw: dict[str, Any] = {
-        "server": {"urls": urls, "request_timeout": 10.0, "health_interval": 0.05,
-                   "unreachable_timeout": 20.0},
+        "server": {
+            "urls": urls,
+            "request_timeout": 10.0,
+            "health_interval": 0.05,
+            "unreachable_timeout": 20.0,
+        },
         "input": {"path": str(samples), "max_tokens": 4096},
         "output": {"dir": str(tmp / "out"), "disk_reserve": 0},
         "dump": {"root": str(dump_root), "timeout": 5.0, "shm_budget": "64MiB"},
         "model": {"hidden_size": hidden_size, "aux_layers": list(aux_layers)},
-        "workers": {"concurrency": 4, "max_attempts": 8, "backoff_base": 0.001,
-                    "backoff_max": 0.01},
+        "workers": {
+            "concurrency": 4,
+            "max_attempts": 8,
+            "backoff_base": 0.001,
+            "backoff_max": 0.01,
+        },
         "writer": {"threads": 2, "queue_depth": 4},
         "daemon": {"drain_timeout": 10.0, "metrics_listen": ""},
-    }  # fmt: skip
+    }
     for section, keys in overrides.items():
         raw.setdefault(section, {}).update(keys)
-    return config_from_dict(raw, base=tmp)
+    return raw
 
 
 def config_toml(config_raw: dict[str, Any]) -> str:
@@ -123,8 +157,9 @@ def _toml_value(value: Any) -> str:
     return repr(value)
 
 
-def check_dataset(out: Path, samples: SampleSet, *, hidden_size: int, num_layers: int,
-                  expect_all: bool = True) -> None:  # fmt: skip
+def check_dataset(
+    out: Path, samples: SampleSet, *, hidden_size: int, num_layers: int, expect_all: bool = True
+) -> None:
     """Every good sample exactly once, bit-exact; every bad line quarantined; no strays."""
     manifest = read_manifest(out)
     quarantine = read_quarantine(out)

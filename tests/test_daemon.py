@@ -51,11 +51,18 @@ async def test_faults_chunking_and_late_commits(tmp_path: Path, shm_root: Path) 
     chunking and late commits; every valid sample once, bit-exact; nothing left in shm."""
     samples = write_samples(tmp_path / "in.jsonl", 300, max_len=48, bad_every=25, seed=3)
     faults = tuple(f for f in ALL_FAULTS if f != "hang")
-    options = fake_options(shm_root, random_chunks=True, fault_rate=0.05, faults=faults,
-                           late_meta_s=0.02, seed=11)  # fmt: skip
+    options = fake_options(
+        shm_root, random_chunks=True, fault_rate=0.05, faults=faults, late_meta_s=0.02, seed=11
+    )
     async with running_fake_server(options) as fake:
-        config = make_config(tmp_path, samples.path, [fake.url], shm_root,
-                             dump={"timeout": 0.5}, workers={"concurrency": 8})  # fmt: skip
+        config = make_config(
+            tmp_path,
+            samples.path,
+            [fake.url],
+            shm_root,
+            dump={"timeout": 0.5},
+            workers={"concurrency": 8},
+        )
         summary = await Daemon(config).run()
         injected = sum(fake.stats.faults.values())
     assert injected >= 5, "the run should have met faults"
@@ -68,20 +75,24 @@ async def test_hung_request_times_out_and_is_retried(tmp_path: Path, shm_root: P
     samples = write_samples(tmp_path / "in.jsonl", 12, max_len=16)
     options = fake_options(shm_root, fault_rate=0.3, faults=("hang",), seed=5)
     async with running_fake_server(options) as fake:
-        config = make_config(tmp_path, samples.path, [fake.url], shm_root,
-                             server={"request_timeout": 0.3})  # fmt: skip
+        config = make_config(
+            tmp_path, samples.path, [fake.url], shm_root, server={"request_timeout": 0.3}
+        )
         summary = await Daemon(config).run()
         assert fake.stats.faults.get("hang", 0) >= 1
     assert summary.done == len(samples.good)
     check_dataset(config.output.dir, samples, hidden_size=H, num_layers=L)
 
 
-async def test_always_failing_sample_is_quarantined_with_reason(tmp_path: Path, shm_root: Path) -> None:
+async def test_always_failing_sample_is_quarantined_with_reason(
+    tmp_path: Path, shm_root: Path
+) -> None:
     samples = write_samples(tmp_path / "in.jsonl", 3, max_len=8)
     options = fake_options(shm_root, fault_rate=1.0, faults=("wrong_hidden_size",))
     async with running_fake_server(options) as fake:
-        config = make_config(tmp_path, samples.path, [fake.url], shm_root,
-                             workers={"max_attempts": 2})  # fmt: skip
+        config = make_config(
+            tmp_path, samples.path, [fake.url], shm_root, workers={"max_attempts": 2}
+        )
         summary = await Daemon(config).run()
     assert summary.done == 0 and summary.quarantined == 3
     lines = (config.output.dir / "quarantine.jsonl").read_text().splitlines()
@@ -146,8 +157,13 @@ async def test_server_restart_mid_run_costs_nothing(tmp_path: Path, shm_root: Pa
 
 async def test_no_server_reachable_is_an_error(tmp_path: Path, shm_root: Path) -> None:
     samples = write_samples(tmp_path / "in.jsonl", 2)
-    config = make_config(tmp_path, samples.path, ["http://127.0.0.1:9"], shm_root,
-                         server={"unreachable_timeout": 0.2})  # fmt: skip
+    config = make_config(
+        tmp_path,
+        samples.path,
+        ["http://127.0.0.1:9"],
+        shm_root,
+        server={"unreachable_timeout": 0.2},
+    )
     with pytest.raises(NoServerError, match="no server answered"):
         await Daemon(config).run()
 
