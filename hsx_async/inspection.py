@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 import xxhash
 
+from hsx_async.durable import write_atomic
 from hsx_async.errors import DatasetError
 from hsx_async.layout import DATA_DIR, FILE_SUFFIX, canonical_id
 from hsx_async.manifest import (
@@ -99,7 +100,7 @@ def dataset_status(out_dir: Path) -> Status:
 # -- verify --------------------------------------------------------------------------------
 
 
-def _hash_file(path: Path) -> tuple[int, str]:
+def hash_file(path: Path) -> tuple[int, str]:
     hasher = xxhash.xxh3_64()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
@@ -152,7 +153,7 @@ def verify_entry(out_dir: Path, entry: ManifestEntry) -> list[str]:
     try:
         if path.is_symlink() or not path.is_file():
             return [f"{where}: missing or not a regular file"]
-        size, digest = _hash_file(path)
+        size, digest = hash_file(path)
         if size != entry.size:
             return [f"{where}: {size} bytes, manifest says {entry.size}"]
         if digest != entry.xxh3_64:
@@ -243,12 +244,7 @@ def _rewrite_without(log_path: Path, bad: set[str]) -> int:
     """Atomically rewrite one manifest without the lines naming ``bad``; lines dropped."""
     records, _ = read_log(log_path)
     keep = [orjson.dumps(rec) + b"\n" for _, rec in records if rec.get("path") not in bad]
-    tmp = log_path.with_name(f".{log_path.name}.repair.tmp")
-    with tmp.open("wb") as fh:
-        fh.write(b"".join(keep))
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(log_path)
+    write_atomic(log_path, b"".join(keep))
     return len(records) - len(keep)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import xxhash
 
 from hsx_async import __version__
 from hsx_async.config import Config, flatten
+from hsx_async.durable import write_atomic
 from hsx_async.errors import DatasetError
 from hsx_async.protocol import PROTOCOL_VERSION
 
@@ -128,18 +128,7 @@ def mismatches(old: dict[str, Any], new: Provenance) -> list[str]:
 
 
 def write_provenance(out_dir: Path, data: bytes) -> None:
-    """Atomically (temp, fsync, rename, fsync dir)."""
-    tmp = out_dir / f".{PROVENANCE}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    with tmp.open("wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(out_dir / PROVENANCE)
-    fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomic(out_dir / PROVENANCE, data)
 
 
 def check_and_record(out_dir: Path, record: Provenance, *, allow_change: bool) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 
 from hsx_async.dump import Dump
+from hsx_async.durable import fsync_dir
 from hsx_async.errors import DiskFullError, DumpError, WriteError
 from hsx_async.failpoints import failpoint
 from hsx_async.layout import ALIGN, FileLayout
@@ -100,7 +101,7 @@ class FileWriter:
                 raise _write_error(exc, final) from exc
             raise
         if self.fsync:
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
         return ManifestEntry(job.sample.id, job.relpath, job.sample.num_tokens, size, digest)
 
     def _ensure_dir(self, directory: Path) -> None:
@@ -111,7 +112,7 @@ class FileWriter:
                 directory.mkdir(parents=True, exist_ok=True)
                 if self.fsync:  # make the new directory entries themselves durable
                     for d in (directory, directory.parent, directory.parent.parent):
-                        _fsync_dir(d)
+                        fsync_dir(d)
                 self._dirs_synced.add(directory)
 
     def _write_file(self, tmp: Path, job: WriteJob) -> tuple[str, int]:
@@ -224,14 +225,6 @@ def _write_buffered(fd: int, job: WriteJob, hasher: xxhash.xxh3_64) -> None:
     tail = _tail(job)
     _write_all(fd, tail)
     hasher.update(tail)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_error(exc: OSError, path: Path) -> WriteError:
