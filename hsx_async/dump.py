@@ -30,7 +30,6 @@ from hsx_async.protocol import (
     part_name,
 )
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _META_MAX = 1 << 20
 _POLL_FIRST = 0.001
 _POLL_MAX = 0.05
@@ -88,16 +87,32 @@ def sweep_namespace(ns_dir: Path, keep: Iterable[str]) -> int:
     return removed
 
 
+def _open_nofollow(path: Path, flags: int, dir_fd: int | None = None) -> int:
+    """Open without following a link; a link or non-directory becomes a DumpError."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise DumpError(f"{path} is a link or not a directory; refusing it") from None
+        raise
+
+
 def _read_meta(rid_dir: Path) -> bytes | None:
     """``meta.json`` bytes once visible; None before. Links and non-files are refused."""
     try:
-        fd = os.open(rid_dir / META_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        dir_fd = _open_nofollow(rid_dir, os.O_RDONLY | os.O_DIRECTORY)
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise DumpError(f"{rid_dir.name}: meta.json or its directory is a link") from None
-        raise
+    except DumpError:
+        raise DumpError(f"{rid_dir.name}: meta.json or its directory is a link") from None
+    try:
+        fd = _open_nofollow(Path(META_NAME), os.O_RDONLY, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except DumpError:
+        raise DumpError(f"{rid_dir.name}: meta.json or its directory is a link") from None
+    finally:
+        os.close(dir_fd)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise DumpError(f"{rid_dir.name}: meta.json is not a regular file")
@@ -129,16 +144,17 @@ async def wait_for_meta(rid_dir: Path, timeout: float) -> bytes:
 def _part_sizes(rid_dir: Path) -> dict[tuple[int, int], int]:
     """Sizes of the visible part files; temp files (leading '.') are ignored."""
     sizes: dict[tuple[int, int], int] = {}
-    dir_fd = os.open(rid_dir, _DIR_FLAGS)
+    dir_fd = _open_nofollow(rid_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for entry in os.scandir(dir_fd):
-            span = parse_part_name(entry.name)
-            if span is None:
-                continue
-            st = entry.stat(follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode):
-                raise DumpError(f"{entry.name} is not a regular file")
-            sizes[span] = st.st_size
+        with os.scandir(dir_fd) as entries:
+            for entry in entries:
+                span = parse_part_name(entry.name)
+                if span is None:
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    raise DumpError(f"{entry.name} is not a regular file")
+                sizes[span] = st.st_size
     finally:
         os.close(dir_fd)
     return sizes

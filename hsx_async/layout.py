@@ -48,6 +48,8 @@ def sample_key(sample_id: SampleId) -> str:
     if _SAFE_KEY.fullmatch(text) and text not in (".", ".."):
         return text
     stem = _UNSAFE_CHARS.sub("_", text)[:80]
+    if stem[:1] in (".", "-", ""):
+        stem = "_" + stem  # never a hidden file or something that reads as an option
     return f"{stem}~{xxhash.xxh3_64_hexdigest(text.encode('utf-8', 'surrogatepass'))}"
 
 

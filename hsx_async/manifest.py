@@ -26,8 +26,8 @@ from hsx_async.layout import SampleId, canonical_id
 
 MANIFEST = "manifest"
 QUARANTINE = "quarantine"
-_SHARD_FILE = re.compile(r"^(manifest|quarantine)(?:\.shard-(\d{5})-of-(\d{5}))?\.jsonl$")
-_XXH = re.compile(r"^[0-9a-f]{16}$")
+_SHARD_FILE = re.compile(r"(manifest|quarantine)(?:\.shard-([0-9]{5})-of-([0-9]{5}))?\.jsonl")
+_XXH = re.compile(r"[0-9a-f]{16}")
 
 
 def log_name(kind: str, shard_index: int = 0, shard_count: int = 1) -> str:
@@ -42,7 +42,7 @@ def log_files(out_dir: Path, kind: str) -> list[Path]:
         return []
     found = []
     for entry in os.scandir(out_dir):
-        m = _SHARD_FILE.match(entry.name)
+        m = _SHARD_FILE.fullmatch(entry.name)
         if m and m.group(1) == kind and entry.is_file(follow_symlinks=False):
             found.append(Path(entry.path))
     return sorted(found)
@@ -50,7 +50,7 @@ def log_files(out_dir: Path, kind: str) -> list[Path]:
 
 def shard_index_of(path: Path) -> int:
     """The shard a log file belongs to (0 for an unsharded ``manifest.jsonl``)."""
-    m = _SHARD_FILE.match(path.name)
+    m = _SHARD_FILE.fullmatch(path.name)
     return int(m.group(2)) if m and m.group(2) else 0
 
 
@@ -123,7 +123,7 @@ def _manifest_entry(rec: Any, where: str) -> ManifestEntry:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise DatasetError(f"{where}: manifest line is missing or mistypes {exc}") from None
-    if not _XXH.match(entry.xxh3_64):
+    if not _XXH.fullmatch(entry.xxh3_64):
         raise DatasetError(f"{where}: xxh3_64 {entry.xxh3_64!r} is not 16 hex digits")
     return entry
 

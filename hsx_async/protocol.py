@@ -22,7 +22,7 @@ NS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 RID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 _NS_RE = re.compile(NS_PATTERN)
 _RID_RE = re.compile(RID_PATTERN)
-_PART_RE = re.compile(r"^part-(\d{10})-(\d{10})\.bin$")
+_PART_RE = re.compile(r"part-([0-9]{10})-([0-9]{10})\.bin")  # ASCII digits only
 
 META_NAME = "meta.json"
 DTYPE = "bfloat16"

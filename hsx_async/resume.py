@@ -50,7 +50,8 @@ def _owned(path: Path, shard: ShardConfig) -> bool:
     if shard.count == 1:
         return True
     if path.name.startswith("."):  # temp: .<name>.s<index>-<nonce>.tmp
-        return f".s{shard.index}-" in path.name
+        parts = path.name.rsplit(".", 2)
+        return len(parts) == 3 and parts[1].startswith(f"s{shard.index}-")
     sample_id = _file_id(path)
     if sample_id is None:
         return False

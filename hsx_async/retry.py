@@ -22,7 +22,8 @@ class RetryPolicy:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
         if attempt < 1:
             raise ValueError(f"attempt numbers start at 1, got {attempt}")
-        ceiling = min(self.cap, self.base * 2.0 ** (attempt - 1))
+        # 2.0 ** 1024 raises OverflowError; at 1023 the product is at worst inf, and capped.
+        ceiling = min(self.cap, self.base * 2.0 ** min(attempt - 1, 1023))
         r = rng.random() if rng is not None else random.random()
         return ceiling / 2 + r * ceiling / 2
 

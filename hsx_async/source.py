@@ -22,6 +22,7 @@ from hsx_async.errors import InputError
 from hsx_async.layout import SampleId, canonical_id, shard_of_id
 
 _BATCH_BYTES = 4 << 20
+TOO_LONG = b"<too long>"  # identity-compared marker for an over-long line
 _BATCH_LINES = 512
 # A JSON token id takes at most ~21 bytes ("18446744073709551615,"); a loss mask 2 more.
 _BYTES_PER_TOKEN_MAX = 32
@@ -141,14 +142,15 @@ class SampleReader:
             raise InputError(f"cannot read input.path {self.path}: {exc.strerror}") from None
 
     def _read_line(self, fh: IO[bytes]) -> bytes | None:
-        """One line without its newline; None at EOF; b'' for an over-long, skipped line."""
+        """One line without its newline; None at EOF; :data:`TOO_LONG` for an over-long
+        line, which is skipped without being held in memory."""
         raw = fh.readline(self.max_line_bytes + 1)
         if not raw:
             return None
         if len(raw) > self.max_line_bytes and not raw.endswith(b"\n"):
             while (rest := fh.readline(1 << 20)) and not rest.endswith(b"\n"):
                 pass  # drop the rest of the line without holding it
-            return b""
+            return TOO_LONG
         return raw.rstrip(b"\r\n") if raw.endswith(b"\n") else raw
 
     def _batch(self, fh: IO[bytes], start: int) -> list[Item]:
@@ -158,7 +160,7 @@ class SampleReader:
             raw = self._read_line(fh)
             if raw is None:
                 break
-            if raw == b"":
+            if raw is TOO_LONG:
                 item: Item = BadLine(line, None, f"line longer than {self.max_line_bytes} bytes")
             else:
                 item = self._dedup(parse_line(raw, line, self.max_tokens))
@@ -188,7 +190,7 @@ class SampleReader:
             fh.close()
 
     def raw_lines(self) -> Iterator[tuple[int, bytes]]:
-        """(line number, raw line) without validation; over-long lines come back empty."""
+        """(line number, raw line) without validation; over-long lines are :data:`TOO_LONG`."""
         with self._open() as fh:
             line = 0
             while (raw := self._read_line(fh)) is not None:
