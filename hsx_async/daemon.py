@@ -162,6 +162,13 @@ class Daemon:
         async with aiohttp.ClientSession(connector=connector) as session:
             client = SGLangClient(session, pool)
             await client.probe_all()
+            if not pool.healthy():
+                self.notifier.status(f"waiting for a server: {', '.join(cfg.server.urls)}")
+                log.warning(
+                    "waiting_for_server",
+                    urls=list(cfg.server.urls),
+                    timeout_s=cfg.server.unreachable_timeout,
+                )
             await pool.wait_healthy()
             await self._record_server(client)
             pipeline = Pipeline(
@@ -338,8 +345,7 @@ class Daemon:
             total = self.pending[0] + t.samples_skipped
             remaining_tokens = max(0, self.pending[1] - t.tokens_done)
         eta = remaining_tokens / tok_s if remaining_tokens is not None and tok_s > 0 else None
-        self.metrics.eta.set(eta if eta is not None else -1)
-        return {
+        snapshot = {
             "done": t.samples_done,
             "quarantined": t.samples_quarantined,
             "skipped": t.samples_skipped,
@@ -372,6 +378,26 @@ class Daemon:
                 if not s.retired
             ],
         }
+        self._update_gauges(snapshot)
+        return snapshot
+
+    def _update_gauges(self, snap: dict[str, Any]) -> None:
+        """Gauges are refreshed from the same snapshot ``/status`` shows (on every scrape)."""
+        m = self.metrics
+        m.eta.set(snap["eta_s"] if snap["eta_s"] is not None else -1)
+        m.remaining.set(
+            max(
+                0,
+                (snap["total_samples"] or 0) - snap["done"] - snap["skipped"] - snap["quarantined"],
+            )
+        )
+        m.free_disk.set(max(snap["free_disk"], 0))
+        m.paused.set(1 if snap["paused"] else 0)
+        m.shm_used.set(snap["shm_used"])
+        m.shm_capacity.set(snap["shm_budget"])
+        m.writer_queue.set(snap["writer_queue"])
+        for server in snap["servers"]:
+            m.server_up.labels(server["url"]).set(1 if server["healthy"] else 0)
 
     # -- reload -------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ StatusFn = Callable[[], dict[str, Any]]
 
 def build_app(registry: CollectorRegistry, status_fn: StatusFn) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
+        status_fn()  # refreshes the gauges from the live state
         body = generate_latest(registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
