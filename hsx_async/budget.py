@@ -40,6 +40,8 @@ class ByteBudget:
         self._wake()
 
     async def acquire(self, n: int) -> None:
+        if n < 0:
+            raise ValueError(f"cannot acquire a negative number of bytes ({n})")
         if n > self._capacity:
             raise ValueError(f"{n} bytes can never fit a budget of {self._capacity}")
         if not self._waiters and self._used + n <= self._capacity:
@@ -54,11 +56,14 @@ class ByteBudget:
             if fut.done() and not fut.cancelled():
                 self.release(n)  # granted just as we were cancelled: give it back
             else:
-                self._waiters.remove(entry)
+                if entry in self._waiters:  # _wake may have dropped it already
+                    self._waiters.remove(entry)
                 self._wake()
             raise
 
     def release(self, n: int) -> None:
+        if n < 0:
+            raise ValueError(f"cannot release a negative number of bytes ({n})")
         if n > self._used:
             raise ValueError(f"releasing {n} bytes but only {self._used} are held")
         self._used -= n

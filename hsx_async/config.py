@@ -14,7 +14,9 @@ import os
 import re
 import tomllib
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -23,7 +25,7 @@ from hsx_async.protocol import DEFAULT_DUMP_ROOT, NS_PATTERN, row_bytes, valid_n
 
 Size = typing.NewType("Size", int)  # bytes; TOML gives an integer or a string like "16GiB"
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"\s*([0-9]{1,30}(?:\.[0-9]{1,30})?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
 _UNITS = {
     "b": 1,
     "kb": 10**3,
@@ -42,9 +44,9 @@ def parse_size(value: object, key: str) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m:
-            return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+        m = _SIZE_RE.fullmatch(value)
+        if m:  # Decimal: exact, and no float overflow for absurd values
+            return int(Decimal(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
     raise ConfigError(key, f'{value!r} is not a size; write bytes or a string like "16GiB"')
 
 
@@ -152,7 +154,12 @@ def _convert(value: Any, hint: Any, key: str, base: Path) -> Any:
     if hint is Path:
         if not isinstance(value, str) or not value:
             raise ConfigError(key, f"{value!r} is not a path; write a non-empty string")
-        path = Path(os.path.expandvars(value)).expanduser()
+        try:
+            path = Path(os.path.expandvars(value)).expanduser()
+        except RuntimeError:  # ~user of a user that does not exist
+            raise ConfigError(
+                key, f"{value!r}: cannot expand '~'; write an absolute path"
+            ) from None
         return path if path.is_absolute() else base / path
     if origin is Literal:
         if value not in get_args(hint):
@@ -263,10 +270,11 @@ def validate(c: Config) -> None:
     """Cross-field checks; each failure names the key and what to change."""
     _check(bool(c.server.urls), "server.urls", "list at least one server URL")
     for i, url in enumerate(c.server.urls):
+        parts = urllib.parse.urlsplit(url)
         _check(
-            url.startswith(("http://", "https://")),
+            parts.scheme in ("http", "https") and bool(parts.hostname),
             f"server.urls[{i}]",
-            f"{url!r} must start with http:// or https://",
+            f"{url!r} must be http(s)://HOST[:PORT]",
         )
     _check(len(set(c.server.urls)) == len(c.server.urls), "server.urls", "lists a URL twice")
     for key, value in (
@@ -285,9 +293,14 @@ def validate(c: Config) -> None:
     )
     _check(all(k >= 0 for k in c.model.aux_layers), "model.aux_layers", "layer ids are ≥ 0")
     _check(
-        valid_ns(c.dump.namespace_prefix + "-w0"),
+        len(set(c.model.aux_layers)) == len(c.model.aux_layers),
+        "model.aux_layers",
+        "lists a layer twice",
+    )
+    _check(
+        len(c.dump.namespace_prefix) <= 40 and valid_ns(c.dump.namespace_prefix + "-s99999-w99999"),
         "dump.namespace_prefix",
-        f"must make names matching {NS_PATTERN} (letters, digits, '._-', ≤ 50 chars)",
+        f"must make names matching {NS_PATTERN} (letters, digits, '._-', ≤ 40 chars)",
     )
     _check(c.workers.concurrency >= 1, "workers.concurrency", "must be at least 1")
     _check(c.workers.max_attempts >= 1, "workers.max_attempts", "must be at least 1")
@@ -323,7 +336,7 @@ def _listen_ok(value: str) -> bool:
     if value == "":
         return True
     host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 <= int(port) < 65536)
+    return bool(sep and host and port.isascii() and port.isdecimal() and int(port) < 65536)
 
 
 def listen_address(value: str) -> tuple[str, int]:

@@ -144,14 +144,20 @@ async def wait_for_meta(rid_dir: Path, timeout: float) -> bytes:
 def _part_sizes(rid_dir: Path) -> dict[tuple[int, int], int]:
     """Sizes of the visible part files; temp files (leading '.') are ignored."""
     sizes: dict[tuple[int, int], int] = {}
-    dir_fd = _open_nofollow(rid_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        dir_fd = _open_nofollow(rid_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        raise DumpError(f"{rid_dir.name} vanished before it was validated") from None
     try:
         with os.scandir(dir_fd) as entries:
             for entry in entries:
                 span = parse_part_name(entry.name)
                 if span is None:
                     continue
-                st = entry.stat(follow_symlinks=False)
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    raise DumpError(f"{entry.name} vanished during validation") from None
                 if not stat.S_ISREG(st.st_mode):
                     raise DumpError(f"{entry.name} is not a regular file")
                 sizes[span] = st.st_size

@@ -133,7 +133,7 @@ def parse_meta(data: bytes) -> DumpMeta:
         raise DumpError(f"meta.json is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise DumpError("meta.json is not a JSON object")
-    if raw.get("protocol") != PROTOCOL_VERSION:
+    if type(raw.get("protocol")) is not int or raw.get("protocol") != PROTOCOL_VERSION:
         raise DumpError(f"meta.json protocol is {raw.get('protocol')!r}, expected 1")
     if raw.get("dtype") != DTYPE:
         raise DumpError(f"meta.json dtype is {raw.get('dtype')!r}, expected {DTYPE!r}")

@@ -9,6 +9,7 @@ files of its own shard, so it never races another shard's rename-then-append.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,7 @@ def check_entries(out_dir: Path, entries: Iterable[ManifestEntry]) -> None:
     for e in entries:
         try:
             st = (out_dir / e.path).lstat()
-            ok = st.st_size == e.size and not (out_dir / e.path).is_symlink()
+            ok = stat.S_ISREG(st.st_mode) and st.st_size == e.size
         except FileNotFoundError:
             ok = False
         if not ok:

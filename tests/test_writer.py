@@ -1,0 +1,402 @@
+"""FileWriter: a dump in /dev/shm becomes one durable safetensors file, or nothing at all."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import xxhash
+
+from hsx_async import writer as writer_module
+from hsx_async.dump import Dump
+from hsx_async.errors import DiskFullError, DumpError, WriteError
+from hsx_async.layout import build_layout, data_relpath, sample_key
+from hsx_async.protocol import META_NAME, DumpMeta, part_name, row_bytes
+from hsx_async.source import Sample
+from hsx_async.writer import FileWriter, WriteJob
+from tests.test_layout import load_sample, sample_bytes
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    aux: tuple[int, ...]
+
+    @property
+    def row(self) -> int:
+        return row_bytes(self.hidden, self.aux)
+
+
+ALIGNED = Shape(512, (1, 2, 3))  # 4 layers × 512 × 2 bytes = 4096: O_DIRECT can copy it
+UNALIGNED = Shape(24, (1, 2))  # 144 bytes a row: only sendfile can
+PARTS = ((0, 16), (16, 30), (30, 37))
+
+
+@dataclass(frozen=True)
+class Case:
+    job: WriteJob
+    ids: npt.NDArray[np.int64]
+    hidden: npt.NDArray[np.uint16]
+    mask: npt.NDArray[np.uint8] | None
+
+
+def make_case(
+    shm_root: Path,
+    shape: Shape,
+    *,
+    parts: tuple[tuple[int, int], ...] = PARTS,
+    with_mask: bool = True,
+    sid: str | int = "s-1",
+) -> Case:
+    """A committed dump in ``shm_root`` and the job that copies it."""
+    t = parts[-1][1]
+    layers = len(shape.aux) + 1
+    rng = np.random.default_rng(t * 7919 + shape.hidden)
+    hidden = rng.integers(0, 2**16, size=(t, layers, shape.hidden), dtype=np.uint16)
+    rid = f"rid-{sample_key(sid)[:40]}"
+    rid_dir = shm_root / "ns" / rid
+    rid_dir.mkdir(parents=True)
+    for start, end in parts:
+        (rid_dir / part_name(start, end)).write_bytes(hidden[start:end].astype("<u2").tobytes())
+    meta = DumpMeta(rid, t, shape.hidden, shape.aux, parts, "m", "test")
+    (rid_dir / META_NAME).write_bytes(meta.to_json())
+    ids = rng.integers(0, 150_000, size=t, dtype=np.int64)
+    mask = rng.integers(0, 2, size=t, dtype=np.uint8) if with_mask else None
+    layout = build_layout(
+        sample_id=sid,
+        num_tokens=t,
+        hidden_size=shape.hidden,
+        aux_layers=shape.aux,
+        has_loss_mask=with_mask,
+    )
+    job = WriteJob(
+        Sample(sid, 3, ids, mask),
+        Dump(rid_dir, meta),
+        layout,
+        data_relpath(sample_key(sid)),
+        "s0-t",
+    )
+    return Case(job, ids, hidden, mask)
+
+
+def check_written(out: Path, case: Case, entry: Any) -> None:
+    """The file is complete, loads with safetensors and matches its manifest entry."""
+    path = out / case.job.relpath
+    data = path.read_bytes()
+    assert data == sample_bytes(case.job.layout, case.ids, case.hidden, case.mask)
+    assert entry.id == case.job.sample.id
+    assert entry.path == case.job.relpath
+    assert entry.num_tokens == case.ids.shape[0]
+    assert entry.size == len(data) == case.job.layout.total_bytes
+    assert entry.xxh3_64 == xxhash.xxh3_64_hexdigest(data)
+    tensors, meta = load_sample(path)
+    np.testing.assert_array_equal(tensors["hidden_states"], case.hidden)
+    np.testing.assert_array_equal(tensors["input_ids"], case.ids)
+    if case.mask is not None:
+        np.testing.assert_array_equal(tensors["loss_mask"], case.mask)
+    assert meta["id"] == str(case.job.sample.id)
+    assert_no_temp(out)
+
+
+def assert_no_temp(out: Path) -> None:
+    assert [p.name for p in out.rglob("*.tmp")] == []
+
+
+def assert_nothing_written(out: Path) -> None:
+    assert [p for p in out.rglob("*") if p.is_file()] == []
+
+
+def o_direct_supported(directory: Path) -> bool:
+    probe = directory / ".o-direct-probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    os.close(fd)
+    probe.unlink()
+    return True
+
+
+class _OsProxy(types.SimpleNamespace):
+    """``os`` with some functions replaced; every other name is the real module's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+
+def patch_os(monkeypatch: pytest.MonkeyPatch, **overrides: Callable[..., Any]) -> None:
+    """Replace functions of ``os`` as the writer sees them, and nowhere else (pytest's own
+    output and pathlib keep the real ones)."""
+    monkeypatch.setattr(writer_module, "os", _OsProxy(**overrides))
+
+
+def fail_on_call(number: int, real: Callable[..., Any], err: int) -> Callable[..., Any]:
+    calls = 0
+
+    def fake(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == number:
+            raise OSError(err, os.strerror(err))
+        return real(*args)
+
+    return fake
+
+
+@pytest.fixture
+def out(tmp_path: Path) -> Path:
+    d = tmp_path / "out"
+    d.mkdir()
+    return d
+
+
+# --- both methods, aligned and not ------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["sendfile", "auto"])
+@pytest.mark.parametrize("shape", [ALIGNED, UNALIGNED], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_write_produces_the_file_and_its_entry(
+    shm_root: Path, out: Path, method: str, shape: Shape, with_mask: bool
+) -> None:
+    case = make_case(shm_root, shape, with_mask=with_mask)
+    fw = FileWriter(out, method=method, fsync=True, row_bytes=shape.row)
+    entry = fw.write(case.job)
+    check_written(out, case, entry)
+    if method == "auto":  # direct only where the shape allows and the disk accepts it
+        expected = shape is ALIGNED and o_direct_supported(out)
+        assert fw.direct is expected
+    else:
+        assert fw.direct is False
+
+
+def test_direct_method(shm_root: Path, out: Path) -> None:
+    if not o_direct_supported(out):
+        pytest.skip("the temp file system refuses O_DIRECT")
+    case = make_case(shm_root, ALIGNED)
+    fw = FileWriter(out, method="direct", fsync=True, row_bytes=ALIGNED.row)
+    check_written(out, case, fw.write(case.job))
+    assert fw.direct
+
+
+def test_direct_part_larger_than_one_copy_chunk(shm_root: Path, out: Path) -> None:
+    rows = writer_module.CHUNK // ALIGNED.row + 10  # the first part takes two chunks
+    case = make_case(shm_root, ALIGNED, parts=((0, rows), (rows, rows + 3)))
+    fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
+    check_written(out, case, fw.write(case.job))
+
+
+def test_direct_needs_an_aligned_row(out: Path) -> None:
+    with pytest.raises(WriteError, match="multiple of 4096; use 'auto' or 'sendfile'"):
+        FileWriter(out, method="direct", fsync=True, row_bytes=UNALIGNED.row)
+
+
+def test_several_samples_share_a_bucket_and_ids_of_any_kind(shm_root: Path, out: Path) -> None:
+    fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
+    for sid in ("a", 7, "../../etc/passwd"):
+        case = make_case(shm_root / str(abs(hash(sid))), ALIGNED, parts=((0, 5),), sid=sid)
+        entry = fw.write(case.job)
+        check_written(out, case, entry)
+        assert (out / entry.path).resolve().is_relative_to(out.resolve())
+
+
+# --- O_DIRECT refused -------------------------------------------------------------------
+
+
+def _uses_direct(fw: FileWriter) -> bool:
+    """Read the flag afresh (a plain attribute read would stay narrowed for mypy)."""
+    return fw.direct
+
+
+def _refuse_o_direct(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    refused: list[int] = []
+
+    def fake_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_DIRECT:
+            refused.append(flags)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return os.open(path, flags, *args, **kwargs)
+
+    patch_os(monkeypatch, open=fake_open)
+    return refused
+
+
+def test_auto_falls_back_for_good_when_o_direct_is_refused(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refused = _refuse_o_direct(monkeypatch)
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
+    assert fw.direct
+    first = make_case(shm_root / "a", ALIGNED)
+    check_written(out, first, fw.write(first.job))
+    assert _uses_direct(fw) is False
+    second = make_case(shm_root / "b", ALIGNED, sid="s-2")
+    check_written(out, second, fw.write(second.job))
+    assert len(refused) == 1  # the fallback is remembered, not retried per file
+
+
+def test_forced_direct_refused_is_a_write_error(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _refuse_o_direct(monkeypatch)
+    case = make_case(shm_root, ALIGNED)
+    fw = FileWriter(out, method="direct", fsync=True, row_bytes=ALIGNED.row)
+    with pytest.raises(WriteError, match="Invalid argument") as info:
+        fw.write(case.job)
+    assert not isinstance(info.value, DiskFullError)
+    assert_nothing_written(out)
+
+
+# --- a full disk ------------------------------------------------------------------------
+
+
+def _direct_or_skip(method: str, out: Path) -> None:
+    if method == "auto" and not o_direct_supported(out):
+        pytest.skip("the temp file system refuses O_DIRECT")
+
+
+@pytest.mark.parametrize(
+    ("method", "call"),
+    [
+        ("sendfile", 1),  # header + input_ids
+        ("sendfile", 2),  # loss_mask
+        ("auto", 1),  # direct: header + input_ids
+        # direct, failing inside a part's mmap: a view left alive would turn ENOSPC into
+        # BufferError when the mmap closes
+        ("auto", 2),  # direct: first part
+        ("auto", 4),  # direct: last part
+        ("auto", 5),  # direct: padded loss_mask block
+    ],
+)
+def test_enospc_on_write_leaves_nothing(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch, method: str, call: int
+) -> None:
+    _direct_or_skip(method, out)
+    case = make_case(shm_root, ALIGNED)
+    fw = FileWriter(out, method=method, fsync=True, row_bytes=ALIGNED.row)
+    patch_os(monkeypatch, write=fail_on_call(call, os.write, errno.ENOSPC))
+    with pytest.raises(DiskFullError, match=r"no space left writing .*free space"):
+        fw.write(case.job)
+    assert_nothing_written(out)
+    assert not (out / case.job.relpath).exists()
+
+
+def fail_fsync(monkeypatch: pytest.MonkeyPatch, *, directory: bool, number: int) -> None:
+    """ENOSPC from the ``number``-th fsync of a directory (or of a file), wherever the
+    writer's helpers live: the fd's type says which kind of fsync it is."""
+    real = os.fsync
+    calls = 0
+
+    def fake(fd: int) -> None:
+        nonlocal calls
+        if stat.S_ISDIR(os.fstat(fd).st_mode) == directory:
+            calls += 1
+            if calls == number:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fake)
+
+
+@pytest.mark.parametrize("what", ["sendfile", "ftruncate"])
+def test_enospc_elsewhere_leaves_nothing(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch, what: str
+) -> None:
+    method = "sendfile" if what == "sendfile" else "auto"
+    _direct_or_skip(method, out)
+    case = make_case(shm_root, ALIGNED)
+    fw = FileWriter(out, method=method, fsync=True, row_bytes=ALIGNED.row)
+    patch_os(monkeypatch, **{what: fail_on_call(1, getattr(os, what), errno.ENOSPC)})
+    with pytest.raises(DiskFullError):
+        fw.write(case.job)
+    assert_nothing_written(out)
+
+
+@pytest.mark.parametrize("method", ["sendfile", "auto"])
+def test_enospc_syncing_the_file_leaves_nothing(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    case = make_case(shm_root, ALIGNED)
+    fw = FileWriter(out, method=method, fsync=True, row_bytes=ALIGNED.row)
+    fail_fsync(monkeypatch, directory=False, number=1)
+    with pytest.raises(DiskFullError):
+        fw.write(case.job)
+    assert_nothing_written(out)
+
+
+# Directory fsyncs of a first write: 1–3 the new bucket directory and its parents, 4 the
+# bucket directory after the rename.
+@pytest.mark.parametrize("number", [1, 4], ids=["new-bucket", "after-rename"])
+def test_enospc_syncing_a_directory_is_a_disk_full_error(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch, number: int
+) -> None:
+    case = make_case(shm_root, UNALIGNED)
+    fw = FileWriter(out, method="sendfile", fsync=True, row_bytes=UNALIGNED.row)
+    fail_fsync(monkeypatch, directory=True, number=number)
+    with pytest.raises(DiskFullError):
+        fw.write(case.job)
+    assert_no_temp(out)
+    # After the rename the file may stay: it has no manifest line, so resume deletes it.
+    assert (out / case.job.relpath).exists() == (number == 4)
+
+
+def test_other_os_errors_are_write_errors(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = make_case(shm_root, UNALIGNED)
+    fw = FileWriter(out, method="sendfile", fsync=False, row_bytes=UNALIGNED.row)
+    patch_os(monkeypatch, write=fail_on_call(1, os.write, errno.EIO))
+    with pytest.raises(WriteError, match="Input/output error") as info:
+        fw.write(case.job)
+    assert not isinstance(info.value, DiskFullError)
+    assert_nothing_written(out)
+
+
+# --- the dump changed after validation --------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["sendfile", "auto"])
+def test_part_resized_after_validation_is_a_dump_error(
+    shm_root: Path, out: Path, method: str
+) -> None:
+    case = make_case(shm_root, ALIGNED)
+    path = case.job.dump.part_paths()[1]
+    os.truncate(path, path.stat().st_size - 4096)
+    fw = FileWriter(out, method=method, fsync=False, row_bytes=ALIGNED.row)
+    with pytest.raises(DumpError, match="changed after validation"):
+        fw.write(case.job)
+    assert_nothing_written(out)
+
+
+def test_part_removed_after_validation_is_a_dump_error(shm_root: Path, out: Path) -> None:
+    case = make_case(shm_root, UNALIGNED)
+    case.job.dump.part_paths()[2].unlink()
+    fw = FileWriter(out, method="sendfile", fsync=False, row_bytes=UNALIGNED.row)
+    with pytest.raises(DumpError, match="vanished before it was copied"):
+        fw.write(case.job)
+    assert_nothing_written(out)
+
+
+def test_part_swapped_for_a_link_after_validation_is_a_dump_error(
+    shm_root: Path, out: Path
+) -> None:
+    case = make_case(shm_root, UNALIGNED)
+    part = case.job.dump.part_paths()[0]
+    real = shm_root / "elsewhere.bin"
+    part.rename(real)
+    part.symlink_to(real)
+    fw = FileWriter(out, method="sendfile", fsync=False, row_bytes=UNALIGNED.row)
+    with pytest.raises(DumpError, match="became a link after validation"):
+        fw.write(case.job)
+    assert_nothing_written(out)
