@@ -5,7 +5,9 @@ Shared by the pipeline, crash, fault and benchmark smoke tests.
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +19,10 @@ import xxhash
 from safetensors.torch import load_file
 
 from hsx_async.config import Config, config_from_dict
+from hsx_async.daemon import Daemon
 from hsx_async.layout import canonical_id, data_relpath, sample_key
 from hsx_async.manifest import read_manifest, read_quarantine
+from hsx_async.metrics import Totals
 from hsx_async.server.fake import expected_hidden_states
 
 BAD_LINES = (
@@ -201,3 +205,23 @@ def check_dataset(
 def shm_leftovers(root: Path) -> list[str]:
     """Files or directories left under a dump root (namespace dirs included)."""
     return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+
+
+def after_done(daemon: Daemon, n: int, action: Callable[[], None]) -> None:
+    """Run ``action`` once, right after the ``n``-th sample became durable."""
+    fired = False
+
+    def check(totals: Totals) -> None:
+        nonlocal fired
+        if not fired and totals.samples_done >= n:
+            fired = True
+            action()
+
+    daemon.metrics.on_sample_done.append(check)
+
+
+def when_done(daemon: Daemon, n: int) -> asyncio.Event:
+    """An event set once ``n`` samples are durable."""
+    event = asyncio.Event()
+    after_done(daemon, n, event.set)
+    return event

@@ -10,9 +10,8 @@ import pytest
 from hsx_async.daemon import Daemon
 from hsx_async.errors import NoServerError
 from hsx_async.manifest import read_manifest
-from hsx_async.metrics import Totals
 from hsx_async.server.fake import ALL_FAULTS, FakeOptions, running_fake_server
-from tests.e2e import check_dataset, make_config, shm_leftovers, write_samples
+from tests.e2e import check_dataset, make_config, shm_leftovers, when_done, write_samples
 
 H, AUX = 64, (1, 3, 5)
 L = len(AUX) + 1
@@ -20,18 +19,6 @@ L = len(AUX) + 1
 
 def fake_options(root: Path, **kw: object) -> FakeOptions:
     return FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=root, **kw)  # type: ignore[arg-type]
-
-
-def when_done(daemon: Daemon, n: int) -> asyncio.Event:
-    """An event set once ``n`` samples are durable."""
-    event = asyncio.Event()
-
-    def check(totals: Totals) -> None:
-        if totals.samples_done >= n:
-            event.set()
-
-    daemon.metrics.on_sample_done.append(check)
-    return event
 
 
 async def test_clean_run_writes_every_sample_bit_exact(tmp_path: Path, shm_root: Path) -> None:

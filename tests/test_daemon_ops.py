@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +15,10 @@ from hsx_async.config import load_config
 from hsx_async.daemon import Daemon
 from hsx_async.errors import DatasetError
 from hsx_async.manifest import read_manifest, read_quarantine
-from hsx_async.metrics import Totals
 from hsx_async.notify import Notifier
 from hsx_async.server.fake import FakeOptions, running_fake_server
 from tests.e2e import (
+    after_done,
     check_dataset,
     config_raw,
     make_config,
@@ -34,19 +33,6 @@ L = len(AUX) + 1
 
 def fake(root: Path, **kw: Any) -> FakeOptions:
     return FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=root, **kw)
-
-
-def after_done(daemon: Daemon, n: int, action: Callable[[], None]) -> None:
-    """Run ``action`` once, when the ``n``-th sample is durable."""
-    fired = False
-
-    def check(totals: Totals) -> None:
-        nonlocal fired
-        if not fired and totals.samples_done >= n:
-            fired = True
-            action()
-
-    daemon.metrics.on_sample_done.append(check)
 
 
 async def test_sighup_resizes_pool_mid_run_without_loss(tmp_path: Path, shm_root: Path) -> None:
