@@ -275,3 +275,31 @@ async def test_notify_socket_gets_ready_status_stopping(tmp_path: Path, shm_root
     assert "READY=1" in messages
     assert any(m.startswith("STATUS=") and "samples" in m for m in messages)
     assert "STOPPING=1" in messages
+
+
+async def test_shards_on_separate_disks_merge_into_one_dataset(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    from hsx_async.merge import merge
+
+    samples = write_samples(tmp_path / "in.jsonl", 30, max_len=16, bad_every=7)
+    async with running_fake_server(fake(shm_root)) as srv:
+        shards = [
+            make_config(
+                tmp_path / f"node{i}",
+                samples.path,
+                [srv.url],
+                shm_root,
+                shard={"index": i, "count": 3},
+            )
+            for i in range(3)
+        ]
+        for c in shards:
+            await Daemon(c).run()
+    dest = tmp_path / "merged"
+    result = merge([c.output.dir for c in shards], dest)
+    assert result.copied == len(samples.good)
+    check_dataset(dest, samples, hidden_size=H, num_layers=L)
+    again = merge([c.output.dir for c in shards], dest)  # resumable: nothing twice
+    assert again.copied == 0 and again.skipped == len(samples.good)
+    check_dataset(dest, samples, hidden_size=H, num_layers=L)
