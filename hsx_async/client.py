@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ import numpy.typing as npt
 import orjson
 import structlog
 
+from hsx_async.config import redact_url
 from hsx_async.errors import NoServerError, RequestError
 from hsx_async.protocol import check_response, generate_body
 
@@ -42,6 +44,11 @@ class Server:
     last_error: str = ""
     down_since: float | None = None
     retired: bool = False  # removed from the config by a reload
+
+    @property
+    def display(self) -> str:
+        """The URL as logs, errors, metrics and /status show it (no password)."""
+        return redact_url(self.url)
 
 
 class ServerPool:
@@ -69,7 +76,7 @@ class ServerPool:
             async with asyncio.timeout(self.unreachable_timeout), self._changed:
                 await self._changed.wait_for(lambda: bool(self.healthy()))
         except TimeoutError:
-            detail = "; ".join(f"{s.url}: {s.last_error or 'no answer'}" for s in self.servers)
+            detail = "; ".join(f"{s.display}: {s.last_error or 'no answer'}" for s in self.servers)
             raise NoServerError(
                 f"no server answered for {self.unreachable_timeout:.0f} s "
                 f"(server.unreachable_timeout) — {detail}. Start or fix the servers, or "
@@ -109,7 +116,7 @@ class ServerPool:
             server.down_since = time.monotonic()
             log.warning(
                 "server_out_of_rotation",
-                server=server.url,
+                server=server.display,
                 reason=reason,
                 healthy=len(self.healthy()),
             )
@@ -119,7 +126,7 @@ class ServerPool:
         if not server.healthy:
             down = time.monotonic() - (server.down_since or time.monotonic())
             server.healthy, server.soft_failures, server.down_since = True, 0, None
-            log.info("server_back_in_rotation", server=server.url, down_s=round(down, 1))
+            log.info("server_back_in_rotation", server=server.display, down_s=round(down, 1))
             await self._notify()
 
     async def set_urls(self, urls: Sequence[str]) -> None:
@@ -155,16 +162,19 @@ class SGLangClient:
                 status = resp.status
         except TimeoutError:
             raise RequestError(
-                f"{server.url}: no response within {timeout:.0f} s (server.request_timeout)"
+                f"{server.display}: no response within {timeout:.0f} s (server.request_timeout)"
             ) from None
         except aiohttp.ClientError as exc:
-            raise RequestError(f"{server.url}: {type(exc).__name__}: {exc}", hard=True) from None
-        _raise_for_status(server.url, status, payload)
+            raise RequestError(
+                f"{server.display}: {type(exc).__name__}: {_redact_text(str(exc), server.url)}",
+                hard=True,
+            ) from None
+        _raise_for_status(server.display, status, payload)
         try:
             parsed = orjson.loads(payload)
         except orjson.JSONDecodeError:
             raise RequestError(
-                f"{server.url}: 200 with a body that is not JSON", server_fault=False
+                f"{server.display}: 200 with a body that is not JSON", server_fault=False
             ) from None
         check_response(parsed, rid=rid, num_tokens=int(input_ids.shape[0]))
 
@@ -177,14 +187,15 @@ class SGLangClient:
                 await resp.read()
                 return "" if resp.status == 200 else f"/health answered {resp.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            text = _redact_text(str(exc), url)
+            return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
     async def get_json(self, url: str, path: str, timeout: float = 10.0) -> object:
         async with self.session.get(
             f"{url}{path}", timeout=aiohttp.ClientTimeout(total=timeout)
         ) as resp:
             payload = await resp.read()
-            _raise_for_status(url, resp.status, payload)
+            _raise_for_status(redact_url(url), resp.status, payload)
             return orjson.loads(payload)
 
     async def probe_forever(self) -> None:
@@ -206,6 +217,12 @@ class SGLangClient:
             if error:
                 server.last_error = error
                 await self.pool.evict(server, error)
+
+
+def _redact_text(text: str, url: str) -> str:
+    """An exception's text with the URL's password masked, should aiohttp quote it."""
+    password = urllib.parse.urlsplit(url).password
+    return text.replace(password, "***") if password else text
 
 
 def _raise_for_status(url: str, status: int, payload: bytes) -> None:

@@ -339,6 +339,16 @@ def _listen_ok(value: str) -> bool:
     return bool(sep and host and port.isascii() and port.isdecimal() and int(port) < 65536)
 
 
+def redact_url(url: str) -> str:
+    """A URL fit for logs, status and provenance: any password replaced by ``***``."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
 def listen_address(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
     return host.strip("[]"), int(port)
@@ -374,6 +384,13 @@ def flatten(config: Config) -> dict[str, Any]:
         section = getattr(config, name)
         for f in dataclasses.fields(section):
             out[f"{name}.{f.name}"] = getattr(section, f.name)
+    return out
+
+
+def flatten_public(config: Config) -> dict[str, Any]:
+    """:func:`flatten` with credentials masked: what may be logged or recorded."""
+    out = flatten(config)
+    out["server.urls"] = tuple(redact_url(u) for u in config.server.urls)
     return out
 
 

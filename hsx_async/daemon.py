@@ -27,7 +27,7 @@ import aiohttp
 import structlog
 
 from hsx_async.client import ServerPool, SGLangClient
-from hsx_async.config import Config, ConfigDiff, diff_config, load_config
+from hsx_async.config import Config, ConfigDiff, diff_config, load_config, redact_url
 from hsx_async.errors import ConfigError, ForcedExit, HsxError
 from hsx_async.guard import DiskGuard, FreeFn, free_bytes
 from hsx_async.logs import configure_logging
@@ -163,10 +163,12 @@ class Daemon:
             client = SGLangClient(session, pool)
             await client.probe_all()
             if not pool.healthy():
-                self.notifier.status(f"waiting for a server: {', '.join(cfg.server.urls)}")
+                self.notifier.status(
+                    "waiting for a server: " + ", ".join(redact_url(u) for u in cfg.server.urls)
+                )
                 log.warning(
                     "waiting_for_server",
-                    urls=list(cfg.server.urls),
+                    urls=[redact_url(u) for u in cfg.server.urls],
                     timeout_s=cfg.server.unreachable_timeout,
                 )
             await pool.wait_healthy()
@@ -368,7 +370,7 @@ class Daemon:
             "stopping": self.stop_requested.is_set(),
             "servers": [
                 {
-                    "url": s.url,
+                    "url": s.display,
                     "healthy": s.healthy,
                     "in_flight": s.in_flight,
                     "requests": s.requests,
@@ -456,9 +458,8 @@ class Daemon:
         self.guard.reserve = new.output.disk_reserve
         if old.daemon.log_level != new.daemon.log_level:
             configure_logging(new.daemon.log_format, new.daemon.log_level)
-        log.info(
-            "config_reloaded", changed={k: [str(a), str(b)] for k, (a, b) in diff.live.items()}
-        )
+        shown = {k: [_shown(k, a), _shown(k, b)] for k, (a, b) in diff.live.items()}
+        log.info("config_reloaded", changed=shown)
 
     # -- signals ------------------------------------------------------------------------
 
@@ -492,12 +493,19 @@ class Daemon:
     async def _watch_signals(self, pipeline: Pipeline) -> None:
         await self.stop_requested.wait()
         pipeline.stopping = True
+        pipeline.wake_workers()
         try:
             async with asyncio.timeout(self.config.daemon.drain_timeout):
                 await self.force_requested.wait()
         except TimeoutError:
             raise _DrainExpired from None
         raise ForcedExit("second stop signal: exiting at once; run again to resume")
+
+
+def _shown(key: str, value: Any) -> str:
+    if key == "server.urls":
+        return ", ".join(redact_url(u) for u in value)
+    return str(value)
 
 
 def _first(group: BaseExceptionGroup[HsxError]) -> HsxError:

@@ -46,18 +46,41 @@ class Dump:
         return [self.path / part_name(s, e) for s, e in self.meta.parts]
 
 
-def remove_tree(path: Path) -> None:
-    """Delete a file, link or directory tree without following links out of it."""
+def _remove_at(dir_fd: int, name: str) -> None:
+    """Delete ``name`` in an open directory: a file, a link (not its target) or a tree."""
     try:
-        st = path.lstat()
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
-        # rmtree refuses to follow a symlink and works on fds (safe against races).
-        shutil.rmtree(path, ignore_errors=True)
+        # rmtree with dir_fd works on fds and never follows a link (safe against races).
+        shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            os.unlink(name, dir_fd=dir_fd)
+
+
+def _open_dir(path: Path) -> int | None:
+    """An O_NOFOLLOW descriptor of a directory; None if it is gone or is not one."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            return None
+        raise
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a file, link or directory tree; nothing below ``path.parent`` is followed."""
+    parent = _open_dir(path.parent)
+    if parent is None:
+        return  # gone, or the parent was swapped for a link: never delete through it
+    try:
+        _remove_at(parent, path.name)
+    finally:
+        os.close(parent)
 
 
 def prepare_namespace(root: Path, ns: str) -> Path:
@@ -73,18 +96,25 @@ def prepare_namespace(root: Path, ns: str) -> Path:
 
 
 def sweep_namespace(ns_dir: Path, keep: Iterable[str]) -> int:
-    """Remove everything in the namespace but the ``keep`` rids; returns entries removed."""
+    """Remove everything in the namespace but the ``keep`` rids; returns entries removed.
+
+    Works on a descriptor of the namespace, so a namespace swapped for a link is never
+    swept through: the link itself is replaced by a fresh directory instead."""
     keep = set(keep)
-    removed = 0
-    try:
-        entries = list(os.scandir(ns_dir))
-    except FileNotFoundError:
+    fd = _open_dir(ns_dir)
+    if fd is None:
+        if ns_dir.is_symlink() or ns_dir.exists():
+            prepare_namespace(ns_dir.parent, ns_dir.name)
+            return 1
         return 0
-    for entry in entries:
-        if entry.name not in keep:
-            remove_tree(Path(entry.path))
-            removed += 1
-    return removed
+    try:
+        with os.scandir(fd) as entries:
+            names = [e.name for e in entries if e.name not in keep]
+        for name in names:
+            _remove_at(fd, name)
+    finally:
+        os.close(fd)
+    return len(names)
 
 
 def _open_nofollow(path: Path, flags: int, dir_fd: int | None = None) -> int:

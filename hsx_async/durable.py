@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from pathlib import Path
+
+from hsx_async.errors import DiskFullError, WriteError
 
 
 def fsync_dir(path: Path) -> None:
@@ -29,3 +32,10 @@ def write_atomic(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_error(exc: OSError, path: Path) -> WriteError:
+    """The typed error for a failed write: ENOSPC is :class:`DiskFullError`."""
+    if exc.errno == errno.ENOSPC:
+        return DiskFullError(f"no space left writing {path}; free space on the output disk")
+    return WriteError(f"writing {path} failed: {exc.strerror or exc}")

@@ -29,6 +29,7 @@ from hsx_async.client import ServerPool, SGLangClient
 from hsx_async.config import Config
 from hsx_async.dump import Dump, prepare_namespace, remove_tree, sweep_namespace, validate_dump
 from hsx_async.dump import wait_for_meta as _wait_for_meta
+from hsx_async.durable import write_error
 from hsx_async.errors import DiskFullError, DumpError, RequestError
 from hsx_async.failpoints import failpoint
 from hsx_async.guard import DiskGuard
@@ -115,7 +116,12 @@ class Committer:
         for log_file in (self.manifest, self.quarantine):
             lines = [line for lf, line, _ in batch if lf is log_file]
             if lines:
-                log_file.append(lines, sync=self.fsync)
+                try:
+                    log_file.append(lines, sync=self.fsync)
+                except OSError as exc:
+                    # A failed append or fsync is not retried: after a failed fsync the
+                    # kernel may have dropped the pages. Stop; resume repairs the tail.
+                    raise write_error(exc, log_file.path) from exc
         failpoint("commit.after_append")
 
 
@@ -165,6 +171,7 @@ class Pipeline:
         self.namespaces: set[Path] = set()  # removed when the run ends
         self._next_worker = 0
         self.in_flight = 0
+        self._changed = asyncio.Event()
         self.settled = 0  # samples taken from the intake that reached manifest or quarantine
 
     # -- helpers ------------------------------------------------------------------------
@@ -200,6 +207,18 @@ class Pipeline:
             return self.requeued.popleft()
         return await self.intake.get()
 
+    async def _requeue_after_eof(self) -> bool:
+        """At the end of input, wait while samples are still in flight: the writer may
+        hand one back (ENOSPC, a dump changed before its copy). True: one is waiting."""
+        while not (self.requeued or self.in_flight == 0 or self.stopping):
+            self._changed.clear()  # no await between the check and the clear: no lost wake
+            await self._changed.wait()
+        return bool(self.requeued) and not self.stopping
+
+    def wake_workers(self) -> None:
+        """Something a worker at the end of input waits for changed."""
+        self._changed.set()
+
     def resize(self, target: int, tg: asyncio.TaskGroup) -> None:
         """Live resize: spawn workers, or let the surplus retire after their sample."""
         self.target_workers = target
@@ -218,6 +237,8 @@ class Pipeline:
                 item = await self._next_sample()
                 if isinstance(item, _Eof):
                     self.intake.put_nowait(item)  # let the next worker see it too
+                    if await self._requeue_after_eof():
+                        continue
                     break
                 if self.stopping:
                     continue  # stop intake: skip queued samples, a resume redoes them
@@ -250,6 +271,7 @@ class Pipeline:
         self.metrics.shm_used.set(self.budget.used)
         self.in_flight -= 1
         self.metrics.in_flight.set(self.in_flight)
+        self.wake_workers()
 
     async def _extract(self, sample: Sample, ns: str, ns_dir: Path) -> Dump | None:
         """Attempts until one yields a valid dump; None once the sample is quarantined."""
@@ -362,11 +384,13 @@ class Pipeline:
         except DumpError as exc:
             log.warning("dump_changed_before_copy", id=job.sample.id, error=str(exc))
             self.requeued.append(job.sample)  # a fresh attempt; nothing was written
+            self.wake_workers()
             return
         except DiskFullError as exc:
             # The temp file is gone; pause intake and extract this sample again later.
             self.guard.trip(str(exc))
             self.requeued.append(job.sample)
+            self.wake_workers()
             return
         await self.committer.commit(self.committer.manifest, entry.to_line())
         self.settled += 1

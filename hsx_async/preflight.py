@@ -178,22 +178,22 @@ async def check_servers(config: Config, report: Report) -> None:
         for server in pool.servers:
             error = await client.health(server.url)
             if error:
-                report.add("FAIL", "server", f"{server.url}: {error}")
+                report.add("FAIL", "server", f"{server.display}: {error}")
                 continue
             info: Any = {}
             try:
                 info = await client.get_json(server.url, "/get_model_info")
             except (HsxError, aiohttp.ClientError, ValueError) as exc:
-                report.add("WARN", "server", f"{server.url}: /get_model_info failed: {exc}")
+                report.add("WARN", "server", f"{server.display}: /get_model_info failed: {exc}")
             model = info.get("model_path", "?") if isinstance(info, dict) else "?"
             problem = await _tiny_request(client, server, config)
             if problem:
-                report.add("FAIL", "dump path", f"{server.url}: {problem}")
+                report.add("FAIL", "dump path", f"{server.display}: {problem}")
             else:
                 report.add(
                     "OK",
                     "server",
-                    f"{server.url}: healthy, model {model}, dump path OK "
+                    f"{server.display}: healthy, model {model}, dump path OK "
                     f"(hidden {config.model.hidden_size}, layers {list(config.model.aux_layers)})",
                 )
 

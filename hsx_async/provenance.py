@@ -20,7 +20,7 @@ import orjson
 import xxhash
 
 from hsx_async import __version__
-from hsx_async.config import Config, flatten
+from hsx_async.config import Config, flatten_public
 from hsx_async.durable import write_atomic
 from hsx_async.errors import DatasetError
 from hsx_async.protocol import PROTOCOL_VERSION
@@ -82,7 +82,7 @@ def provenance_for(
         input=input_fp,
         hidden_size=config.model.hidden_size,
         aux_layers=list(config.model.aux_layers),
-        config={k: _json_safe(v) for k, v in flatten(config).items()},
+        config={k: _json_safe(v) for k, v in flatten_public(config).items()},
         model=model,
         server=server,
     )
