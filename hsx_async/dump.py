@@ -127,10 +127,26 @@ def _open_nofollow(path: Path, flags: int, dir_fd: int | None = None) -> int:
         raise
 
 
+def open_dump_dir(rid_dir: Path) -> int:
+    """A descriptor of ``<root>/<ns>/<rid>`` opened one component at a time with
+    O_NOFOLLOW below the (operator-owned) root, so neither a namespace nor a request
+    directory swapped for a link is ever followed. FileNotFoundError if it is gone."""
+    fd = os.open(rid_dir.parent.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in (rid_dir.parent.name, rid_dir.name):
+            next_fd = _open_nofollow(Path(name), os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = next_fd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _read_meta(rid_dir: Path) -> bytes | None:
     """``meta.json`` bytes once visible; None before. Links and non-files are refused."""
     try:
-        dir_fd = _open_nofollow(rid_dir, os.O_RDONLY | os.O_DIRECTORY)
+        dir_fd = open_dump_dir(rid_dir)
     except FileNotFoundError:
         return None
     except DumpError:
@@ -175,7 +191,7 @@ def _part_sizes(rid_dir: Path) -> dict[tuple[int, int], int]:
     """Sizes of the visible part files; temp files (leading '.') are ignored."""
     sizes: dict[tuple[int, int], int] = {}
     try:
-        dir_fd = _open_nofollow(rid_dir, os.O_RDONLY | os.O_DIRECTORY)
+        dir_fd = open_dump_dir(rid_dir)
     except FileNotFoundError:
         raise DumpError(f"{rid_dir.name} vanished before it was validated") from None
     try:

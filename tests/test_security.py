@@ -325,13 +325,6 @@ def test_part_swapped_for_a_link_after_validation_is_not_copied(tmp_path: Path) 
     assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the writer reopens <ns>/<rid>/part-*.bin by path, and O_NOFOLLOW guards only "
-    "the last component: a rid directory swapped for a link after validation (anyone who "
-    "can write in the 0777 namespace can do it) makes the writer copy the link target's "
-    "bytes into the dataset",
-)
 def test_rid_dir_swapped_for_a_link_after_validation_is_not_copied(tmp_path: Path) -> None:
     dump = _one_dump(tmp_path / "root", "r1")
     elsewhere = tmp_path / "elsewhere"
