@@ -1,0 +1,137 @@
+"""CI smoke runs of the bench scripts (``--smoke``: tiny sizes), so they do not rot.
+
+Each script runs as a user would run it, in its own process, against its own scratch
+directories. Only that it finished, wrote its JSON, table and PNG, left nothing behind,
+and that the figures are well-formed is checked: never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# A smoke run starts a dozen Python processes; on a busy 2-core machine that takes a while.
+pytestmark = pytest.mark.timeout(300)
+
+
+def run_smoke(script: str, tmp_path: Path, shm_root: Path) -> dict[str, Any]:
+    results, disk = tmp_path / "results", tmp_path / "disk"
+    argv = [
+        sys.executable,
+        str(BENCH / script),
+        "--smoke",
+        "--results-dir",
+        str(results),
+        "--out-dir",
+        str(disk),
+        "--shm-dir",
+        str(shm_root),
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=280, check=False)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    name = script.removesuffix(".py")
+    data: dict[str, Any] = orjson.loads((results / f"{name}.json").read_bytes())
+    assert (results / f"{name}.png").read_bytes().startswith(PNG_MAGIC)
+    assert (results / f"{name}.md").read_text().count("|") > 10  # the tables
+    assert "| " in done.stdout  # ... also printed
+    assert list(disk.iterdir()) == [], "scratch left on the disk"
+    assert list(shm_root.iterdir()) == [], "scratch left in /dev/shm"
+    assert data["smoke"] is True
+    assert data["machine"]["cores"] >= 1
+    return data
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+def test_throughput_smoke(tmp_path: Path, shm_root: Path) -> None:
+    data = run_smoke("throughput.py", tmp_path, shm_root)
+    workload = data["workload"]
+    assert workload["samples"] >= 1
+    assert workload["bytes"] == workload["tokens"] * data["row_bytes"]
+    assert {r["method"] for r in data["raw"]} == {
+        "sendfile",
+        "O_DIRECT from mmap",
+        "read + O_DIRECT, huge-page buffer",
+    }
+    assert sum(r["named"] for r in data["raw"]) == 2  # the durable-name variants
+    for row in data["raw"]:
+        assert row["bytes"] == workload["bytes"]
+        assert positive(row["gb_per_s"]) and positive(row["seconds"])
+    assert [r["name"] for r in data["hsx"]] == ["hsx, prefab server", "hsx, fake server"]
+    for row in data["hsx"]:
+        assert row["samples"] == workload["samples"]
+        assert row["tokens"] == workload["tokens"]
+        assert row["bytes"] > workload["bytes"]  # hidden states plus headers and ids
+        assert positive(row["gb_per_s"]) and positive(row["cpu_s"]) and positive(row["peak_rss_mb"])
+    assert positive(data["fake_alone"]["gb_per_s"])
+    raw_nosync, hsx_nosync = data["nofsync"]
+    assert raw_nosync["sync"] is False and hsx_nosync["samples"] == workload["samples"]
+    idle, *memory = data["memory"]
+    assert idle["samples"] == 0 and positive(idle["cpu_s"])
+    assert [m["samples"] for m in memory] == [32, 2]
+    assert all(positive(m["peak_rss_mb"]) for m in memory)
+    assert data["best_raw"] in {r["name"] for r in data["raw"]}
+    assert data["best_raw_named"] in {r["name"] for r in data["raw"] if r["named"]}
+
+
+def test_scaling_smoke(tmp_path: Path, shm_root: Path) -> None:
+    data = run_smoke("scaling.py", tmp_path, shm_root)
+    assert positive(data["model_capacity"])
+    assert [p["concurrency"] for p in data["points"]] == [1, 4]
+    for row in [*data["points"], data["baseline"], data["ceiling"]]:
+        assert positive(row["tokens"]) and positive(row["run_tokens_per_s"])
+        assert row["steady_tokens_per_s"] >= 0
+        assert 0 < row["mean_pass_fill"] <= 1
+    assert data["baseline"]["samples"] >= 1
+    assert data["summary"]["best_concurrency"] in (1, 4)
+
+
+def test_overhead_smoke(tmp_path: Path, shm_root: Path) -> None:
+    data = run_smoke("overhead.py", tmp_path, shm_root)
+    assert data["idle"]["samples"] == 0
+    assert [r["name"] for r in data["runs"]] == ["hsx c4"]
+    for row in data["runs"]:
+        assert row["samples"] == 40
+        assert positive(row["requests_per_s"]) and positive(row["cpu_s"])
+    assert positive(data["null"]["requests_per_s"])
+
+
+def test_baseline_serial_copies_every_sample(tmp_path: Path, shm_root: Path) -> None:
+    """The serial baseline on its own: every sample's parts end up in one file each."""
+    from hsx_async.protocol import row_bytes
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCH))
+    model = common.Model(hidden_size=64, aux_layers=(1, 3, 5))
+    lengths = [3, 40, 1]
+    samples = tmp_path / "in.jsonl"
+    common.write_samples(samples, lengths)
+    out = tmp_path / "out"
+    argv = common.fake_server_argv(model, shm_root)
+    with common.ServerProcess(argv, tmp_path / "server.log") as server:
+        done = subprocess.run(
+            [sys.executable, str(BENCH / "baseline_serial.py"), "--url", server.url,
+             "--input", str(samples), "--out", str(out), "--dump-root", str(shm_root)],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = orjson.loads(done.stdout.strip().splitlines()[-1])
+    per_token = row_bytes(64, (1, 3, 5))
+    assert result["samples"] == 3 and result["tokens"] == sum(lengths)
+    assert result["bytes"] == sum(lengths) * per_token
+    assert sorted(p.stat().st_size for p in out.iterdir()) == sorted(n * per_token for n in lengths)
+    assert list(shm_root.iterdir()) == []
