@@ -484,7 +484,7 @@ def run_hsx(raw_config: dict[str, dict[str, Any]], work: Path, name: str) -> Cli
     """``python -m hsx_async run`` in its own process; raises if it did not finish.
 
     With ``--profile-dir`` the client runs under ``py-spy record`` (collapsed stacks,
-    native frames): its figures then include py-spy's own cost, so use them for the
+    one file per run): its figures then include py-spy's own cost, so use them for the
     profile only."""
     config = work / f"{name}.toml"
     config.write_text(to_toml(raw_config))
@@ -494,7 +494,7 @@ def run_hsx(raw_config: dict[str, dict[str, Any]], work: Path, name: str) -> Cli
         PROFILE["dir"].mkdir(parents=True, exist_ok=True)
         spy = Path(PYTHON).parent / "py-spy"
         out = PROFILE["dir"] / f"{name}.txt"
-        argv = [str(spy), "record", "--native", "--threads", "--rate", "250", "--format",
+        argv = [str(spy), "record", "--threads", "--rate", "200", "--format",
                 "raw", "--output", str(out), "--", *argv]  # fmt: skip
     usage = run_measured(argv, log)
     m = _SUMMARY.search(_tail(log, 4000))

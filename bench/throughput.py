@@ -713,7 +713,10 @@ def net_of_startup(data: dict[str, Any]) -> None:
 
 def plot(data: dict[str, Any], path: Path) -> None:
     plt = pyplot()
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 5))
+    fig = plt.figure(figsize=(15, 10))
+    grid = fig.add_gridspec(2, 2, height_ratios=(1.3, 1))
+    ax1 = fig.add_subplot(grid[0, :])
+    ax2, ax3 = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
     fake = [data["fake_alone"]] if data["fake_alone"] else []
     entries = [*data["raw"], *data["hsx"], *fake, *data["nofsync"]]
     colors = ["#999999"] * len(data["raw"]) + ["#1f77b4"] * len(data["hsx"])
@@ -721,23 +724,23 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax1.barh([e["name"] for e in entries], [e["gb_per_s"] for e in entries], color=colors)
     ax1.invert_yaxis()
     ax1.set_xlabel("GB/s to disk (durable; light grey: no fsync, a diagnostic)")
-    ax1.set_title("tmpfs → disk throughput")
+    ax1.set_title("tmpfs → disk throughput (median of rounds)")
     cpu = [*data["raw"], *data["hsx"]]
     ax2.barh([e["name"] for e in cpu], [e["cpu_s_per_gb"] for e in cpu], color=colors[: len(cpu)])
     ax2.invert_yaxis()
     ax2.axvline(0.5, color="red", linestyle="--", label="target 0.5")
-    ax2.set_xlabel("copying process CPU seconds per GB (start-up included)")
+    ax2.set_xlabel("CPU s per GB of the copying process (hsx: start-up included)")
     ax2.legend()
     mem = data["memory"]
-    ax3.bar([m["name"] for m in mem], [m["peak_rss_mb"] for m in mem], color="#1f77b4")
+    ax3.bar([m["name"].removeprefix("samples of ") for m in mem], [m["peak_rss_mb"] for m in mem])
     ax3.axhline(400, color="red", linestyle="--", label="target 400 MB")
     ax3.set_ylabel("hsx client peak RSS (MB)")
-    ax3.tick_params(axis="x", labelrotation=15)
     ax3.legend()
     m = data["machine"]
-    fig.suptitle(f"hsx throughput — {m['cores']} cores, {m['cpu']}, out: {m['out_fs']}")
+    disk = m["out_fs"].split(",")[0] + ")"
+    fig.suptitle(f"hsx throughput — {m['cores']} cores {m['cpu']}; output {disk}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

@@ -32,6 +32,7 @@ import os
 import re
 import stat
 import threading
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,8 @@ CHUNK = 8 << 20  # bytes per O_DIRECT write: large enough to keep the device str
 SUB = 256 << 10  # bytes read then hashed at once: still in the L2 cache when hashed
 Hasher = xxhash.xxh3_64
 _SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+# Threads hashing mapped chunks while the writer threads write them (created on first use).
+_HASH_POOL = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="hsx-hash")
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
@@ -276,8 +279,15 @@ def _copy_part(
         # (A part truncated under the mapping would fault; committed parts never change.)
         for offset in range(0, size, CHUNK):
             with _map(part_fd, offset, min(CHUNK, size - offset)) as mm:
-                _write_all(fd, mm)
-                hasher.update(mm)
+                # Hash beside the O_DIRECT write (both release the GIL): in series the
+                # hash took ~10% of a stream's time. One update in flight per file keeps
+                # the hash in order; the mapping outlives it.
+                hashed = _HASH_POOL.submit(hasher.update, mm)
+                try:
+                    _write_all(fd, mm)
+                finally:
+                    futures.wait([hashed])
+                hashed.result()
         return
     for offset in range(0, size, CHUNK):
         with whole[: min(CHUNK, size - offset)] as block:
