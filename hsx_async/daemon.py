@@ -185,8 +185,7 @@ class Daemon:
             try:
                 await self._serve(pipeline, client, done)
             finally:
-                pipeline.executor.shutdown(wait=False, cancel_futures=True)
-                await asyncio.to_thread(pipeline.remove_namespaces)
+                await asyncio.to_thread(pipeline.close)
                 self.notifier.close()
 
     async def _record_server(self, client: SGLangClient) -> None:
@@ -220,7 +219,7 @@ class Daemon:
                     pipeline.spawn_worker(tg)
                 writers = [
                     tg.create_task(pipeline.writer(), name=f"hsx-writer-{i}")
-                    for i in range(cfg.writer.threads)
+                    for i in range(pipeline.writer_tasks)
                 ]
                 committer = tg.create_task(pipeline.committer.run(), name="hsx-committer")
                 tg.create_task(self._finish(pipeline, writers, committer), name="hsx-finish")

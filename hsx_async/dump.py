@@ -143,7 +143,7 @@ def open_dump_dir(rid_dir: Path) -> int:
     return fd
 
 
-def _read_meta(rid_dir: Path) -> bytes | None:
+def read_meta(rid_dir: Path) -> bytes | None:
     """``meta.json`` bytes once visible; None before. Links and non-files are refused."""
     try:
         dir_fd = open_dump_dir(rid_dir)
@@ -176,7 +176,7 @@ async def wait_for_meta(rid_dir: Path, timeout: float) -> bytes:
     delay = _POLL_FIRST
     try:
         async with asyncio.timeout(timeout):
-            while (data := _read_meta(rid_dir)) is None:
+            while (data := read_meta(rid_dir)) is None:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _POLL_MAX)
     except TimeoutError:

@@ -4,7 +4,8 @@ Flow of one sample::
 
     intake queue ─► worker: reserve /dev/shm bytes ─► POST /generate (rid per attempt)
         ─► wait for meta.json ─► validate ─► writer queue ─► writer thread: copy, hash,
-        fsync, rename ─► committer: manifest line, fsync ─► delete dump ─► release bytes
+        fsync a temp file ─► committer (a batch at a time): rename, fsync of the
+        directories, manifest lines, fsync ─► delete dump ─► release bytes
 
 A failed attempt deletes its dump, backs off and retries with a new rid; after the last
 attempt the sample goes to quarantine with the reason. A sample reaches the manifest only
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import secrets
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,20 +30,29 @@ import structlog
 from hsx_async.budget import ByteBudget
 from hsx_async.client import ServerPool, SGLangClient
 from hsx_async.config import Config
-from hsx_async.dump import Dump, prepare_namespace, remove_tree, sweep_namespace, validate_dump
+from hsx_async.dump import (
+    Dump,
+    prepare_namespace,
+    read_meta,
+    remove_tree,
+    sweep_namespace,
+    validate_dump,
+)
 from hsx_async.dump import wait_for_meta as _wait_for_meta
 from hsx_async.durable import write_error
-from hsx_async.errors import DiskFullError, DumpError, RequestError
+from hsx_async.errors import DiskFullError, DumpError, RequestError, WriteError
 from hsx_async.failpoints import failpoint
 from hsx_async.guard import DiskGuard
 from hsx_async.layout import build_layout, data_relpath, sample_key
-from hsx_async.manifest import AppendLog, ManifestEntry, QuarantineEntry
+from hsx_async.manifest import AppendLog, QuarantineEntry
 from hsx_async.metrics import Metrics
 from hsx_async.retry import RetryPolicy
 from hsx_async.source import BadLine, Sample
-from hsx_async.writer import FileWriter, WriteJob
+from hsx_async.writer import FileWriter, Staged, WriteJob
 
 log = structlog.get_logger("hsx.pool")
+
+WRITER_TASKS_PER_THREAD = 4
 
 
 class _Eof:
@@ -59,33 +71,63 @@ class _Handoff:
     need: int
 
 
+@dataclass(slots=True)
+class _Line:
+    log_file: AppendLog
+    line: bytes
+    done: asyncio.Future[None]
+    staged: Staged | None = None  # a sample file to name before its manifest line
+    dump: Path | None = None  # ... and its dump, deleted once the line is durable
+
+
 @dataclass
 class Committer:
-    """Group commit of manifest and quarantine lines: one write + fsync per batch.
+    """Group commit: every sample file and log line that arrived while the previous batch
+    was syncing is made durable together, so the cost per sample falls as load rises.
 
-    Callers await :meth:`commit`; the task behind it gathers every line that arrived
-    while the previous fsync ran, so the cost per sample falls as load rises.
+    A batch: rename the staged files into place, one fsync per directory they touched,
+    then one write + fsync per log file, then delete the samples' dumps. A manifest line
+    is never durable before its file and name are (PROTOCOL §4); a crash in between leaves
+    a named file without a line, which a resume deletes; a dump goes only after its line.
     """
 
     manifest: AppendLog
     quarantine: AppendLog
     executor: ThreadPoolExecutor
+    publish: Callable[[list[Staged]], None]
     fsync: bool = True
-    _pending: list[tuple[AppendLog, bytes, asyncio.Future[None]]] = field(default_factory=list)
+    _pending: list[_Line] = field(default_factory=list)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _closed: bool = False
+    _failed: BaseException | None = None
 
     async def commit(self, log_file: AppendLog, line: bytes) -> None:
+        await self._submit(_Line(log_file, line, self._future()))
+
+    async def commit_sample(self, staged: Staged, dump: Path) -> None:
+        """Name the staged file and list it in the manifest, durably; then delete its dump."""
+        line = _Line(self.manifest, staged.entry.to_line(), self._future(), staged, dump)
+        await self._submit(line)
+
+    def _future(self) -> asyncio.Future[None]:
+        if self._failed is not None:
+            raise WriteError(f"not committed: an earlier commit failed ({self._failed})")
         if self._closed:
             raise RuntimeError("committer is closed")
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((log_file, line, fut))
+        return asyncio.get_running_loop().create_future()
+
+    async def _submit(self, item: _Line) -> None:
+        self._pending.append(item)
         self._wake.set()
-        await fut
+        await item.done
 
     def close(self) -> None:
         self._closed = True
         self._wake.set()
+
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -97,24 +139,31 @@ class Committer:
                 try:
                     await loop.run_in_executor(self.executor, self._flush, batch)
                 except BaseException as exc:
-                    for _, _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(
+                    self._failed = exc
+                    # Nothing after a failed commit is committed. (A new list: the thread
+                    # may still be running its flush of `batch`.)
+                    failed, self._pending = [*batch, *self._pending], []
+                    for item in failed:
+                        if not item.done.done():
+                            item.done.set_exception(
                                 exc
                                 if isinstance(exc, Exception)
                                 else RuntimeError("commit cancelled")
                             )
                     raise
-                for _, _, fut in batch:
-                    if not fut.done():
-                        fut.set_result(None)
+                for item in batch:
+                    if not item.done.done():
+                        item.done.set_result(None)
             elif self._closed:
                 return
 
-    def _flush(self, batch: list[tuple[AppendLog, bytes, asyncio.Future[None]]]) -> None:
+    def _flush(self, batch: list[_Line]) -> None:
+        staged = [item.staged for item in batch if item.staged is not None]
+        if staged:
+            self.publish(staged)  # raises WriteError: the run stops, resume cleans up
         failpoint("commit.before_append")
         for log_file in (self.manifest, self.quarantine):
-            lines = [line for lf, line, _ in batch if lf is log_file]
+            lines = [item.line for item in batch if item.log_file is log_file]
             if lines:
                 try:
                     log_file.append(lines, sync=self.fsync)
@@ -123,6 +172,9 @@ class Committer:
                     # kernel may have dropped the pages. Stop; resume repairs the tail.
                     raise write_error(exc, log_file.path) from exc
         failpoint("commit.after_append")
+        for item in batch:
+            if item.dump is not None:
+                delete_dump(item.dump)
 
 
 class Pipeline:
@@ -152,14 +204,24 @@ class Pipeline:
         self.write_queue: asyncio.Queue[_Handoff | _Eof] = asyncio.Queue(
             maxsize=config.writer.queue_depth
         )
-        self.executor = ThreadPoolExecutor(config.writer.threads + 2, thread_name_prefix="hsx-io")
-        self.committer = Committer(manifest, quarantine, self.executor, config.writer.fsync)
+        # Small blocking calls (sweeps, validation, deletes, commits) never wait behind
+        # the copies: those have their own threads, writer.threads of them.
+        self.executor = ThreadPoolExecutor(4, thread_name_prefix="hsx-io")
+        self.copy_executor = ThreadPoolExecutor(
+            config.writer.threads, thread_name_prefix="hsx-copy"
+        )
         self.file_writer = FileWriter(
             config.output.dir,
             method=config.writer.method,
             fsync=config.writer.fsync,
             row_bytes=config.model.row_bytes,
         )
+        self.committer = Committer(
+            manifest, quarantine, self.executor, self.file_writer.publish, config.writer.fsync
+        )
+        # Writer tasks: more than copy threads, so that a sample waiting for its group
+        # commit and delete does not hold a copy thread idle.
+        self.writer_tasks = WRITER_TASKS_PER_THREAD * config.writer.threads
         self.retry = RetryPolicy(
             config.workers.max_attempts, config.workers.backoff_base, config.workers.backoff_max
         )
@@ -178,6 +240,16 @@ class Pipeline:
 
     async def to_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def close(self) -> None:
+        """At the end of the run (blocking): queued calls are dropped, running ones
+        finish; temp files staged but never committed (a failed or cut-short run) are
+        deleted, and nothing is left in /dev/shm."""
+        for executor in (self.copy_executor, self.executor):
+            executor.shutdown(wait=True, cancel_futures=True)
+        self.file_writer.discard_temps()
+        for ns_dir in self.namespaces:
+            remove_tree(ns_dir)
 
     def namespace(self, index: int) -> str:
         prefix = self.config.dump.namespace_prefix
@@ -279,13 +351,13 @@ class Pipeline:
         while True:
             attempt += 1
             rid = f"{self.nonce}-{sample.line}-{attempt}"
-            # Anything in the namespace but dumps the writer holds is debris.
-            await self.to_thread(sweep_namespace, ns_dir, self.live_rids[ns])
             started = time.monotonic()
             try:
                 dump = await self._attempt(sample, rid, ns, ns_dir)
             except (RequestError, DumpError) as exc:
-                await self.to_thread(remove_tree, ns_dir / rid)
+                # The failed dump goes, and any debris with it (late writes of abandoned
+                # attempts): everything but the dumps the writers hold.
+                await self.to_thread(sweep_namespace, ns_dir, set(self.live_rids[ns]))
                 kind = "request" if isinstance(exc, RequestError) else "dump"
                 self.metrics.attempt_failed(kind)
                 log.info("attempt_failed", id=sample.id, rid=rid, attempt=attempt, error=str(exc))
@@ -317,9 +389,11 @@ class Pipeline:
                 raise
             self.servers.succeeded(server)
         rid_dir = ns_dir / rid
-        meta = await _wait_for_meta(rid_dir, cfg.dump.timeout)
-        dump: Dump = await self.to_thread(
-            lambda: validate_dump(
+
+        def check(meta: bytes | None) -> Dump | None:
+            if meta is None and (meta := read_meta(rid_dir)) is None:
+                return None  # not committed yet: poll for it on the event loop
+            dump = validate_dump(
                 rid_dir,
                 meta,
                 rid=rid,
@@ -328,7 +402,18 @@ class Pipeline:
                 aux_layers=cfg.model.aux_layers,
                 row_bytes=cfg.model.row_bytes,
             )
-        )
+            # Debris that arrived since the last look goes in the same thread hop.
+            sweep_namespace(ns_dir, keep)
+            return dump
+
+        # The hook commits before it responds, so the first look (in the thread that
+        # validates) nearly always finds meta.json; the poll is for late commits.
+        keep = {*self.live_rids[ns], rid}
+        dump: Dump | None = await self.to_thread(check, None)
+        if dump is None:
+            meta = await _wait_for_meta(rid_dir, cfg.dump.timeout)
+            dump = await self.to_thread(check, meta)
+        assert dump is not None
         return dump
 
     async def _hand_off(self, sample: Sample, dump: Dump, ns: str, need: int) -> None:
@@ -352,11 +437,6 @@ class Pipeline:
 
     # -- writers ------------------------------------------------------------------------
 
-    def remove_namespaces(self) -> None:
-        """At the end of a run: leave nothing in /dev/shm (blocking)."""
-        for ns_dir in self.namespaces:
-            remove_tree(ns_dir)
-
     async def close_writers(self) -> None:
         """After the last worker: let the writers finish the queue and stop."""
         await self.workers_done.wait()
@@ -369,36 +449,51 @@ class Pipeline:
             if isinstance(item, _Eof):
                 self.write_queue.put_nowait(item)
                 return
+            deleted = False
             try:
-                await asyncio.shield(self._finish(item.job))
+                deleted = await asyncio.shield(self._finish(item.job))
             finally:
-                await self.to_thread(_delete_dump, item.job.dump.path)
+                if not deleted:
+                    await self.to_thread(delete_dump, item.job.dump.path)
                 self.live_rids[item.ns].discard(item.job.dump.path.name)
                 self._release(item.need)
 
-    async def _finish(self, job: WriteJob) -> None:
-        """Write, then commit the manifest line: shielded so a drain never cuts it in half."""
+    async def _finish(self, job: WriteJob) -> bool:
+        """Write, then commit the manifest line: shielded so a drain never cuts it in half.
+        True once committed (the commit deleted the dump too)."""
         started = time.monotonic()
+        loop = asyncio.get_running_loop()
         try:
-            entry: ManifestEntry = await self.to_thread(self.file_writer.write, job)
+            staged = await loop.run_in_executor(self.copy_executor, self.file_writer.stage, job)
         except DumpError as exc:
             log.warning("dump_changed_before_copy", id=job.sample.id, error=str(exc))
             self.requeued.append(job.sample)  # a fresh attempt; nothing was written
             self.wake_workers()
-            return
+            return False
         except DiskFullError as exc:
             # The temp file is gone; pause intake and extract this sample again later.
             self.guard.trip(str(exc))
             self.requeued.append(job.sample)
             self.wake_workers()
-            return
-        await self.committer.commit(self.committer.manifest, entry.to_line())
+            return False
+        try:
+            await self.committer.commit_sample(staged, job.dump.path)
+        except Exception:
+            self.file_writer.forget(staged)  # the temp file, if it was not renamed yet
+            if self.committer.failed:
+                return False  # the committer's task reports the error; a resume redoes this
+            raise
+        entry = staged.entry
         self.settled += 1
         self.metrics.write_latency.observe(time.monotonic() - started)
         self.metrics.sample_done(entry.num_tokens, entry.size)
         log.debug("sample_done", id=entry.id, tokens=entry.num_tokens, bytes=entry.size)
+        return True
 
 
-def _delete_dump(path: Path) -> None:
+def delete_dump(path: Path) -> None:
+    """Free a dump's /dev/shm bytes. Never fails a run: what it leaves, the namespace
+    sweep or the end of the run removes."""
     failpoint("dump.during_delete")
-    remove_tree(path)
+    with contextlib.suppress(OSError):
+        remove_tree(path)

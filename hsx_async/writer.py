@@ -1,15 +1,23 @@
 """Moving a dump from /dev/shm into a durable dataset file (PROTOCOL §4). Blocking: threads.
 
-One call builds one sample file: header and ``input_ids`` from memory, ``hidden_states``
-copied part by part from the tmpfs, ``loss_mask`` last; XXH3-64 is computed over the same
-bytes as they are written (no second pass over the disk), then fsync, rename into place,
-fsync of the directory. Two copy methods:
+Two steps, so that the slow part runs in parallel and the syncs are shared:
+
+- :meth:`FileWriter.stage` (one writer thread per sample): header and ``input_ids`` from
+  memory, ``hidden_states`` copied part by part from the tmpfs, ``loss_mask`` last, into a
+  temp file; XXH3-64 over the same bytes as they are written (no second pass), fsync.
+- :meth:`FileWriter.publish` (the group commit, many samples at once): rename each temp
+  file into place, then one fsync per directory touched (a bucket's name in ``data/``,
+  the new names in each bucket). Only then does the caller write the manifest lines.
+
+Copy methods:
 
 - ``direct``: each part is read (``preadv``) into a page-aligned buffer of ``CHUNK`` bytes,
   ``SUB`` bytes at a time, each piece hashed while it is still in the CPU cache, and the
-  buffer is written with ``O_DIRECT``: one memory copy, no page-cache pollution. Needs
-  every part to start on a 4 KiB boundary in the file, which holds when L × H × 2 is a
-  multiple of 4096 (any real model); the layout pads the header so ``hidden_states``
+  buffer is written with ``O_DIRECT``: one memory copy, no page-cache pollution. On a tmpfs
+  mounted with huge pages the part is mapped ``CHUNK`` bytes at a time instead and written
+  straight from the mapping, the hash running beside the write in a helper thread.
+  Needs every part to start on a 4 KiB boundary in the file, which holds when L × H × 2 is
+  a multiple of 4096 (any real model); the layout pads the header so ``hidden_states``
   starts aligned.
 - ``sendfile``: kernel copy into the page cache; works everywhere (``copy_file_range`` does
   not work from tmpfs to ext4). The hash reads the tmpfs part through the same buffer.
@@ -17,10 +25,10 @@ fsync of the directory. Two copy methods:
 ``auto`` picks ``direct`` when the shape allows and the file system accepts O_DIRECT, and
 falls back to ``sendfile`` for good on the first EINVAL.
 
-Why a copy and not ``O_DIRECT`` writes straight from an mmap of the part: on the machine
-the benchmarks ran on (kernel 6.18, bench/README.md) faulting the tmpfs pages into the
-mapping cost ~0.7 CPU-s/GB, the copy ~0.3 (hash included), and the copy was faster too.
-Parts are never mapped, so a 32k-token sample adds nothing to the RSS but the buffer.
+Why not map 4 KiB-page tmpfs parts: on the machine the benchmarks ran on (kernel 6.18,
+bench/README.md) faulting small tmpfs pages into a mapping cost ~0.7 CPU-s/GB, the read
+copy ~0.3 (hash included), and the copy was faster too. Nothing is mapped or read whole,
+so a 32k-token sample adds nothing to the RSS but the buffer.
 """
 
 from __future__ import annotations
@@ -63,6 +71,16 @@ class WriteJob:
     layout: FileLayout
     relpath: str  # data/xx/<key>.safetensors
     tmp_tag: str  # unique per run and shard, so shards never touch each other's temp files
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A sample file written and fsynced under its temp name, waiting for :meth:`publish`."""
+
+    tmp: Path
+    final: Path
+    entry: ManifestEntry
+    new_dirs: tuple[Path, ...]  # directories whose entries publish must sync (new buckets)
 
 
 class _AlignedBuffers(threading.local):
@@ -110,57 +128,100 @@ class FileWriter:
                 f"{ALIGN}; use 'auto' or 'sendfile'"
             )
         self._forced = method == "direct"
-        self._dirs_synced: set[Path] = set()
-        self._names_synced: set[Path] = set()  # directories whose name in the parent is durable
+        self._dirs_ready: set[Path] = set()  # created (or found) and checked for links
+        self._names_durable: set[Path] = set()  # ... and their names synced by a publish
+        self._temps: set[Path] = set()  # staged, not yet published
         self._lock = threading.Lock()
 
     def write(self, job: WriteJob) -> ManifestEntry:
+        """Stage and publish one sample: durable and named when this returns."""
+        staged = self.stage(job)
+        self.publish([staged])
+        return staged.entry
+
+    def stage(self, job: WriteJob) -> Staged:
+        """Copy, hash and fsync the sample into a temp file next to its final name.
+        Nothing is named yet: a crash leaves a temp file, which a resume deletes."""
         final = self.out_dir / job.relpath
         try:
-            self._ensure_dir(final.parent)
+            new_dirs = self._ensure_dir(final.parent)
         except OSError as exc:
             raise _write_error(exc, final.parent) from exc
         tmp = final.parent / f".{final.name}.{job.tmp_tag}.tmp"
+        self._temps.add(tmp)
         try:
             digest, size = self._write_file(tmp, job)
-            failpoint("writer.after_fsync")
-            tmp.rename(final)
-            failpoint("writer.after_rename")
         except BaseException as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+            self._temps.discard(tmp)
             if isinstance(exc, OSError):
                 raise _write_error(exc, final) from exc
             raise
-        if self.fsync:
-            try:
-                fsync_dir(final.parent)
-            except OSError as exc:  # the file is in place but its name is not durable
-                raise _write_error(exc, final) from exc
-        return ManifestEntry(job.sample.id, job.relpath, job.sample.num_tokens, size, digest)
+        entry = ManifestEntry(job.sample.id, job.relpath, job.sample.num_tokens, size, digest)
+        return Staged(tmp, final, entry, new_dirs)
 
-    def _ensure_dir(self, directory: Path) -> None:
-        if directory in self._dirs_synced:
-            return
+    def publish(self, batch: list[Staged]) -> None:
+        """Rename each staged file into place, then sync every directory touched, once:
+        when this returns every name is durable, and manifest lines may follow. A failure
+        stops here; temp files not yet renamed stay for a resume to delete."""
+        to_sync: dict[Path, None] = {}  # ordered: parents before the buckets in them
+        for staged in batch:
+            to_sync.update(dict.fromkeys(staged.new_dirs))
+        for i, staged in enumerate(batch):
+            failpoint("writer.after_fsync")
+            try:
+                staged.tmp.rename(staged.final)
+            except OSError as exc:
+                for rest in batch[i:]:
+                    with contextlib.suppress(OSError):
+                        rest.tmp.unlink()
+                    self._temps.discard(rest.tmp)
+                raise _write_error(exc, staged.final) from exc
+            self._temps.discard(staged.tmp)
+            failpoint("writer.after_rename")
+            to_sync[staged.final.parent] = None
+        if self.fsync:
+            for directory in to_sync:
+                try:
+                    fsync_dir(directory)
+                except OSError as exc:  # the files are in place but their names not durable
+                    raise _write_error(exc, directory) from exc
+        self._names_durable.update(s.final.parent for s in batch if s.new_dirs)
+
+    def forget(self, staged: Staged) -> None:
+        """Delete a staged file that will not be published (its commit failed)."""
+        if staged.tmp in self._temps:
+            with contextlib.suppress(OSError):
+                staged.tmp.unlink()
+            self._temps.discard(staged.tmp)
+
+    def discard_temps(self) -> None:
+        """Delete the temp files of samples staged but never published (the run failed
+        or was cut short before their commit). Call once no stage or publish runs."""
+        for tmp in self._temps:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        self._temps.clear()
+
+    def _ensure_dir(self, directory: Path) -> tuple[Path, ...]:
+        """Create the bucket directory if needed. Returns the directories whose entries
+        must be synced before a file in it is listed (a bucket's name lives in its parent),
+        until a publish has synced them once this run, whether this run created the
+        bucket or a crashed one did."""
+        if directory in self._names_durable:
+            return ()
         with self._lock:
-            if directory not in self._dirs_synced:
+            if directory not in self._dirs_ready:
                 directory.mkdir(parents=True, exist_ok=True)
                 _refuse_links(self.out_dir, directory)
-                if self.fsync:
-                    self._sync_names(directory)
-                self._dirs_synced.add(directory)
-
-    def _sync_names(self, directory: Path) -> None:
-        """Make the name of ``directory`` and of each directory above it (up to the output
-        directory) durable in its parent, once a run, whether this run created it or a
-        crashed one did. A directory's own entries need no sync here: each rename into it
-        is followed by one. So a new bucket costs one fsync, of ``data/``: on a disk where
-        a sync costs ~20 ms, and with 256 buckets, this is what the first samples pay."""
+                self._dirs_ready.add(directory)
+        parents = []
         current = directory
-        while current != self.out_dir and current not in self._names_synced:
-            fsync_dir(current.parent)
-            self._names_synced.add(current)
+        while current != self.out_dir:
+            parents.append(current.parent)
             current = current.parent
+        return tuple(reversed(parents))
 
     def _write_file(self, tmp: Path, job: WriteJob) -> tuple[str, int]:
         hasher = xxhash.xxh3_64()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import stat
@@ -335,9 +336,9 @@ def test_enospc_syncing_the_file_leaves_nothing(
     assert_nothing_written(out)
 
 
-# Directory fsyncs of a first write: 1–2 the names of the new bucket (in data/) and of data/
-# (in the output directory), 3 the bucket directory after the rename.
-@pytest.mark.parametrize("number", [1, 3], ids=["new-bucket", "after-rename"])
+# Directory fsyncs of a first publish, all after the rename: 1–2 the names of data/ (in the
+# output directory) and of the new bucket (in data/), 3 the bucket's entries.
+@pytest.mark.parametrize("number", [1, 2, 3], ids=["data", "new-bucket", "after-rename"])
 def test_enospc_syncing_a_directory_is_a_disk_full_error(
     shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch, number: int
 ) -> None:
@@ -347,8 +348,94 @@ def test_enospc_syncing_a_directory_is_a_disk_full_error(
     with pytest.raises(DiskFullError):
         fw.write(case.job)
     assert_no_temp(out)
-    # After the rename the file may stay: it has no manifest line, so resume deletes it.
-    assert (out / case.job.relpath).exists() == (number == 3)
+    # The file stays under its name: it has no manifest line, so a resume deletes it.
+    assert (out / case.job.relpath).exists()
+
+
+def _record_dir_syncs(monkeypatch: pytest.MonkeyPatch, out: Path) -> list[str]:
+    synced: list[str] = []
+    real = writer_module.fsync_dir
+
+    def record(path: Path) -> None:
+        synced.append(str(path.relative_to(out)))
+        real(path)
+
+    monkeypatch.setattr(writer_module, "fsync_dir", record)
+    return synced
+
+
+def test_stage_leaves_only_a_synced_temp_file_and_publish_names_it(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = make_case(shm_root, ALIGNED)
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
+    synced = _record_dir_syncs(monkeypatch, out)
+    staged = fw.stage(case.job)
+    assert not (out / case.job.relpath).exists()
+    assert [p.name for p in out.rglob("*.tmp")] == [staged.tmp.name]
+    assert synced == [], "no name is synced before the publish"
+    fw.publish([staged])
+    check_written(out, case, staged.entry)
+    bucket = str(Path(case.job.relpath).parent)
+    assert synced == [".", "data", bucket]
+
+
+def test_one_publish_syncs_each_directory_once_for_a_batch(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five samples, two buckets (three in one): 2 + 2 directory syncs, not 5 × 3."""
+    cases = [make_case(shm_root, ALIGNED, sid=f"s-{i}") for i in range(5)]
+    buckets = ["data/aa", "data/aa", "data/aa", "data/bb", "data/bb"]
+    jobs = [
+        dataclasses.replace(c.job, relpath=f"{b}/{sample_key(c.job.sample.id)}.safetensors")
+        for c, b in zip(cases, buckets, strict=True)
+    ]
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
+    synced = _record_dir_syncs(monkeypatch, out)
+    staged = [fw.stage(job) for job in jobs]
+    fw.publish(staged)
+    assert synced == [".", "data", "data/aa", "data/bb"]
+    for case, job, s in zip(cases, jobs, staged, strict=True):
+        check_written(out, dataclasses.replace(case, job=job), s.entry)
+
+
+def test_a_bucket_name_is_synced_until_a_publish_succeeded(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two samples staged into a new bucket, published in separate batches, second first:
+    that batch must sync the bucket's name too (the other one has not yet). And after a
+    failed sync the next publish syncs it again."""
+    a, b, c = (make_case(shm_root, ALIGNED, sid=f"s-{i}") for i in range(3))
+    jobs = [
+        dataclasses.replace(x.job, relpath=f"data/cc/{sample_key(x.job.sample.id)}.safetensors")
+        for x in (a, b, c)
+    ]
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
+    synced = _record_dir_syncs(monkeypatch, out)
+    first, second = fw.stage(jobs[0]), fw.stage(jobs[1])
+    fail_fsync(monkeypatch, directory=True, number=1)
+    with pytest.raises(DiskFullError):
+        fw.publish([second])
+    synced.clear()
+    fw.publish([first])
+    assert synced == [".", "data", "data/cc"], "the failed sync is redone"
+    synced.clear()
+    fw.publish([fw.stage(jobs[2])])
+    assert synced == ["data/cc"], "once durable, only the bucket's entries"
+
+
+def test_discard_temps_removes_what_was_staged_and_never_published(
+    shm_root: Path, out: Path
+) -> None:
+    a, b = (make_case(shm_root, ALIGNED, sid=f"s-{i}") for i in range(2))
+    fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
+    published, abandoned = fw.stage(a.job), fw.stage(b.job)
+    fw.publish([published])
+    fw.discard_temps()
+    assert_no_temp(out)
+    check_written(out, a, published.entry)
+    assert not (out / b.job.relpath).exists()
+    assert not abandoned.tmp.exists()
 
 
 def test_other_os_errors_are_write_errors(
