@@ -19,6 +19,7 @@ import xxhash
 
 from hsx_async import writer as writer_module
 from hsx_async.dump import Dump
+from hsx_async.durable import fsync_dir
 from hsx_async.errors import DiskFullError, DumpError, WriteError
 from hsx_async.layout import build_layout, data_relpath, sample_key
 from hsx_async.protocol import META_NAME, DumpMeta, part_name, row_bytes
@@ -354,11 +355,10 @@ def test_enospc_syncing_a_directory_is_a_disk_full_error(
 
 def _record_dir_syncs(monkeypatch: pytest.MonkeyPatch, out: Path) -> list[str]:
     synced: list[str] = []
-    real = writer_module.fsync_dir
 
     def record(path: Path) -> None:
         synced.append(str(path.relative_to(out)))
-        real(path)
+        fsync_dir(path)
 
     monkeypatch.setattr(writer_module, "fsync_dir", record)
     return synced
