@@ -223,7 +223,8 @@ class Scheduler:
         # One writer (and buffer) per thread: one tmpfs write stream tops out near 1.3 GB/s.
         self._writers = [PassWriter(spec) for _ in range(writer_threads)]
         self._waiting: deque[Job] = deque()
-        self._in_pass: list[Job] = []
+        self._in_pass: list[Job] = []  # in a pass computing or being written
+        self._writing: asyncio.Future[None] | None = None  # the previous pass's writes
         self._wake = asyncio.Event()
         self._gate = gate or asyncio.Event()
         if gate is None:
@@ -234,13 +235,18 @@ class Scheduler:
         self._wake.set()
 
     async def run(self) -> None:
-        while True:
-            if not self._waiting:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            await self._gate.wait()
-            await self._one_pass()
+        try:
+            while True:
+                if not self._waiting:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                await self._gate.wait()
+                await self._one_pass()
+        finally:
+            # Server stop: the pass being written ends first, so nothing lands afterwards.
+            if self._writing is not None:
+                await asyncio.wait([self._writing])
 
     async def _one_pass(self) -> None:
         plan = plan_pass(self._waiting, self._budget, self._chunk_size)
@@ -248,14 +254,27 @@ class Scheduler:
             job.scheduled = end
         # Not only the head: a capped head can leave a later, shorter job fully scheduled.
         self._waiting = deque(j for j in self._waiting if j.scheduled < j.num_tokens)
-        self._in_pass = [job for job, _, _ in plan]
+        self._in_pass += [job for job, _, _ in plan]
         rows = sum(end - start for _, start, end in plan)
         delay = pass_delay_s(*self._latency, rows)
-        if delay > 0:
-            await asyncio.sleep(delay)  # the simulated GPU time, not synchronisation
+        if delay <= 0:
+            await self._complete(plan)
+            return
+        await asyncio.sleep(delay)  # the simulated GPU time, not synchronisation
+        # Like SGLang's overlap scheduling, the host-side work of a pass (here: writing its
+        # dump parts) runs while the next pass computes, so the modelled GPU time alone
+        # sets the capacity. One pass is written at a time, in pass order.
+        if self._writing is not None:
+            await asyncio.wait([self._writing])
+            self._writing.result()  # a failure of the write surfaces here, as it did inline
+        self._writing = asyncio.ensure_future(self._complete(plan))
+
+    async def _complete(self, plan: Sequence[Slice]) -> None:
         parts = await _finish_even_if_cancelled(self._write(plan))
         self._account(plan, parts)
-        self._in_pass = []
+        for job, _, _ in plan:  # once per pass: a chunked job may be in the next one too
+            at = next(i for i, other in enumerate(self._in_pass) if other is job)
+            del self._in_pass[at]
         self._settle(plan)
 
     async def _write(self, plan: Sequence[Slice]) -> int:

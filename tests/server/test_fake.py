@@ -316,6 +316,40 @@ async def test_concurrent_requests_are_batched_and_each_dump_is_right(
     assert srv.stats.tokens_dumped == sum(len(v) for v in prompts.values())
 
 
+async def test_with_modelled_gpu_time_passes_overlap_their_writes_and_dumps_stay_right(
+    shm_root: Path, session: aiohttp.ClientSession
+) -> None:
+    """Latency on: a pass's parts are written while the next pass computes. Chunked
+    prompts run in consecutive passes, so their parts land in order, and every dump
+    is complete and exact when its response arrives."""
+    prompts = {f"o{i}": prompt(9 + 11 * i, seed=i) for i in range(8)}
+    options = FakeOptions(
+        dump_root=shm_root,
+        max_batch_tokens=40,
+        chunk_size=16,
+        latency_base_ms=1.0,
+        latency_per_token_us=1.0,
+        writer_threads=2,
+    )
+    async with running_fake_server(options) as srv:
+        srv.pause_passes()
+        tasks = [
+            asyncio.create_task(post_hsx(session, srv.url, rid, ids))
+            for rid, ids in prompts.items()
+        ]
+        async with asyncio.timeout(WAIT_S):
+            for rid in prompts:
+                await srv.stats.wait_received(rid)
+        srv.resume_passes()
+        results = await asyncio.gather(*tasks)
+        assert srv.stats.passes > 4
+    assert all(status == 200 for status, _ in results)
+    for rid, ids in prompts.items():
+        meta = check_dump(shm_root, rid, ids)
+        assert meta.parts[-1][1] == len(ids)
+    assert srv.stats.tokens_dumped == sum(len(v) for v in prompts.values())
+
+
 async def test_request_without_ns_is_served_and_dumps_nothing(
     shm_root: Path, session: aiohttp.ClientSession
 ) -> None:
