@@ -78,7 +78,7 @@ class ServerPool:
         except TimeoutError:
             detail = "; ".join(f"{s.display}: {s.last_error or 'no answer'}" for s in self.servers)
             raise NoServerError(
-                f"no server answered for {self.unreachable_timeout:.0f} s "
+                f"no server answered for {self.unreachable_timeout:g} s "
                 f"(server.unreachable_timeout) — {detail}. Start or fix the servers, or "
                 "check [server].urls"
             ) from None
@@ -162,7 +162,7 @@ class SGLangClient:
                 status = resp.status
         except TimeoutError:
             raise RequestError(
-                f"{server.display}: no response within {timeout:.0f} s (server.request_timeout)"
+                f"{server.display}: no response within {timeout:g} s (server.request_timeout)"
             ) from None
         except aiohttp.ClientError as exc:
             raise RequestError(

@@ -181,7 +181,7 @@ async def wait_for_meta(rid_dir: Path, timeout: float) -> bytes:
                 delay = min(delay * 2, _POLL_MAX)
     except TimeoutError:
         raise DumpError(
-            f"no meta.json in {rid_dir} {timeout:.0f} s after the response (dump.timeout); "
+            f"no meta.json in {rid_dir} {timeout:g} s after the response (dump.timeout); "
             "is the hsx hook loaded and HSX_DUMP_ROOT the same as dump.root?"
         ) from None
     return data

@@ -47,7 +47,7 @@ REASONS: dict[str, str] = {
     "cached_tokens": r"cached_tokens is \d+: a prefix-cache hit skips rows",
     "wrong_prompt_tokens": r"meta_info\.prompt_tokens is \d+, the request had \d+ tokens",
     "wrong_rid": r"meta_info\.id is '.*-not-mine', expected",
-    "hang": r"no response within \d+ s \(server\.request_timeout\)",
+    "hang": r"no response within [\d.]+ s \(server\.request_timeout\)",
 }
 # Enough attempts that a sample failing every one at a 30% fault rate is out of reach
 # (0.3^12 ≈ 5e-7), though rids, hence fault draws, change on every run.

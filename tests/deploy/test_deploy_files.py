@@ -468,6 +468,36 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     assert proc.returncode == 0 and not findings, out
 
 
+MOUNT = DEPLOY / "systemd" / "dev-shm-hsx.mount"
+
+
+def test_dump_root_mount_unit_is_a_huge_page_tmpfs_at_the_example_dump_root() -> None:
+    """The optional mount unit (bench/README.md: huge pages cut the client's CPU per GB
+    by more than half) mounts where the example config, the service and the hook expect."""
+    mount = _parse_unit(MOUNT)["Mount"]
+    where = mount["Where"][-1]
+    # systemd requires the unit's name to be its escaped path.
+    assert MOUNT.stem == where.strip("/").replace("-", "\\x2d").replace("/", "-")
+    assert mount["Type"][-1] == mount["What"][-1] == "tmpfs"
+    options = mount["Options"][-1].split(",")
+    assert "huge=within_size" in options
+    assert _size_bytes(next(o for o in options if o.startswith("size="))[5:]) >= 8 << 30
+    config = tomllib.loads((DEPLOY / "examples" / "kimi-k2.5.toml").read_text())
+    assert config["dump"]["root"] == where
+    writable = " ".join(_parse_unit(UNIT)["Service"].get("ReadWritePaths", [])).split()
+    assert any(p.lstrip("-") == where for p in writable)
+    if shutil.which("systemd-analyze") is not None:
+        proc = subprocess.run(
+            ["systemd-analyze", "verify", str(MOUNT)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and MOUNT.name not in out, out
+
+
 # --- example configs -----------------------------------------------------------------
 
 
