@@ -10,13 +10,18 @@ fake server has no modelled latency; hidden size 512 by default (16 KiB a token)
 configuration runs as its own ``hsx run`` with a fresh fake server; CPU per request is net
 of the fixed cost of a run with no samples.
 A null client (POST, wait for the commit, delete; no copy) shows what the fake server
-itself can answer.
+itself can answer, and a "file floor" phase what the kernel charges for one small file
+on the output disk alone (no hsx, one thread): create, write, close, rename, with and
+without the syncs a durable sample needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +115,58 @@ def null_run(ctx: Ctx, lengths: Sequence[int], concurrency: int) -> dict[str, An
     }
 
 
+FILE_MODES = (
+    ("create, write, rename (no sync)", False, 0),
+    ("... + fsync file, fsync directory, each file", True, 1),
+    ("... + fsync file, fsync directory per 32 files", True, 32),
+)
+
+
+def file_floor(ctx: Ctx, files: int, rounds: int = 3) -> list[dict[str, Any]]:
+    """The kernel's price of one small file on the output disk, in this process and
+    thread (nothing else runs meanwhile): what a tiny sample costs before any Python.
+    Modes are taken in turn, ``rounds`` times; each figure is the median round."""
+    data = np.random.default_rng(3).bytes(8192)
+    results: dict[str, list[tuple[float, float, float]]] = {m[0]: [] for m in FILE_MODES}
+    for _ in range(rounds):
+        for name, sync, batch in FILE_MODES:
+            d = ctx.s.fresh("file-floor")
+            dir_fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            ru0, t0 = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
+            for i in range(files):
+                tmp, final = d / f".{i}.tmp", d / f"{i}.safetensors"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                os.write(fd, data)
+                if sync:
+                    os.fsync(fd)
+                os.close(fd)
+                tmp.rename(final)
+                if sync and (i + 1) % batch == 0:
+                    os.fsync(dir_fd)
+            if sync:
+                os.fsync(dir_fd)
+            ru1, t1 = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
+            os.close(dir_fd)
+            remove(d)
+            results[name].append(
+                (files / (t1 - t0), ru1.ru_utime - ru0.ru_utime, ru1.ru_stime - ru0.ru_stime)
+            )
+    rows = []
+    for name, runs in results.items():
+        rate, user, sys_ = sorted(runs)[len(runs) // 2]
+        rows.append(
+            {
+                "name": name,
+                "files": files,
+                "files_per_s": rate,
+                "user_ms_per_file": user / files * 1e3,
+                "sys_ms_per_file": sys_ / files * 1e3,
+                "rounds_files_per_s": [r[0] for r in runs],
+            }
+        )
+    return rows
+
+
 def configs(args: argparse.Namespace) -> list[tuple[str, int, dict[str, Any]]]:
     """(name, concurrency, [writer] keys): the defaults at several concurrencies, then more
     writer threads, which hides fsync latency when files are tiny."""
@@ -149,7 +206,8 @@ def run_all(ctx: Ctx) -> dict[str, Any]:
         print(f"  {name}: {row['requests_per_s']:,.0f} requests/s", flush=True)
     null = null_run(ctx, lengths, max(ctx.args.concurrency))
     print(f"  {null['name']}: {null['requests_per_s']:,.0f} requests/s", flush=True)
-    return {"idle": idle, "runs": rows, "null": null}
+    floor = file_floor(ctx, min(len(lengths), 2000))
+    return {"idle": idle, "runs": rows, "null": null, "file_floor": floor}
 
 
 def report(data: dict[str, Any]) -> list[str]:
@@ -168,7 +226,14 @@ def report(data: dict[str, Any]) -> list[str]:
     )
     headers = ["client", "requests", "requests/s", "client CPU ms/request",
                "server CPU ms/request", "client peak RSS MB"]  # fmt: skip
-    return [print_table(title, headers, rows)]
+    floor = [
+        [f["name"], f["files"], f["files_per_s"], f["user_ms_per_file"] + f["sys_ms_per_file"],
+         f["sys_ms_per_file"]]
+        for f in data["file_floor"]
+    ]  # fmt: skip
+    floor_title = "File floor: 8 KiB files on the output disk, one thread, no hsx (median of 3)"
+    floor_headers = ["what", "files", "files/s", "CPU ms/file", "of which system"]
+    return [print_table(title, headers, rows), print_table(floor_title, floor_headers, floor)]
 
 
 def plot(data: dict[str, Any], path: Path) -> None:

@@ -16,7 +16,9 @@ lengths from a log-normal of mean 2,350 tokens clipped to 32k. Phases, in this o
    server is not the bottleneck and hsx copies exactly the bytes of phase 1.
    Phases 1 and 2 run ``--repeat`` rounds in turn (default 3; the bytes are written afresh
    for each) and each figure is the median round: the virtual disk's speed drifts by
-   ±15% from minute to minute.
+   ±15% from minute to minute. hsx's place in the round rotates (first, middle, last), so
+   the after-effects of one phase on the disk (write-back, discards of the output just
+   deleted) fall on every method alike.
 3. **fake server alone**: ``hsx fake-server`` drained by a null client (no copy): what the
    fake server can produce on this machine.
 4. **hsx, fake server**: the real end to end, fake server and hsx sharing the cores.
@@ -564,15 +566,31 @@ def side_by_side(
     for round_ in range(args.repeat):
         prefab_dir = s.fresh(f"prefab-{round_}", on_shm=True)
         prefabs = make_prefabs(prefab_dir, lengths, ctx.model)
-        for runs, (method, threads, named) in zip(raw_runs, variants, strict=True):
+        # hsx's place in the round rotates (first, middle, last ...): whatever the disk
+        # carries over from the phase before (write-back, discards of the deleted output)
+        # falls on every method alike. hsx consumes the dumps, so it copies them last.
+        hsx_at = round_ * (len(variants) + 1) // max(args.repeat, 1)
+        for i, (runs, (method, threads, named)) in enumerate(zip(raw_runs, variants, strict=True)):
+            if i == hsx_at and "prefab" in args.phases:
+                hsx_runs.append(_hsx_round(ctx, round_, lengths, prefab_dir, prefabs))
             runs.append(raw_copy(prefabs, s.disk / "raw", method, threads, named=named))
             print_progress(runs[-1])
-        if "prefab" in args.phases:
-            run = hsx_prefab(ctx, f"hsx-prefab-{round_}", lengths, prefab_dir)
-            hsx_runs.append(hsx_row("hsx, prefab server", run))
-            print_progress(hsx_runs[-1])
+        if hsx_at >= len(variants) and "prefab" in args.phases:
+            hsx_runs.append(_hsx_round(ctx, round_, lengths, prefab_dir, prefabs))
         remove(prefab_dir)
     return raw_runs, hsx_runs
+
+
+def _hsx_round(
+    ctx: Ctx, round_: int, lengths: Sequence[int], prefab_dir: Path, prefabs: list[Prefab]
+) -> dict[str, Any]:
+    """hsx over this round's dumps, which it consumes; they are written again after it
+    for the raw copies still to come (same lengths, same bytes)."""
+    run = hsx_prefab(ctx, f"hsx-prefab-{round_}", lengths, prefab_dir)  # removes the dir
+    row = hsx_row("hsx, prefab server", run)
+    print_progress(row)
+    prefabs[:] = make_prefabs(prefab_dir, lengths, ctx.model)
+    return row
 
 
 def no_fsync_phase(ctx: Ctx, lengths: Sequence[int]) -> list[dict[str, Any]]:

@@ -105,6 +105,9 @@ def test_overhead_smoke(tmp_path: Path, shm_root: Path) -> None:
         assert row["samples"] == 40
         assert positive(row["requests_per_s"]) and positive(row["cpu_s"])
     assert positive(data["null"]["requests_per_s"])
+    assert len(data["file_floor"]) == 3
+    for row in data["file_floor"]:
+        assert row["files"] == 40 and positive(row["files_per_s"])
 
 
 def test_baseline_serial_copies_every_sample(tmp_path: Path, shm_root: Path) -> None:
