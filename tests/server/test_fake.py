@@ -291,24 +291,31 @@ async def test_random_chunks_split_prompts(shm_root: Path, session: aiohttp.Clie
     assert max(counts) > 1
 
 
+async def post_queued(
+    srv: FakeServerHandle, session: aiohttp.ClientSession, prompts: dict[str, list[int]]
+) -> list[int]:
+    """POST every prompt with passes paused until all are queued, so passes are batches;
+    returns the HTTP statuses in prompt order."""
+    srv.pause_passes()
+    tasks = [
+        asyncio.create_task(post_hsx(session, srv.url, rid, ids)) for rid, ids in prompts.items()
+    ]
+    async with asyncio.timeout(WAIT_S):
+        for rid in prompts:
+            await srv.stats.wait_received(rid)
+    srv.resume_passes()
+    return [status for status, _ in await asyncio.gather(*tasks)]
+
+
 async def test_concurrent_requests_are_batched_and_each_dump_is_right(
     shm_root: Path, session: aiohttp.ClientSession
 ) -> None:
     prompts = {f"c{i}": prompt(5 + 7 * i, seed=i) for i in range(10)}
     options = FakeOptions(dump_root=shm_root, max_batch_tokens=100, writer_threads=2)
     async with running_fake_server(options) as srv:
-        srv.pause_passes()  # let every request reach the queue, so passes are batches
-        tasks = [
-            asyncio.create_task(post_hsx(session, srv.url, rid, ids))
-            for rid, ids in prompts.items()
-        ]
-        async with asyncio.timeout(WAIT_S):
-            for rid in prompts:
-                await srv.stats.wait_received(rid)
-        srv.resume_passes()
-        results = await asyncio.gather(*tasks)
+        statuses = await post_queued(srv, session, prompts)
         assert srv.stats.max_pass_requests > 2
-    assert all(status == 200 for status, _ in results)
+    assert statuses == [200] * len(prompts)
     parts = 0
     for rid, ids in prompts.items():
         parts += len(check_dump(shm_root, rid, ids).parts)
@@ -332,18 +339,9 @@ async def test_with_modelled_gpu_time_passes_overlap_their_writes_and_dumps_stay
         writer_threads=2,
     )
     async with running_fake_server(options) as srv:
-        srv.pause_passes()
-        tasks = [
-            asyncio.create_task(post_hsx(session, srv.url, rid, ids))
-            for rid, ids in prompts.items()
-        ]
-        async with asyncio.timeout(WAIT_S):
-            for rid in prompts:
-                await srv.stats.wait_received(rid)
-        srv.resume_passes()
-        results = await asyncio.gather(*tasks)
+        statuses = await post_queued(srv, session, prompts)
         assert srv.stats.passes > 4
-    assert all(status == 200 for status, _ in results)
+    assert statuses == [200] * len(prompts)
     for rid, ids in prompts.items():
         meta = check_dump(shm_root, rid, ids)
         assert meta.parts[-1][1] == len(ids)
