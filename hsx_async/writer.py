@@ -80,7 +80,7 @@ class Staged:
     tmp: Path
     final: Path
     entry: ManifestEntry
-    new_dirs: tuple[Path, ...]  # directories whose entries publish must sync (new buckets)
+    new_dirs: tuple[Path, ...]  # directories whose name publish must make durable first
 
 
 class _AlignedBuffers(threading.local):
@@ -167,7 +167,7 @@ class FileWriter:
         stops here; temp files not yet renamed stay for a resume to delete."""
         to_sync: dict[Path, None] = {}  # ordered: parents before the buckets in them
         for staged in batch:
-            to_sync.update(dict.fromkeys(staged.new_dirs))
+            to_sync.update(dict.fromkeys(d.parent for d in staged.new_dirs))
         for i, staged in enumerate(batch):
             failpoint("writer.after_fsync")
             try:
@@ -187,7 +187,8 @@ class FileWriter:
                     fsync_dir(directory)
                 except OSError as exc:  # the files are in place but their names not durable
                     raise _write_error(exc, directory) from exc
-        self._names_durable.update(s.final.parent for s in batch if s.new_dirs)
+        for staged in batch:
+            self._names_durable.update(staged.new_dirs)
 
     def forget(self, staged: Staged) -> None:
         """Delete a staged file that will not be published (its commit failed)."""
@@ -205,23 +206,24 @@ class FileWriter:
         self._temps.clear()
 
     def _ensure_dir(self, directory: Path) -> tuple[Path, ...]:
-        """Create the bucket directory if needed. Returns the directories whose entries
-        must be synced before a file in it is listed (a bucket's name lives in its parent),
-        until a publish has synced them once this run, whether this run created the
-        bucket or a crashed one did."""
+        """Create the bucket directory if needed. Returns the directories, outermost first,
+        whose own name is not yet known durable in their parent this run (whether this run
+        created them or a crashed one did): a publish syncs their parents before listing a
+        file inside, once per run for each."""
         if directory in self._names_durable:
-            return ()
-        with self._lock:
-            if directory not in self._dirs_ready:
-                directory.mkdir(parents=True, exist_ok=True)
-                _refuse_links(self.out_dir, directory)
-                self._dirs_ready.add(directory)
-        parents = []
+            return ()  # and so is every name above it
+        if directory not in self._dirs_ready:
+            with self._lock:
+                if directory not in self._dirs_ready:
+                    directory.mkdir(parents=True, exist_ok=True)
+                    _refuse_links(self.out_dir, directory)
+                    self._dirs_ready.add(directory)
+        names = []
         current = directory
-        while current != self.out_dir:
-            parents.append(current.parent)
+        while current != self.out_dir and current not in self._names_durable:
+            names.append(current)
             current = current.parent
-        return tuple(reversed(parents))
+        return tuple(reversed(names))
 
     def _write_file(self, tmp: Path, job: WriteJob) -> tuple[str, int]:
         hasher = xxhash.xxh3_64()

@@ -424,6 +424,25 @@ def test_a_bucket_name_is_synced_until_a_publish_succeeded(
     assert synced == ["data/cc"], "once durable, only the bucket's entries"
 
 
+def test_each_name_above_a_bucket_is_synced_once_a_run(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second new bucket needs only its own name synced (in data/): the name of data/
+    in the output directory is already durable."""
+    a, b = (make_case(shm_root, ALIGNED, sid=f"s-{i}") for i in range(2))
+    jobs = [
+        dataclasses.replace(x.job, relpath=f"data/{bucket}/{sample_key(x.job.sample.id)}.st")
+        for x, bucket in ((a, "aa"), (b, "bb"))
+    ]
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
+    synced = _record_dir_syncs(monkeypatch, out)
+    fw.publish([fw.stage(jobs[0])])
+    assert synced == [".", "data", "data/aa"]
+    synced.clear()
+    fw.publish([fw.stage(jobs[1])])
+    assert synced == ["data", "data/bb"]
+
+
 def test_discard_temps_removes_what_was_staged_and_never_published(
     shm_root: Path, out: Path
 ) -> None:
