@@ -25,6 +25,7 @@ import os
 import random
 import shutil
 import signal
+import stat
 import statistics
 import sys
 import tempfile
@@ -94,14 +95,17 @@ def _proc(pid: int) -> tuple[int, int, int, float]:
 
 
 def _shm(root: Path) -> tuple[int, int]:
+    """Bytes and entries under ``root``. Dumps come and go while it looks: os.walk skips a
+    directory that vanishes between listing and entering it (Path.rglob raises)."""
     size = entries = 0
-    for path in root.rglob("*"):
-        entries += 1
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            continue
-        size += st.st_size if path.is_file() else 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        entries += len(dirnames) + len(filenames)
+        for name in filenames:
+            try:
+                st = (Path(dirpath) / name).lstat()
+            except FileNotFoundError:
+                continue
+            size += st.st_size if stat.S_ISREG(st.st_mode) else 0
     return size, entries
 
 
