@@ -424,6 +424,19 @@ def drain_server(
     return asyncio.run(main()), sum(lengths)
 
 
+def fake_server_drained(
+    model: Model, dump_root: Path, log: Path, lengths: Sequence[int], concurrency: int
+) -> tuple[float, int, float]:
+    """A fresh fake server (no latency model) drained by the null client: what the server
+    alone can produce here. Returns (seconds, tokens, the server's CPU seconds)."""
+    with ServerProcess(fake_server_argv(model, dump_root), log) as srv:
+        cpu0 = srv.cpu_s()
+        seconds, tokens = drain_server(
+            srv.url, lengths, concurrency=concurrency, dump_root=dump_root, ns_prefix="null"
+        )
+        return seconds, tokens, srv.cpu_s() - cpu0
+
+
 # -- the hsx client -------------------------------------------------------------------------
 
 

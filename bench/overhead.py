@@ -35,8 +35,8 @@ from common import (
     apply_common,
     client_config,
     common_args,
-    drain_server,
     fake_server_argv,
+    fake_server_drained,
     machine_info,
     print_table,
     pyplot,
@@ -98,13 +98,10 @@ def hsx_run(
 
 
 def null_run(ctx: Ctx, lengths: Sequence[int], concurrency: int) -> dict[str, Any]:
-    argv = fake_server_argv(ctx.model, ctx.dump_root)
-    with ServerProcess(argv, ctx.s.work / "null-server.log") as srv:
-        cpu0 = srv.cpu_s()
-        seconds, _ = drain_server(
-            srv.url, lengths, concurrency=concurrency, dump_root=ctx.dump_root, ns_prefix="null"
-        )
-        server_cpu = srv.cpu_s() - cpu0
+    log = ctx.s.work / "null-server.log"
+    seconds, _, server_cpu = fake_server_drained(
+        ctx.model, ctx.dump_root, log, lengths, concurrency
+    )
     return {
         "name": f"null client (no copy), concurrency {concurrency}",
         "concurrency": concurrency,

@@ -54,9 +54,9 @@ from common import (
     apply_common,
     client_config,
     common_args,
-    drain_server,
     drop_caches,
     fake_server_argv,
+    fake_server_drained,
     length_stats,
     lognormal_lengths,
     machine_info,
@@ -458,13 +458,8 @@ def hsx_fake(ctx: Ctx, samples: Path) -> tuple[ClientRun, float]:
 
 
 def fake_alone(ctx: Ctx, lengths: Sequence[int], concurrency: int) -> dict[str, Any]:
-    argv = fake_server_argv(ctx.model, ctx.dump_root)
-    with ServerProcess(argv, ctx.s.work / "fake-alone.log") as srv:
-        cpu0 = srv.cpu_s()
-        seconds, tokens = drain_server(
-            srv.url, lengths, concurrency=concurrency, dump_root=ctx.dump_root, ns_prefix="null"
-        )
-        cpu = srv.cpu_s() - cpu0
+    log = ctx.s.work / "fake-alone.log"
+    seconds, tokens, cpu = fake_server_drained(ctx.model, ctx.dump_root, log, lengths, concurrency)
     moved = tokens * ctx.model.row_bytes
     return {
         "name": "fake server alone (null client)",
