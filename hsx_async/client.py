@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Sequence
@@ -21,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 import structlog
+import yarl
 
 from hsx_async.config import redact_url
 from hsx_async.errors import NoServerError, RequestError
@@ -32,6 +34,7 @@ log = structlog.get_logger("hsx.client")
 # connection takes it out at once.
 SOFT_FAILURES_TO_EVICT = 3
 _BODY_EXCERPT = 300
+_JSON = {"Content-Type": "application/json"}
 
 
 @dataclass(eq=False)
@@ -44,6 +47,11 @@ class Server:
     last_error: str = ""
     down_since: float | None = None
     retired: bool = False  # removed from the config by a reload
+
+    @functools.cached_property
+    def generate_url(self) -> yarl.URL:
+        """Parsed once: a string would be parsed again for every request."""
+        return yarl.URL(f"{self.url}/generate")
 
     @property
     def display(self) -> str:
@@ -153,10 +161,7 @@ class SGLangClient:
         body = orjson.dumps(generate_body(rid, ns, input_ids), option=orjson.OPT_SERIALIZE_NUMPY)
         try:
             async with self.session.post(
-                f"{server.url}/generate",
-                data=body,
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=timeout),
+                server.generate_url, data=body, headers=_JSON, timeout=_timeout(timeout)
             ) as resp:
                 payload = await resp.read()
                 status = resp.status
@@ -217,6 +222,11 @@ class SGLangClient:
             if error:
                 server.last_error = error
                 await self.pool.evict(server, error)
+
+
+@functools.lru_cache(maxsize=8)
+def _timeout(total: float) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=total)
 
 
 def _redact_text(text: str, url: str) -> str:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import re
 import shutil
 import stat
 from collections.abc import Iterable
@@ -117,7 +118,53 @@ def sweep_namespace(ns_dir: Path, keep: Iterable[str]) -> int:
     return len(names)
 
 
-def _open_nofollow(path: Path, flags: int, dir_fd: int | None = None) -> int:
+def has_debris(ns_dir: Path, keep: Iterable[str]) -> bool:
+    """Whether the namespace holds anything but the ``keep`` rids, or is not a plain
+    directory: a look that removes nothing (:func:`sweep_namespace` does that)."""
+    keep = set(keep)
+    fd = _open_dir(ns_dir)
+    if fd is None:
+        return True
+    try:
+        with os.scandir(fd) as entries:
+            return any(e.name not in keep for e in entries)
+    finally:
+        os.close(fd)
+
+
+def tmpfs_mounts() -> list[tuple[Path, list[str]]]:
+    """Mount point and options of every tmpfs this process sees."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text()
+    except OSError:
+        return []
+    found = []
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[2] == "tmpfs":
+            found.append((Path(_unescape_mount(fields[1])), fields[3].split(",")))
+    return found
+
+
+def on_tmpfs(path: Path) -> bool:
+    """Whether ``path`` lies on a tmpfs: its metadata calls never wait for a device."""
+    try:
+        dev = path.stat().st_dev
+    except OSError:
+        return False
+    for mount, _ in tmpfs_mounts():
+        with contextlib.suppress(OSError):
+            if mount.stat().st_dev == dev:
+                return True
+    return False
+
+
+def _unescape_mount(path: str) -> str:
+    """/proc/self/mounts writes a space as \\040 (and so on, in octal)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
+
+
+def _open_nofollow(path: Path | str, flags: int, dir_fd: int | None = None) -> int:
     """Open without following a link; a link or non-directory becomes a DumpError."""
     try:
         return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
@@ -131,10 +178,12 @@ def open_dump_dir(rid_dir: Path) -> int:
     """A descriptor of ``<root>/<ns>/<rid>`` opened one component at a time with
     O_NOFOLLOW below the (operator-owned) root, so neither a namespace nor a request
     directory swapped for a link is ever followed. FileNotFoundError if it is gone."""
-    fd = os.open(rid_dir.parent.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    ns_path, rid = os.path.split(os.fspath(rid_dir))  # str: no Path objects per request
+    root, ns = os.path.split(ns_path)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for name in (rid_dir.parent.name, rid_dir.name):
-            next_fd = _open_nofollow(Path(name), os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        for name in (ns, rid):
+            next_fd = _open_nofollow(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = next_fd
     except BaseException:
@@ -145,6 +194,18 @@ def open_dump_dir(rid_dir: Path) -> int:
 
 def read_meta(rid_dir: Path) -> bytes | None:
     """``meta.json`` bytes once visible; None before. Links and non-files are refused."""
+    found = _look(rid_dir, sizes=False)
+    return None if found is None else found[0]
+
+
+def read_dump(rid_dir: Path) -> tuple[bytes, dict[tuple[int, int], int]] | None:
+    """``meta.json`` and the sizes of the visible parts, through one descriptor of the
+    dump's directory; None before the commit. (meta.json is renamed last: once it is
+    visible, so is every part.)"""
+    return _look(rid_dir, sizes=True)
+
+
+def _look(rid_dir: Path, *, sizes: bool) -> tuple[bytes, dict[tuple[int, int], int]] | None:
     try:
         dir_fd = open_dump_dir(rid_dir)
     except FileNotFoundError:
@@ -152,22 +213,23 @@ def read_meta(rid_dir: Path) -> bytes | None:
     except DumpError:
         raise DumpError(f"{rid_dir.name}: meta.json or its directory is a link") from None
     try:
-        fd = _open_nofollow(Path(META_NAME), os.O_RDONLY, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return None
-    except DumpError:
-        raise DumpError(f"{rid_dir.name}: meta.json or its directory is a link") from None
+        try:
+            fd = _open_nofollow(META_NAME, os.O_RDONLY, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        except DumpError:
+            raise DumpError(f"{rid_dir.name}: meta.json or its directory is a link") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise DumpError(f"{rid_dir.name}: meta.json is not a regular file")
+            data = os.read(fd, _META_MAX + 1)
+        finally:
+            os.close(fd)
+        if len(data) > _META_MAX:
+            raise DumpError(f"{rid_dir.name}: meta.json is over {_META_MAX} bytes")
+        return data, (_part_sizes_at(dir_fd) if sizes else {})
     finally:
         os.close(dir_fd)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise DumpError(f"{rid_dir.name}: meta.json is not a regular file")
-        data = os.read(fd, _META_MAX + 1)
-    finally:
-        os.close(fd)
-    if len(data) > _META_MAX:
-        raise DumpError(f"{rid_dir.name}: meta.json is over {_META_MAX} bytes")
-    return data
 
 
 async def wait_for_meta(rid_dir: Path, timeout: float) -> bytes:
@@ -189,26 +251,30 @@ async def wait_for_meta(rid_dir: Path, timeout: float) -> bytes:
 
 def _part_sizes(rid_dir: Path) -> dict[tuple[int, int], int]:
     """Sizes of the visible part files; temp files (leading '.') are ignored."""
-    sizes: dict[tuple[int, int], int] = {}
     try:
         dir_fd = open_dump_dir(rid_dir)
     except FileNotFoundError:
         raise DumpError(f"{rid_dir.name} vanished before it was validated") from None
     try:
-        with os.scandir(dir_fd) as entries:
-            for entry in entries:
-                span = parse_part_name(entry.name)
-                if span is None:
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    raise DumpError(f"{entry.name} vanished during validation") from None
-                if not stat.S_ISREG(st.st_mode):
-                    raise DumpError(f"{entry.name} is not a regular file")
-                sizes[span] = st.st_size
+        return _part_sizes_at(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _part_sizes_at(dir_fd: int) -> dict[tuple[int, int], int]:
+    sizes: dict[tuple[int, int], int] = {}
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            span = parse_part_name(entry.name)
+            if span is None:
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                raise DumpError(f"{entry.name} vanished during validation") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise DumpError(f"{entry.name} is not a regular file")
+            sizes[span] = st.st_size
     return sizes
 
 
@@ -221,9 +287,11 @@ def validate_dump(
     hidden_size: int,
     aux_layers: tuple[int, ...],
     row_bytes: int,
+    sizes: dict[tuple[int, int], int] | None = None,
 ) -> Dump:
-    """Every check of PROTOCOL §3; any failure raises :class:`DumpError`."""
+    """Every check of PROTOCOL §3; any failure raises :class:`DumpError`. ``sizes``: the
+    part sizes :func:`read_dump` saw with ``meta_bytes`` (else the directory is listed)."""
     meta = parse_meta(meta_bytes)
     check_meta(meta, rid=rid, num_tokens=num_tokens, hidden_size=hidden_size, aux_layers=aux_layers)
-    check_part_sizes(meta, _part_sizes(rid_dir), row_bytes)
+    check_part_sizes(meta, _part_sizes(rid_dir) if sizes is None else sizes, row_bytes)
     return Dump(rid_dir, meta)

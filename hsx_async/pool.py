@@ -32,8 +32,10 @@ from hsx_async.client import ServerPool, SGLangClient
 from hsx_async.config import Config
 from hsx_async.dump import (
     Dump,
+    has_debris,
+    on_tmpfs,
     prepare_namespace,
-    read_meta,
+    read_dump,
     remove_tree,
     sweep_namespace,
     validate_dump,
@@ -231,6 +233,8 @@ class Pipeline:
         self.workers_running = 0
         self.workers_done = asyncio.Event()
         self.namespaces: set[Path] = set()  # removed when the run ends
+        # Dumps on a tmpfs are looked at on the event loop, elsewhere from a thread.
+        self.dump_on_tmpfs: bool | None = None  # known once the first namespace exists
         self._next_worker = 0
         self.in_flight = 0
         self._changed = asyncio.Event()
@@ -301,6 +305,8 @@ class Pipeline:
         ns = self.namespace(index)
         ns_dir = await self.to_thread(prepare_namespace, self.config.dump.root, ns)
         self.namespaces.add(ns_dir)
+        if self.dump_on_tmpfs is None:
+            self.dump_on_tmpfs = await self.to_thread(on_tmpfs, ns_dir)
         try:
             # The check and the decrement in `finally` run without an await between
             # them, so exactly the surplus retires after a shrink.
@@ -389,11 +395,10 @@ class Pipeline:
                 raise
             self.servers.succeeded(server)
         rid_dir = ns_dir / rid
+        keep = {*self.live_rids[ns], rid}
 
-        def check(meta: bytes | None) -> Dump | None:
-            if meta is None and (meta := read_meta(rid_dir)) is None:
-                return None  # not committed yet: poll for it on the event loop
-            dump = validate_dump(
+        def validate(meta: bytes, sizes: dict[tuple[int, int], int] | None) -> Dump:
+            return validate_dump(
                 rid_dir,
                 meta,
                 rid=rid,
@@ -401,18 +406,36 @@ class Pipeline:
                 hidden_size=cfg.model.hidden_size,
                 aux_layers=cfg.model.aux_layers,
                 row_bytes=cfg.model.row_bytes,
+                sizes=sizes,
             )
-            # Debris that arrived since the last look goes in the same thread hop.
-            sweep_namespace(ns_dir, keep)
+
+        def look() -> Dump | None:
+            found = read_dump(rid_dir)
+            return None if found is None else validate(*found)
+
+        # The hook commits before it responds, so the first look nearly always finds
+        # meta.json; the poll (on the event loop, backing off) is for late commits.
+        dump: Dump | None
+        if self.dump_on_tmpfs:
+            # No call here waits for a device: on the loop they cost less than a thread
+            # hop (a wake-up and a GIL hand-over each way). Debris, rare, goes in a thread.
+            dump = look()
+            if dump is None:
+                dump = validate(await _wait_for_meta(rid_dir, cfg.dump.timeout), None)
+            if has_debris(ns_dir, keep):
+                await self.to_thread(sweep_namespace, ns_dir, keep)
             return dump
 
-        # The hook commits before it responds, so the first look (in the thread that
-        # validates) nearly always finds meta.json; the poll is for late commits.
-        keep = {*self.live_rids[ns], rid}
-        dump: Dump | None = await self.to_thread(check, None)
+        def look_and_sweep(meta: bytes | None) -> Dump | None:
+            dump = look() if meta is None else validate(meta, None)
+            if dump is not None:
+                sweep_namespace(ns_dir, keep)  # debris since the last look: same thread hop
+            return dump
+
+        dump = await self.to_thread(look_and_sweep, None)
         if dump is None:
             meta = await _wait_for_meta(rid_dir, cfg.dump.timeout)
-            dump = await self.to_thread(check, meta)
+            dump = await self.to_thread(look_and_sweep, meta)
         assert dump is not None
         return dump
 

@@ -37,7 +37,6 @@ import contextlib
 import errno
 import mmap
 import os
-import re
 import stat
 import threading
 from concurrent import futures
@@ -47,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from hsx_async.dump import Dump, open_dump_dir
+from hsx_async.dump import Dump, open_dump_dir, tmpfs_mounts
 from hsx_async.durable import fsync_dir
 from hsx_async.errors import DiskFullError, DumpError, WriteError
 from hsx_async.failpoints import failpoint
@@ -378,27 +377,15 @@ def _on_huge_pages(fd: int) -> bool:
 def _huge_tmpfs_devices() -> set[int]:
     """Devices of the tmpfs mounts with ``huge=always`` or ``huge=within_size`` (or every
     tmpfs, when the kernel forces huge pages on all of them)."""
-    try:
-        mounts = Path("/proc/self/mounts").read_text()
-    except OSError:
-        return set()
     forced = False
     with contextlib.suppress(OSError):
         forced = "[force]" in Path(_SHMEM_ENABLED).read_text()
     devices: set[int] = set()
-    for line in mounts.splitlines():
-        fields = line.split()
-        if len(fields) < 4 or fields[2] != "tmpfs":
-            continue
-        options = fields[3].split(",")
+    for mount, options in tmpfs_mounts():
         if forced or "huge=always" in options or "huge=within_size" in options:
             with contextlib.suppress(OSError):
-                devices.add(Path(_unescape_mount(fields[1])).stat().st_dev)
+                devices.add(mount.stat().st_dev)
     return devices
-
-
-def _unescape_mount(path: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
 
 
 def _parts(job: WriteJob) -> list[tuple[Path, int]]:

@@ -14,7 +14,10 @@ import pytest
 
 from hsx_async.dump import (
     Dump,
+    has_debris,
+    on_tmpfs,
     prepare_namespace,
+    read_dump,
     remove_tree,
     sweep_namespace,
     validate_dump,
@@ -163,6 +166,62 @@ def test_sweep_namespace_keeps_only_the_keep_set(shm_root: Path, tmp_path: Path)
     assert (outside / "f").exists()
     assert sweep_namespace(ns_dir, {"live-1", "live-2"}) == 0
     assert sweep_namespace(shm_root / "missing", set()) == 0
+
+
+def test_has_debris_sees_what_a_sweep_would_remove_and_removes_nothing(
+    shm_root: Path, tmp_path: Path
+) -> None:
+    ns_dir = prepare_namespace(shm_root, "hsx-w0")
+    assert not has_debris(ns_dir, set())
+    write_dump(ns_dir / "live-1")
+    assert not has_debris(ns_dir, {"live-1"})
+    (ns_dir / ".late-part").write_bytes(b"x")
+    assert has_debris(ns_dir, {"live-1"})
+    assert (ns_dir / ".late-part").exists()
+    sweep_namespace(ns_dir, {"live-1"})
+    assert not has_debris(ns_dir, {"live-1"})
+    # A namespace swapped for a link, or gone: a sweep must look at it.
+    shutil.rmtree(ns_dir)
+    assert has_debris(ns_dir, set())
+    ns_dir.symlink_to(tmp_path)
+    assert has_debris(ns_dir, set())
+
+
+def test_on_tmpfs_tells_the_dump_root_from_other_file_systems(shm_root: Path) -> None:
+    assert on_tmpfs(shm_root)
+    assert not on_tmpfs(Path("/proc/self"))
+    assert not on_tmpfs(shm_root / "missing")
+
+
+# --- reading a committed dump ----------------------------------------------------------
+
+
+def test_read_dump_gives_meta_and_part_sizes_once_committed(rid_dir: Path) -> None:
+    assert read_dump(rid_dir) is None  # no directory yet
+    rid_dir.mkdir(parents=True)
+    (rid_dir / part_name(0, 4)).write_bytes(bytes(4 * ROW))
+    assert read_dump(rid_dir) is None  # parts, but no meta.json: not committed
+    meta = write_dump(rid_dir)
+    found = read_dump(rid_dir)
+    assert found is not None
+    assert found[0] == meta
+    assert found[1] == {(0, 4): 4 * ROW, (4, 10): 6 * ROW}
+    assert validate(rid_dir, meta, sizes=found[1]).meta.parts == PARTS
+
+
+def test_validation_uses_the_sizes_it_is_given(rid_dir: Path) -> None:
+    """The sizes read_dump saw with meta.json are the ones checked (one directory look)."""
+    meta = write_dump(rid_dir)
+    with pytest.raises(DumpError, match=r"has 0 bytes, expected 192"):
+        validate(rid_dir, meta, sizes={(0, 4): 0, (4, 10): 6 * ROW})
+
+
+def test_read_dump_refuses_a_linked_request_dir(rid_dir: Path, tmp_path: Path) -> None:
+    write_dump(tmp_path / "elsewhere")
+    rid_dir.parent.mkdir(parents=True)
+    rid_dir.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(DumpError, match="is a link"):
+        read_dump(rid_dir)
 
 
 # --- waiting for the commit -------------------------------------------------------------

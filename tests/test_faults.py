@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from hsx_async import dump as dump_module
+from hsx_async import pool
 from hsx_async.config import Config
 from hsx_async.daemon import Daemon, RunSummary
 from hsx_async.dump import validate_dump
@@ -146,9 +149,21 @@ async def _run_until_faulted(config: Any, fake: FakeServerHandle, fault: str) ->
     raise AssertionError(f"5 runs at fault_rate 0.3 never met {fault}")
 
 
-async def test_every_fault_at_once_with_random_chunks(tmp_path: Path, shm_root: Path) -> None:
+@pytest.mark.parametrize("on_loop", [True, False], ids=["dumps-read-on-loop", "in-threads"])
+async def test_every_fault_at_once_with_random_chunks(
+    on_loop: bool, tmp_path: Path, shm_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """30% of requests faulty, every kind mixed, prompts split at random: every sample is
-    still written exactly once, bit-exact."""
+    still written exactly once, bit-exact. Both ways of looking at a dump: on the event
+    loop (dump root on a tmpfs) and from a thread (any other file system)."""
+    looked_on_main: list[bool] = []
+
+    def read_dump(rid_dir: Path) -> Any:
+        looked_on_main.append(threading.current_thread() is threading.main_thread())
+        return dump_module.read_dump(rid_dir)
+
+    monkeypatch.setattr(pool, "on_tmpfs", lambda path: on_loop)
+    monkeypatch.setattr(pool, "read_dump", read_dump)
     samples = write_samples(tmp_path / "in.jsonl", 80, max_len=64, seed=4, bad_every=13)
     options = fake_options(shm_root, fault_rate=0.3, random_chunks=True, late_meta_s=0.05, seed=5)
     async with running_fake_server(options) as fake:
@@ -158,6 +173,7 @@ async def test_every_fault_at_once_with_random_chunks(tmp_path: Path, shm_root: 
         summary = await Daemon(config).run()
         met = dict(fake.stats.faults)
     assert len(met) >= 8 and sum(met.values()) >= 15, f"too few faults met: {met}"
+    assert looked_on_main and set(looked_on_main) == {on_loop}
     assert summary.done == len(samples.good)
     assert summary.quarantined == len(samples.bad_lines)
     check_dataset(config.output.dir, samples, hidden_size=H, num_layers=L)
