@@ -490,7 +490,7 @@ class ClientRun:
         return self.bytes_on_disk / GB
 
 
-PROFILE: dict[str, Path | None] = {"dir": None}  # set by --profile-dir
+PROFILE: dict[str, Any] = {"dir": None, "gil": False}  # set by --profile-dir, --profile-gil
 
 
 def run_hsx(raw_config: dict[str, dict[str, Any]], work: Path, name: str) -> ClientRun:
@@ -507,7 +507,8 @@ def run_hsx(raw_config: dict[str, dict[str, Any]], work: Path, name: str) -> Cli
         PROFILE["dir"].mkdir(parents=True, exist_ok=True)
         spy = Path(PYTHON).parent / "py-spy"
         out = PROFILE["dir"] / f"{name}.txt"
-        argv = [str(spy), "record", "--threads", "--rate", "200", "--format",
+        gil = ["--gil"] if PROFILE["gil"] else []
+        argv = [str(spy), "record", "--threads", *gil, "--rate", "200", "--format",
                 "raw", "--output", str(out), "--", *argv]  # fmt: skip
     usage = run_measured(argv, log)
     m = _SUMMARY.search(_tail(log, 4000))
@@ -659,10 +660,17 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     )
     add("--shm-dir", type=Path, default=Path("/dev/shm"), help="tmpfs for dumps")
     add("--profile-dir", type=Path, help="run each hsx client under py-spy; stacks go here")
+    add(
+        "--profile-gil",
+        action="store_true",
+        help="with --profile-dir: sample only the thread holding the GIL (the serial "
+        "Python work that bounds a GIL-bound client); summarise with bench/profile_summary.py",
+    )
 
 
 def apply_common(args: argparse.Namespace) -> None:
     PROFILE["dir"] = args.profile_dir
+    PROFILE["gil"] = args.profile_gil
     warm_up()
 
 

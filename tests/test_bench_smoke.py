@@ -138,3 +138,33 @@ def test_baseline_serial_copies_every_sample(tmp_path: Path, shm_root: Path) -> 
     assert result["bytes"] == sum(lengths) * per_token
     assert sorted(p.stat().st_size for p in out.iterdir()) == sorted(n * per_token for n in lengths)
     assert list(shm_root.iterdir()) == []
+
+
+def test_profile_summary_shares_by_thread_and_function(tmp_path: Path) -> None:
+    profile = tmp_path / "hsx.txt"
+    profile.write_text(
+        "thread (1): MainThread;run (a.py:1);generate (c.py:5) 6\n"
+        # a recursive frame counts once, inclusive
+        "thread (1): MainThread;run (a.py:1);generate (c.py:9);generate (c.py:5) 2\n"
+        "thread (7): hsx-copy_0;stage (w.py:3) 2\n"
+        # start-up is left out
+        "thread (1): MainThread;main (hsx_async/cli.py:46);build_parser (hsx_async/cli.py:41);"
+        "_find_and_load (<frozen importlib._bootstrap>:1) 5\n"
+    )
+    script = str(BENCH / "profile_summary.py")
+    done = subprocess.run(
+        [sys.executable, script, "--top", "2", str(profile)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    lines = [line.strip() for line in done.stdout.splitlines()]
+    assert lines[0] == "10 samples"
+    assert "80.0%  MainThread" in lines and "20.0%  hsx-copy_0" in lines
+    inclusive = lines[lines.index("top 2, inclusive:") + 1 :][:2]
+    assert inclusive == ["80.0%  run (a.py)", "80.0%  generate (c.py)"]
+    self_time = lines[lines.index("top 2, self:") + 1 :][:2]
+    assert self_time == ["80.0%  generate (c.py)", "20.0%  stage (w.py)"]
+    only = subprocess.run(
+        [sys.executable, script, "--thread", "hsx-copy_0", str(profile)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert only.stdout.splitlines()[0] == "2 samples"
