@@ -54,7 +54,11 @@ from hsx_async.writer import FileWriter, Staged, WriteJob
 
 log = structlog.get_logger("hsx.pool")
 
-WRITER_TASKS_PER_THREAD = 4
+# A tiny sample waits for its group commit several times as long as its copy took, so a
+# copy thread needs several writer tasks to stay busy (tiny samples, bench/overhead.py:
+# 4 tasks a thread 310 requests/s, 8: 342, 16: 368); large ones queue on the copy threads
+# whatever the count, within the /dev/shm budget.
+WRITER_TASKS_PER_THREAD = 8
 
 
 class _Eof:

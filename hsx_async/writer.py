@@ -60,6 +60,8 @@ Hasher = xxhash.xxh3_64
 _SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 # Threads hashing mapped chunks while the writer threads write them (created on first use).
 _HASH_POOL = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="hsx-hash")
+# Threads syncing the directories of one publish side by side (created on first use).
+_DIR_SYNC_POOL = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="hsx-dirsync")
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
@@ -164,9 +166,10 @@ class FileWriter:
         """Rename each staged file into place, then sync every directory touched, once:
         when this returns every name is durable, and manifest lines may follow. A failure
         stops here; temp files not yet renamed stay for a resume to delete."""
-        to_sync: dict[Path, None] = {}  # ordered: parents before the buckets in them
+        parents: dict[Path, None] = {}  # where new directories were named (outermost first)
         for staged in batch:
-            to_sync.update(dict.fromkeys(d.parent for d in staged.new_dirs))
+            parents.update(dict.fromkeys(d.parent for d in staged.new_dirs))
+        buckets: dict[Path, None] = {}  # where files were renamed
         for i, staged in enumerate(batch):
             failpoint("writer.after_fsync")
             try:
@@ -179,13 +182,14 @@ class FileWriter:
                 raise _write_error(exc, staged.final) from exc
             self._temps.discard(staged.tmp)
             failpoint("writer.after_rename")
-            to_sync[staged.final.parent] = None
+            buckets[staged.final.parent] = None
         if self.fsync:
-            for directory in to_sync:
-                try:
-                    fsync_dir(directory)
-                except OSError as exc:  # the files are in place but their names not durable
-                    raise _write_error(exc, directory) from exc
+            # The new directories' names, then every bucket a file was renamed into. Each
+            # bucket is a directory of its own (256 of them), so a batch touches many:
+            # their fsyncs run side by side and the device sees them queued together.
+            for directory in parents:
+                _sync_dir(directory)
+            _sync_dirs([d for d in buckets if d not in parents])
         for staged in batch:
             self._names_durable.update(staged.new_dirs)
 
@@ -249,6 +253,26 @@ class FileWriter:
         finally:
             os.close(fd)
         return hasher.hexdigest(), size
+
+
+def _sync_dir(directory: Path) -> None:
+    try:
+        fsync_dir(directory)
+    except OSError as exc:  # the files are in place but their names not durable
+        raise _write_error(exc, directory) from exc
+
+
+def _sync_dirs(directories: list[Path]) -> None:
+    """fsync every directory, concurrently; returns once all are done, raising the first
+    failure (after the others finished: nothing keeps running behind the caller)."""
+    if len(directories) <= 1:
+        for directory in directories:
+            _sync_dir(directory)
+        return
+    pending = [_DIR_SYNC_POOL.submit(_sync_dir, d) for d in directories]
+    futures.wait(pending)
+    for done in pending:
+        done.result()
 
 
 def _refuse_links(base: Path, directory: Path) -> None:

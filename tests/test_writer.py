@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import os
 import stat
+import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -394,9 +395,42 @@ def test_one_publish_syncs_each_directory_once_for_a_batch(
     synced = _record_dir_syncs(monkeypatch, out)
     staged = [fw.stage(job) for job in jobs]
     fw.publish(staged)
-    assert synced == [".", "data", "data/aa", "data/bb"]
+    # The names of new directories first, in order; then the buckets, side by side.
+    assert synced[:2] == [".", "data"]
+    assert sorted(synced[2:]) == ["data/aa", "data/bb"]
     for case, job, s in zip(cases, jobs, staged, strict=True):
         check_written(out, dataclasses.replace(case, job=job), s.entry)
+
+
+def test_a_failed_bucket_sync_fails_the_publish_after_every_other_sync_ran(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight buckets synced side by side, one fails: the publish raises DiskFullError, and
+    only once no sync is still running behind it."""
+    cases = [make_case(shm_root, ALIGNED, sid=f"s-{i}") for i in range(8)]
+    jobs = [
+        dataclasses.replace(c.job, relpath=f"data/b{i}/{sample_key(c.job.sample.id)}.st")
+        for i, c in enumerate(cases)
+    ]
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
+    staged = [fw.stage(job) for job in jobs]
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def sync(path: Path) -> None:
+        if path.name == "b3":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fsync_dir(path)
+        with lock:
+            finished.append(path.name)
+
+    monkeypatch.setattr(writer_module, "fsync_dir", sync)
+    with pytest.raises(DiskFullError, match="b3"):
+        fw.publish(staged)
+    buckets = {f"b{i}" for i in range(8)} - {"b3"}
+    assert buckets <= set(finished), "every other sync ran to its end"
+    for s in staged:  # renamed, not listed: a resume deletes them
+        assert s.final.exists()
 
 
 def test_a_bucket_name_is_synced_until_a_publish_succeeded(
