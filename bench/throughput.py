@@ -19,10 +19,15 @@ lengths from a log-normal of mean 2,350 tokens clipped to 32k. Phases, in this o
    ±15% from minute to minute. hsx's place in the round rotates (first, middle, last), so
    the after-effects of one phase on the disk (write-back, discards of the output just
    deleted) fall on every method alike.
-3. **fake server alone**: ``hsx fake-server`` drained by a null client (no copy): what the
+3. **paired**: ``--pairs`` short rounds (``--pair-gb`` each, a fresh draw of lengths per
+   round), each the raw copy with fsync (read + O_DIRECT, 2 streams) and hsx (prefab
+   server) back to back on the same bytes, their order alternating; the figure is the
+   median of the per-round ratios. Two neighbours a few seconds apart see the same disk,
+   so this ratio is steadier than one of medians taken minutes apart.
+4. **fake server alone**: ``hsx fake-server`` drained by a null client (no copy): what the
    fake server can produce on this machine.
-4. **hsx, fake server**: the real end to end, fake server and hsx sharing the cores.
-5. **memory**: peak RSS of hsx with 1k-token and with 32k-token samples (prefab server),
+5. **hsx, fake server**: the real end to end, fake server and hsx sharing the cores.
+6. **memory**: peak RSS of hsx with 1k-token and with 32k-token samples (prefab server),
    and of a run with no samples (the fixed cost of the process).
 
 Client CPU and peak RSS are the ``hsx run`` process's own (wait4), start-up included.
@@ -75,7 +80,8 @@ from hsx_async.protocol import part_name, row_bytes
 
 ALIGN = 4096
 CHUNK = 8 << 20
-PHASES = ("raw", "prefab", "nofsync", "fake", "memory")
+PHASES = ("raw", "prefab", "paired", "nofsync", "fake", "memory")
+PAIRED_METHOD = "read + O_DIRECT, huge-page buffer"  # the best raw copy in every run here
 PART_ROWS = 16384  # the fake server's default max_batch_tokens: a long prompt's part size
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 
@@ -489,6 +495,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--writer-threads", type=int, help="hsx [writer].threads (default: the config default)"
     )
     p.add_argument("--concurrency", type=int, help="hsx [workers].concurrency (default: ditto)")
+    p.add_argument("--pairs", type=int, default=8, help="paired rounds (raw copy, hsx)")
+    p.add_argument("--pair-gb", type=float, default=1.5, help="GB moved by each of a pair")
     p.add_argument(
         "--phases",
         default=",".join(PHASES),
@@ -501,7 +509,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"unknown phase {sorted(unknown)[0]!r}; known: {', '.join(PHASES)}")
     if args.smoke:
         args.gb, args.hidden_size, args.mean_len, args.max_len = 0.05, 512, 200.0, 2048
-        args.repeat = 1
+        args.repeat, args.pairs, args.pair_gb = 1, 2, 0.02
     return args
 
 
@@ -530,11 +538,14 @@ def run_all(ctx: Ctx) -> dict[str, Any]:
         "fake_alone": None,
         "memory": [],
         "nofsync": [],
+        "paired": None,
     }
     if {"raw", "prefab"} & set(args.phases):
         raw_runs, hsx_runs = side_by_side(ctx, lengths)
         data["raw"] = [median_row(rows) for rows in raw_runs]
         data["hsx"] = [median_row(hsx_runs)] if hsx_runs else []
+    if "paired" in args.phases:
+        data["paired"] = paired_phase(ctx)
     if "nofsync" in args.phases:
         data["nofsync"] = no_fsync_phase(ctx, lengths)
     if "fake" in args.phases:
@@ -586,6 +597,43 @@ def _hsx_round(
     print_progress(row)
     prefabs[:] = make_prefabs(prefab_dir, lengths, ctx.model)
     return row
+
+
+def paired_phase(ctx: Ctx) -> dict[str, Any]:
+    """Raw copy and hsx back to back on the same bytes, ``--pairs`` times, the order
+    alternating (so a drift within a pair favours each side alike): the median of the
+    per-pair ratios is the figure."""
+    args, s = ctx.args, ctx.s
+    pairs = []
+    for i in range(args.pairs):
+        lengths = lognormal_lengths(
+            args.pair_gb * GB, ctx.model.row_bytes, mean=args.mean_len,
+            max_len=args.max_len, seed=args.seed + 1000 + i,
+        )  # fmt: skip
+        prefab_dir = s.fresh(f"pair-{i}", on_shm=True)
+        prefabs = make_prefabs(prefab_dir, lengths, ctx.model)
+        hsx_first = i % 2 == 1
+        if hsx_first:  # hsx consumes the dumps: the raw copy gets them written again
+            hsx = hsx_row("hsx", hsx_prefab(ctx, f"pair-{i}", lengths, prefab_dir))
+            prefabs = make_prefabs(prefab_dir, lengths, ctx.model)
+        raw = raw_copy(prefabs, s.disk / "raw", PAIRED_METHOD, 1 if args.smoke else 2)
+        if not hsx_first:
+            hsx = hsx_row("hsx", hsx_prefab(ctx, f"pair-{i}", lengths, prefab_dir))
+        remove(prefab_dir)
+        ratio = hsx["gb_per_s"] / raw["gb_per_s"]
+        pairs.append({"raw_gb_per_s": raw["gb_per_s"], "hsx_gb_per_s": hsx["gb_per_s"],
+                      "ratio": ratio, "hsx_first": hsx_first, "bytes": hsx["bytes"]})  # fmt: skip
+        first = "hsx first" if hsx_first else "raw first"
+        rates = f"raw {raw['gb_per_s']:.3f}, hsx {hsx['gb_per_s']:.3f} GB/s"
+        print(f"  pair {i + 1}: {rates} ({first}): ratio {ratio:.2f}", flush=True)
+    ratios = sorted(p["ratio"] for p in pairs)
+    return {
+        "raw_method": f"raw {PAIRED_METHOD} ×{1 if args.smoke else 2}",
+        "pair_gb": args.pair_gb,
+        "pairs": pairs,
+        "median_ratio": float(np.median(ratios)),
+        "quartiles": [float(q) for q in np.percentile(ratios, [25, 75])],
+    }
 
 
 def no_fsync_phase(ctx: Ctx, lengths: Sequence[int]) -> list[dict[str, Any]]:
@@ -679,6 +727,18 @@ def report(data: dict[str, Any]) -> list[str]:
     if rows:
         title = "Throughput" + (f" (ratio: to the best raw copy, {best['name']})" if best else "")
         tables.append(print_table(title, THROUGHPUT_HEADERS, rows))
+    if data["paired"]:
+        pr = data["paired"]
+        rows_p = [[i + 1, "hsx" if p["hsx_first"] else "raw", p["raw_gb_per_s"],
+                   p["hsx_gb_per_s"], p["ratio"]] for i, p in enumerate(pr["pairs"])]  # fmt: skip
+        lo, hi = pr["quartiles"]
+        title = (
+            f"Paired rounds: {pr['raw_method']} (fsync) and hsx (prefab server) back to "
+            f"back, {pr['pair_gb']:g} GB each — median ratio {pr['median_ratio']:.2f} "
+            f"(quartiles {lo:.2f}–{hi:.2f})"
+        )
+        headers = ["pair", "first", "raw GB/s", "hsx GB/s", "ratio"]
+        tables.append(print_table(title, headers, rows_p))
     if data["memory"]:
         mem = [_memory_row(m) for m in data["memory"]]
         tables.append(print_table("Client memory and fixed cost", MEMORY_HEADERS, mem))

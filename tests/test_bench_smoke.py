@@ -83,6 +83,13 @@ def test_throughput_smoke(tmp_path: Path, shm_root: Path) -> None:
     assert all(positive(m["peak_rss_mb"]) for m in memory)
     assert data["best_raw"] in {r["name"] for r in data["raw"]}
     assert data["best_raw_named"] in {r["name"] for r in data["raw"] if r["named"]}
+    paired = data["paired"]
+    assert [p["hsx_first"] for p in paired["pairs"]] == [False, True]  # the order alternates
+    for p in paired["pairs"]:
+        assert positive(p["raw_gb_per_s"]) and positive(p["hsx_gb_per_s"])
+        assert p["ratio"] == p["hsx_gb_per_s"] / p["raw_gb_per_s"]
+    lo, hi = paired["quartiles"]
+    assert lo <= paired["median_ratio"] <= hi
 
 
 def test_scaling_smoke(tmp_path: Path, shm_root: Path) -> None:
