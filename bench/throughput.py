@@ -622,7 +622,9 @@ def paired_phase(ctx: Ctx) -> dict[str, Any]:
         remove(prefab_dir)
         ratio = hsx["gb_per_s"] / raw["gb_per_s"]
         pairs.append({"raw_gb_per_s": raw["gb_per_s"], "hsx_gb_per_s": hsx["gb_per_s"],
-                      "ratio": ratio, "hsx_first": hsx_first, "bytes": hsx["bytes"]})  # fmt: skip
+                      "ratio": ratio, "hsx_first": hsx_first, "bytes": hsx["bytes"],
+                      "hsx_cpu_s": hsx["cpu_s"],
+                      "raw_cpu_s_per_gb": raw["cpu_s_per_gb"]})  # fmt: skip
         first = "hsx first" if hsx_first else "raw first"
         rates = f"raw {raw['gb_per_s']:.3f}, hsx {hsx['gb_per_s']:.3f} GB/s"
         print(f"  pair {i + 1}: {rates} ({first}): ratio {ratio:.2f}", flush=True)
@@ -729,15 +731,19 @@ def report(data: dict[str, Any]) -> list[str]:
         tables.append(print_table(title, THROUGHPUT_HEADERS, rows))
     if data["paired"]:
         pr = data["paired"]
+        idle = next((m for m in data["memory"] if m["samples"] == 0), None)
         rows_p = [[i + 1, "hsx" if p["hsx_first"] else "raw", p["raw_gb_per_s"],
-                   p["hsx_gb_per_s"], p["ratio"]] for i, p in enumerate(pr["pairs"])]  # fmt: skip
+                   p["hsx_gb_per_s"], p["ratio"], p["raw_cpu_s_per_gb"],
+                   (p["hsx_cpu_s"] - idle["cpu_s"]) / (p["bytes"] / GB) if idle else ""]
+                  for i, p in enumerate(pr["pairs"])]  # fmt: skip
         lo, hi = pr["quartiles"]
         title = (
             f"Paired rounds: {pr['raw_method']} (fsync) and hsx (prefab server) back to "
             f"back, {pr['pair_gb']:g} GB each — median ratio {pr['median_ratio']:.2f} "
             f"(quartiles {lo:.2f}–{hi:.2f})"
         )
-        headers = ["pair", "first", "raw GB/s", "hsx GB/s", "ratio"]
+        headers = ["pair", "first", "raw GB/s", "hsx GB/s", "ratio", "raw CPU s/GB",
+                   "hsx CPU s/GB net of start-up"]  # fmt: skip
         tables.append(print_table(title, headers, rows_p))
     if data["memory"]:
         mem = [_memory_row(m) for m in data["memory"]]

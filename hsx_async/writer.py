@@ -361,7 +361,8 @@ class _AlignedFile:
     the file: every write but the last is a whole CHUNK, starting on a CHUNK boundary, as
     in a plain copy of the parts. (Written after the header and ``input_ids``, the hidden
     states were shifted off those boundaries; on the virtio disk here that cost 5–7% of a
-    raw copy's rate: bench/README.md.) XXH3 runs over the same bytes, in the same order."""
+    raw copy's rate: bench/README.md.) XXH3 runs over the same bytes, in the same order.
+    Parts on a huge-page tmpfs are the exception: see :meth:`_write_mapped`."""
 
     def __init__(self, fd: int, whole: memoryview, hasher: Hasher) -> None:
         self.fd, self.whole, self.hasher = fd, whole, hasher
@@ -380,30 +381,36 @@ class _AlignedFile:
                     self._write_buffer()
 
     def copy_part(self, part_fd: int, name: str, size: int) -> None:
-        """A dump part: read into the buffer in pieces, each hashed while in the cache;
-        on a huge-page tmpfs every whole aligned CHUNK is written straight from a mapping
-        of the part instead, hashed beside the write (both release the GIL)."""
-        mapped = _on_huge_pages(part_fd)
+        """A dump part: read into the buffer in pieces, each hashed while in the cache."""
+        if _on_huge_pages(part_fd):
+            self._write_mapped(part_fd, size)
+            return
         pos = 0
         while pos < size:
-            if mapped and self.fill == 0 and size - pos >= CHUNK:
-                # (A part truncated under the mapping would fault; committed parts never
-                # change.) One hash in flight per file keeps it in order.
-                with _map(part_fd, pos, CHUNK) as mm:
-                    hashed = _HASH_POOL.submit(self.hasher.update, mm)
-                    try:
-                        _write_all(self.fd, mm)
-                    finally:
-                        futures.wait([hashed])
-                    hashed.result()
-                pos += CHUNK
-                continue
             n = min(size - pos, CHUNK - self.fill)
             with self.whole[self.fill : self.fill + n] as view:
                 _read_hashed(part_fd, name, view, pos, self.hasher)
             self.fill, pos = self.fill + n, pos + n
             if self.fill == CHUNK:
                 self._write_buffer()
+
+    def _write_mapped(self, part_fd: int, size: int) -> None:
+        """On a huge-page tmpfs: the part written straight from mappings of it, CHUNK by
+        CHUNK from its start, so each mapping is made of whole 2 MiB pages (one fault
+        each), and hashed beside the write (both release the GIL). These writes follow
+        the header unaligned: aligning them through the buffer measured no better there
+        (bench/README.md). A part truncated under the mapping would fault; committed
+        parts never change. One hash in flight per file keeps it in order."""
+        assert self.fill % ALIGN == 0  # header and parts are whole blocks
+        self._write_buffer()
+        for pos in range(0, size, CHUNK):
+            with _map(part_fd, pos, min(CHUNK, size - pos)) as mm:
+                hashed = _HASH_POOL.submit(self.hasher.update, mm)
+                try:
+                    _write_all(self.fd, mm)
+                finally:
+                    futures.wait([hashed])
+                hashed.result()
 
     def finish(self, total: int) -> None:
         """The last, partial block: O_DIRECT writes whole blocks, so it is written
@@ -419,8 +426,9 @@ class _AlignedFile:
             os.ftruncate(self.fd, total)
 
     def _write_buffer(self) -> None:
-        with self.whole[: self.fill] as block:
-            _write_all(self.fd, block)
+        if self.fill:
+            with self.whole[: self.fill] as block:
+                _write_all(self.fd, block)
         self.fill = 0
 
 
