@@ -11,11 +11,14 @@ Two steps, so that the slow part runs in parallel and the syncs are shared:
 
 Copy methods:
 
-- ``direct``: each part is read (``preadv``) into a page-aligned buffer of ``CHUNK`` bytes,
-  ``SUB`` bytes at a time, each piece hashed while it is still in the CPU cache, and the
-  buffer is written with ``O_DIRECT``: one memory copy, no page-cache pollution. On a tmpfs
-  mounted with huge pages the part is mapped ``CHUNK`` bytes at a time instead and written
-  straight from the mapping, the hash running beside the write in a helper thread.
+- ``direct``: the file's bytes — header and ``input_ids``, the parts, ``loss_mask`` — pass
+  in order through a page-aligned buffer of ``CHUNK`` bytes, the parts read into it
+  (``preadv``) ``SUB`` bytes at a time, each piece hashed while it is still in the CPU
+  cache, and each full buffer is written with ``O_DIRECT`` at a ``CHUNK`` boundary of the
+  file: one memory copy, no page-cache pollution, the device sees whole aligned writes.
+  On a tmpfs mounted with huge pages each part is mapped ``CHUNK`` bytes at a time instead
+  and written straight from the mapping, the hash running beside the write in a helper
+  thread.
   Needs every part to start on a 4 KiB boundary in the file, which holds when L × H × 2 is
   a multiple of 4096 (any real model); the layout pads the header so ``hidden_states``
   starts aligned.
@@ -381,7 +384,8 @@ class _AlignedFile:
                     self._write_buffer()
 
     def copy_part(self, part_fd: int, name: str, size: int) -> None:
-        """A dump part: read into the buffer in pieces, each hashed while in the cache."""
+        """A dump part, read into the buffer in pieces, each hashed while in the cache
+        (on a huge-page tmpfs: :meth:`_write_mapped`)."""
         if _on_huge_pages(part_fd):
             self._write_mapped(part_fd, size)
             return
