@@ -20,10 +20,11 @@ lengths from a log-normal of mean 2,350 tokens clipped to 32k. Phases, in this o
    the after-effects of one phase on the disk (write-back, discards of the output just
    deleted) fall on every method alike.
 3. **paired**: ``--pairs`` short rounds (``--pair-gb`` each, a fresh draw of lengths per
-   round), each the raw copy with fsync (read + O_DIRECT, 2 streams) and hsx (prefab
-   server) back to back on the same bytes, their order alternating; the figure is the
-   median of the per-round ratios. Two neighbours a few seconds apart see the same disk,
-   so this ratio is steadier than one of medians taken minutes apart.
+   round), each the raw copy with fsync (read + O_DIRECT, 2 streams; ``--pair-method``
+   picks another) and hsx (prefab server) back to back on the same bytes, their order
+   alternating; the figure is the median of the per-round ratios. Two neighbours a few
+   seconds apart see the same disk, so this ratio is steadier than one of medians taken
+   minutes apart.
 4. **fake server alone**: ``hsx fake-server`` drained by a null client (no copy): what the
    fake server can produce on this machine.
 5. **hsx, fake server**: the real end to end, fake server and hsx sharing the cores.
@@ -81,7 +82,7 @@ from hsx_async.protocol import part_name, row_bytes
 ALIGN = 4096
 CHUNK = 8 << 20
 PHASES = ("raw", "prefab", "paired", "nofsync", "fake", "memory")
-PAIRED_METHOD = "read + O_DIRECT, huge-page buffer"  # the best raw copy in every run here
+PAIRED_METHOD = "read + O_DIRECT, huge-page buffer"  # the best raw copy from /dev/shm here
 PART_ROWS = 16384  # the fake server's default max_batch_tokens: a long prompt's part size
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 
@@ -498,6 +499,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=8, help="paired rounds (raw copy, hsx)")
     p.add_argument("--pair-gb", type=float, default=1.5, help="GB moved by each of a pair")
     p.add_argument(
+        "--pair-method", choices=sorted(COPIES), default=PAIRED_METHOD,
+        help="the raw copy of each pair (default: the best from /dev/shm here)",
+    )  # fmt: skip
+    p.add_argument(
         "--phases",
         default=",".join(PHASES),
         help=f"comma-separated subset of {','.join(PHASES)} (default: all)",
@@ -616,7 +621,7 @@ def paired_phase(ctx: Ctx) -> dict[str, Any]:
         if hsx_first:  # hsx consumes the dumps: the raw copy gets them written again
             hsx = hsx_row("hsx", hsx_prefab(ctx, f"pair-{i}", lengths, prefab_dir))
             prefabs = make_prefabs(prefab_dir, lengths, ctx.model)
-        raw = raw_copy(prefabs, s.disk / "raw", PAIRED_METHOD, 1 if args.smoke else 2)
+        raw = raw_copy(prefabs, s.disk / "raw", args.pair_method, 1 if args.smoke else 2)
         if not hsx_first:
             hsx = hsx_row("hsx", hsx_prefab(ctx, f"pair-{i}", lengths, prefab_dir))
         remove(prefab_dir)
@@ -630,7 +635,7 @@ def paired_phase(ctx: Ctx) -> dict[str, Any]:
         print(f"  pair {i + 1}: {rates} ({first}): ratio {ratio:.2f}", flush=True)
     ratios = sorted(p["ratio"] for p in pairs)
     return {
-        "raw_method": f"raw {PAIRED_METHOD} ×{1 if args.smoke else 2}",
+        "raw_method": f"raw {args.pair_method} ×{1 if args.smoke else 2}",
         "pair_gb": args.pair_gb,
         "pairs": pairs,
         "median_ratio": float(np.median(ratios)),

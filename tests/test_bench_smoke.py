@@ -23,7 +23,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 pytestmark = pytest.mark.timeout(300)
 
 
-def run_smoke(script: str, tmp_path: Path, shm_root: Path) -> dict[str, Any]:
+def run_smoke(script: str, tmp_path: Path, shm_root: Path, *extra: str) -> dict[str, Any]:
     results, disk = tmp_path / "results", tmp_path / "disk"
     argv = [
         sys.executable,
@@ -35,6 +35,7 @@ def run_smoke(script: str, tmp_path: Path, shm_root: Path) -> dict[str, Any]:
         str(disk),
         "--shm-dir",
         str(shm_root),
+        *extra,
     ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=280, check=False)
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -90,6 +91,17 @@ def test_throughput_smoke(tmp_path: Path, shm_root: Path) -> None:
         assert p["ratio"] == p["hsx_gb_per_s"] / p["raw_gb_per_s"]
     lo, hi = paired["quartiles"]
     assert lo <= paired["median_ratio"] <= hi
+
+
+def test_throughput_pairs_hsx_with_the_raw_copy_asked_for(tmp_path: Path, shm_root: Path) -> None:
+    method = "O_DIRECT from mmap"
+    data = run_smoke(
+        "throughput.py", tmp_path, shm_root, "--phases", "paired", "--pair-method", method
+    )
+    paired = data["paired"]
+    assert paired["raw_method"] == f"raw {method} ×1"
+    assert len(paired["pairs"]) == 2
+    assert all(positive(p["raw_gb_per_s"]) and positive(p["ratio"]) for p in paired["pairs"])
 
 
 def test_scaling_smoke(tmp_path: Path, shm_root: Path) -> None:
