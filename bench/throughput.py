@@ -736,10 +736,9 @@ def report(data: dict[str, Any]) -> list[str]:
         tables.append(print_table(title, THROUGHPUT_HEADERS, rows))
     if data["paired"]:
         pr = data["paired"]
-        idle = next((m for m in data["memory"] if m["samples"] == 0), None)
         rows_p = [[i + 1, "hsx" if p["hsx_first"] else "raw", p["raw_gb_per_s"],
                    p["hsx_gb_per_s"], p["ratio"], p["raw_cpu_s_per_gb"],
-                   (p["hsx_cpu_s"] - idle["cpu_s"]) / (p["bytes"] / GB) if idle else ""]
+                   p.get("hsx_cpu_s_per_gb_net", "")]
                   for i, p in enumerate(pr["pairs"])]  # fmt: skip
         lo, hi = pr["quartiles"]
         title = (
@@ -790,9 +789,13 @@ def net_of_startup(data: dict[str, Any]) -> None:
     """CPU per GB without the fixed cost of a run (imports, set-up, shutdown), measured
     by the run with no samples: what a multi-terabyte job pays per GB."""
     idle = next((m for m in data["memory"] if m["samples"] == 0), None)
+    if idle is None:
+        return
     for r in data["hsx"]:
-        if idle is not None and r["bytes"]:
+        if r["bytes"]:
             r["cpu_s_per_gb_net"] = (r["cpu_s"] - idle["cpu_s"]) / (r["bytes"] / GB)
+    for p in data["paired"]["pairs"] if data["paired"] else []:
+        p["hsx_cpu_s_per_gb_net"] = (p["hsx_cpu_s"] - idle["cpu_s"]) / (p["bytes"] / GB)
 
 
 def plot(data: dict[str, Any], path: Path) -> None:

@@ -89,6 +89,8 @@ def test_throughput_smoke(tmp_path: Path, shm_root: Path) -> None:
     for p in paired["pairs"]:
         assert positive(p["raw_gb_per_s"]) and positive(p["hsx_gb_per_s"])
         assert p["ratio"] == p["hsx_gb_per_s"] / p["raw_gb_per_s"]
+        net = (p["hsx_cpu_s"] - idle["cpu_s"]) / (p["bytes"] / 1e9)  # the empty run's CPU off
+        assert p["hsx_cpu_s_per_gb_net"] == pytest.approx(net)
     lo, hi = paired["quartiles"]
     assert lo <= paired["median_ratio"] <= hi
 
