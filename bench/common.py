@@ -391,8 +391,8 @@ def drain_server(
 
     import aiohttp
 
-    from hsx_async.dump import prepare_namespace, remove_tree, wait_for_meta
     from hsx_async.protocol import generate_body
+    from hsx_async.run.dump import prepare_namespace, remove_tree, wait_for_meta
 
     todo = list(enumerate(lengths))
     rng = np.random.default_rng(1)

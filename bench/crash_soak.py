@@ -45,9 +45,9 @@ from typing import Any
 
 import orjson
 
-from hsx_async.failpoints import POINTS
 from hsx_async.logs import configure_logging
-from hsx_async.server.fake import ALL_FAULTS, running_fake_server
+from hsx_async.run.failpoints import POINTS
+from hsx_async.server.fake.server import ALL_FAULTS, running_fake_server
 from tests.crash_driver import (
     ChildRun,
     CrashBed,

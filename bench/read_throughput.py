@@ -40,9 +40,9 @@ import torch
 import xxhash
 from torch.utils.data import DataLoader
 
-from hsx_async.dataset import HiddenStateDataset, LengthGroupedBatchSampler, PadCollator
-from hsx_async.layout import build_layout, data_relpath, sample_key
-from hsx_async.manifest import ManifestEntry
+from hsx_async.dataset.layout import build_layout, data_relpath, sample_key
+from hsx_async.dataset.manifest import ManifestEntry
+from hsx_async.dataset.reader import HiddenStateDataset, LengthGroupedBatchSampler, PadCollator
 
 AUX_LAYERS = (2, 30, 58)
 RESULTS = Path(__file__).resolve().parent / "results"

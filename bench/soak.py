@@ -39,9 +39,9 @@ import numpy as np
 import orjson
 import xxhash
 
+from hsx_async.dataset.manifest import read_manifest
 from hsx_async.logs import configure_logging
-from hsx_async.manifest import read_manifest
-from hsx_async.server.fake import ALL_FAULTS, FakeServerHandle, running_fake_server
+from hsx_async.server.fake.server import ALL_FAULTS, FakeServerHandle, running_fake_server
 from tests.crash_driver import REPO, H, L, client_config, fake_options, write_config
 from tests.e2e import shm_leftovers
 
@@ -190,7 +190,7 @@ def leak_verdict(probes: list[Probe]) -> dict[str, Any]:
 
 def check_output(out: Path, inputs: Path, root: Path, subset: int) -> dict[str, Any]:
     """Consistency of the whole dataset, bit-exactness of a random subset."""
-    from hsx_async.server.fake import expected_hidden_states
+    from hsx_async.server.fake.server import expected_hidden_states
 
     entries = read_manifest(out)
     ids = [str(e.id) for e in entries]

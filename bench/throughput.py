@@ -307,7 +307,7 @@ def _prefab_handler(index: dict[int, list[Path]], root: Path, model: Model) -> A
     from aiohttp import web
 
     from hsx_async.protocol import valid_ns, valid_rid
-    from hsx_async.server.fake_request import response_body
+    from hsx_async.server.fake.request import response_body
 
     async def generate(request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())

@@ -19,15 +19,15 @@ from hsx_async.errors import ForcedExit, HsxError, NoServerError
 
 # Order is the order of ``hsx --help``.
 COMMAND_MODULES = (
-    "hsx_async.daemon",
-    "hsx_async.preflight",
-    "hsx_async.inspection",
-    "hsx_async.merge",
-    "hsx_async.demo",
-    "hsx_async.export",
-    "hsx_async.audit",
-    "hsx_async.server.fake",
-    "hsx_async.server.reference",
+    "hsx_async.run.daemon",
+    "hsx_async.run.preflight",
+    "hsx_async.dataset.inspection",
+    "hsx_async.dataset.merge",
+    "hsx_async.run.demo",
+    "hsx_async.dataset.export",
+    "hsx_async.dataset.audit",
+    "hsx_async.server.fake.server",
+    "hsx_async.server.reference.server",
 )
 
 

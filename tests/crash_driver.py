@@ -7,7 +7,7 @@ Synchronisation is event driven: the child logs JSON lines (``daemon.log_format 
 ``stop_requested``, ...). The only timed waits are the random extra delays of random kills,
 which choose *where* a kill lands, not *when* something is ready.
 
-Shared by ``tests/test_crash.py`` (a CI-sized subset) and ``bench/crash_soak.py`` (hundreds
+Shared by ``tests/run/test_crash.py`` (a CI-sized subset) and ``bench/crash_soak.py`` (hundreds
 of kills).
 """
 
@@ -25,11 +25,16 @@ from typing import Any
 
 import orjson
 
-from hsx_async.daemon import Daemon
-from hsx_async.failpoints import POINTS
-from hsx_async.layout import DATA_DIR
-from hsx_async.manifest import read_manifest
-from hsx_async.server.fake import FakeOptions, FakeServerHandle, FakeStats, running_fake_server
+from hsx_async.dataset.layout import DATA_DIR
+from hsx_async.dataset.manifest import read_manifest
+from hsx_async.run.daemon import Daemon
+from hsx_async.run.failpoints import POINTS
+from hsx_async.server.fake.server import (
+    FakeOptions,
+    FakeServerHandle,
+    FakeStats,
+    running_fake_server,
+)
 from tests.e2e import (
     SampleSet,
     check_dataset,

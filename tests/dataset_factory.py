@@ -1,6 +1,6 @@
 """Small synthetic hsx datasets, written byte for byte as the pipeline writes them.
 
-Per sample: the header from :func:`hsx_async.layout.build_layout`, then ``input_ids``
+Per sample: the header from :func:`hsx_async.dataset.layout.build_layout`, then ``input_ids``
 (little-endian int64), ``hidden_states`` (bf16 ``[T, L, H]``), ``loss_mask`` (uint8), at
 ``out/data_relpath(sample_key(id))``; then a :class:`ManifestEntry` line with the XXH3-64 of
 the file appended to ``manifest.jsonl`` (or to the shard's manifest).
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 import xxhash
 
-from hsx_async.daemon import Daemon
-from hsx_async.layout import SampleId, build_layout, data_relpath, sample_key
-from hsx_async.manifest import MANIFEST, ManifestEntry, log_name
-from hsx_async.server.fake import FakeOptions, expected_hidden_states, running_fake_server
+from hsx_async.dataset.layout import SampleId, build_layout, data_relpath, sample_key
+from hsx_async.dataset.manifest import MANIFEST, ManifestEntry, log_name
+from hsx_async.run.daemon import Daemon
+from hsx_async.server.fake.server import FakeOptions, expected_hidden_states, running_fake_server
 from tests.e2e import SampleSet, make_config, write_samples
 
 AUX_LAYERS = (2, 30, 58)

@@ -29,12 +29,10 @@ from hypothesis import strategies as st
 
 from hsx_async.cli import build_parser
 from hsx_async.config import DaemonConfig, listen_address
-from hsx_async.daemon import Daemon
-from hsx_async.dump import Dump, prepare_namespace, sweep_namespace, validate_dump
+from hsx_async.dataset.layout import build_layout, data_relpath, sample_key
+from hsx_async.dataset.manifest import read_manifest, read_quarantine
 from hsx_async.errors import DumpError, HsxError
-from hsx_async.layout import build_layout, data_relpath, sample_key
 from hsx_async.logs import configure_logging
-from hsx_async.manifest import read_manifest, read_quarantine
 from hsx_async.protocol import (
     DumpMeta,
     generate_body,
@@ -43,11 +41,13 @@ from hsx_async.protocol import (
     valid_ns,
     valid_rid,
 )
+from hsx_async.run.daemon import Daemon
+from hsx_async.run.dump import Dump, prepare_namespace, sweep_namespace, validate_dump
+from hsx_async.run.source import Sample
+from hsx_async.run.writer import FileWriter, WriteJob
 from hsx_async.server.dumpwrite import request_dir_fd, write_meta, write_part
-from hsx_async.server.fake import running_fake_server
+from hsx_async.server.fake.server import running_fake_server
 from hsx_async.server.hook_core import BatchHidden, HookConfig, PrefillDumper, ReqView
-from hsx_async.source import Sample
-from hsx_async.writer import FileWriter, WriteJob
 from tests.crash_driver import AUX, H, fake_options
 from tests.e2e import make_config, shm_leftovers, write_samples
 
@@ -151,7 +151,7 @@ async def test_fake_server_refuses_hostile_names(tmp_path: Path) -> None:
 
 
 async def test_reference_server_refuses_hostile_names(tmp_path: Path) -> None:
-    from hsx_async.server.reference import ReferenceOptions, running_reference_server
+    from hsx_async.server.reference.server import ReferenceOptions, running_reference_server
 
     root = tmp_path / "root"
     async with running_reference_server(ReferenceOptions(dump_root=root)) as server:

@@ -40,7 +40,7 @@ import sys
 
 from hsx_async.errors import HsxError
 from hsx_async.server.hook_core import HookConfig
-from hsx_async.server.sglang_hook import forward_hooks_arg
+from hsx_async.server.sglang.hook import forward_hooks_arg
 
 try:
     HookConfig.from_env(os.environ, server="launch.sh")

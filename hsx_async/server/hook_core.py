@@ -1,7 +1,7 @@
 """The server hook's pure core: which rows of a prefill pass belong to which dump, and how a
 pass's parts and a request's commit reach the dump root (PROTOCOL §3).
 
-Nothing here knows SGLang. The SGLang glue (:mod:`hsx_async.server.sglang_hook`), the fake
+Nothing here knows SGLang. The SGLang glue (:mod:`hsx_async.server.sglang.hook`), the fake
 server and the reference server describe each request of a forward pass as a
 :class:`ReqView` and hand the pass's hidden rows to :meth:`PrefillDumper.dump_batch`; the
 same code then decides, slices, writes and commits for all of them.

@@ -1,0 +1,296 @@
+"""``hsx status OUT`` and ``hsx verify OUT``: what a dataset holds, and whether to trust it.
+
+``verify`` re-hashes every file against its manifest line, parses its safetensors header
+and checks shapes, dtypes and metadata; ``--deep`` also decodes every tensor
+(:mod:`hsx_async.dataset.audit`); ``--repair`` drops the entries that failed (and their files) so
+a resumed run extracts them again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import xxhash
+
+from hsx_async.dataset.durable import write_atomic
+from hsx_async.dataset.layout import DATA_DIR, FILE_SUFFIX, canonical_id
+from hsx_async.dataset.manifest import (
+    MANIFEST,
+    ManifestEntry,
+    log_files,
+    read_log,
+    read_manifest,
+    read_quarantine,
+    shard_index_of,
+)
+from hsx_async.dataset.provenance import read_provenance, shard_lock
+from hsx_async.errors import DatasetError
+
+_CHUNK = 8 << 20
+_HEADER_MAX = 100 << 20
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+# -- status --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Status:
+    done: int
+    quarantined: int
+    tokens: int
+    bytes: int
+    input_samples: int | None  # from provenance, when a run recorded it
+    shards: int
+
+    @property
+    def remaining(self) -> int | None:
+        if self.input_samples is None:
+            return None
+        return max(0, self.input_samples - self.done - self.quarantined)
+
+    def format(self) -> str:
+        rem = (
+            "unknown (no run has counted the input yet)"
+            if self.remaining is None
+            else str(self.remaining)
+        )
+        return "\n".join(
+            [
+                f"done:        {self.done} samples, {self.tokens:,} tokens, "
+                f"{human_bytes(self.bytes)}",
+                f"quarantined: {self.quarantined}",
+                f"remaining:   {rem}",
+                f"manifests:   {self.shards}",
+            ]
+        )
+
+
+def dataset_status(out_dir: Path) -> Status:
+    if not out_dir.is_dir():
+        raise DatasetError(f"{out_dir} is not a directory")
+    manifest = read_manifest(out_dir)
+    prov = read_provenance(out_dir) or {}
+    counted = prov.get("input_samples")
+    return Status(
+        done=len(manifest),
+        quarantined=len(read_quarantine(out_dir)),
+        tokens=sum(e.num_tokens for e in manifest),
+        bytes=sum(e.size for e in manifest),
+        input_samples=counted if isinstance(counted, int) else None,
+        shards=len(log_files(out_dir, MANIFEST)),
+    )
+
+
+# -- verify --------------------------------------------------------------------------------
+
+
+def hash_file(path: Path) -> tuple[int, str]:
+    hasher = xxhash.xxh3_64()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    size = 0
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            hasher.update(view[:n])
+            size += n
+    return size, hasher.hexdigest()
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    with path.open("rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if not 0 < n <= _HEADER_MAX:
+            raise ValueError(f"header length {n} is not plausible")
+        header = orjson.loads(fh.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")  # noqa: TRY004 - a content error
+    return header
+
+
+def _check_header(header: dict[str, Any], entry: ManifestEntry) -> list[str]:
+    t = entry.num_tokens
+    problems = []
+    meta = header.get("__metadata__", {})
+    if meta.get("id") != canonical_id(entry.id):
+        problems.append(f"metadata id {meta.get('id')!r} != manifest id {entry.id!r}")
+    hs = header.get("hidden_states", {})
+    shape = hs.get("shape", [])
+    if hs.get("dtype") != "BF16" or len(shape) != 3 or shape[0] != t:
+        problems.append(f"hidden_states is {hs.get('dtype')} {shape}, expected BF16 [{t}, L, H]")
+    ids = header.get("input_ids", {})
+    if ids.get("dtype") != "I64" or ids.get("shape") != [t]:
+        problems.append(f"input_ids is {ids.get('dtype')} {ids.get('shape')}, expected I64 [{t}]")
+    mask = header.get("loss_mask")
+    if mask is not None and (mask.get("dtype") != "U8" or mask.get("shape") != [t]):
+        problems.append(f"loss_mask is {mask.get('dtype')} {mask.get('shape')}, expected U8 [{t}]")
+    aux = meta.get("aux_layers", "")
+    if len(shape) == 3 and aux and shape[1] != len(aux.split(",")) + 1:
+        problems.append(f"hidden_states has {shape[1]} layers but aux_layers is {aux!r}")
+    return problems
+
+
+def verify_entry(out_dir: Path, entry: ManifestEntry) -> list[str]:
+    """Problems with one manifest entry (empty: the file is exactly what was recorded)."""
+    path = out_dir / entry.path
+    where = entry.path
+    try:
+        if path.is_symlink() or not path.is_file():
+            return [f"{where}: missing or not a regular file"]
+        size, digest = hash_file(path)
+        if size != entry.size:
+            return [f"{where}: {size} bytes, manifest says {entry.size}"]
+        if digest != entry.xxh3_64:
+            return [f"{where}: xxh3 {digest}, manifest says {entry.xxh3_64}"]
+        return [f"{where}: {p}" for p in _check_header(_read_header(path), entry)]
+    except (OSError, ValueError) as exc:
+        return [f"{where}: unreadable ({exc})"]
+
+
+@dataclass
+class VerifyReport:
+    checked: int = 0
+    bytes: int = 0
+    problems: dict[str, list[str]] = field(default_factory=dict)  # manifest path -> problems
+    duplicates: list[str] = field(default_factory=list)
+    strays: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.problems or self.duplicates)
+
+    def format(self) -> str:
+        lines = [f"checked {self.checked} files, {human_bytes(self.bytes)}"]
+        for plist in self.problems.values():
+            lines.extend(f"BAD  {p}" for p in plist)
+        lines.extend(f"DUP  {d}" for d in self.duplicates)
+        lines.extend(f"STRAY {s} (no manifest line; a resumed run deletes it)" for s in self.strays)
+        lines.append(
+            "OK" if self.ok else f"FAILED: {len(self.problems) + len(self.duplicates)} problems"
+        )
+        return "\n".join(lines)
+
+
+def _strays(out_dir: Path, named: set[str]) -> list[str]:
+    data = out_dir / DATA_DIR
+    if not data.is_dir():
+        return []
+    found = []
+    for path in sorted(data.rglob("*")):
+        rel = str(path.relative_to(out_dir))
+        if path.is_file() and rel not in named and path.name.endswith(FILE_SUFFIX):
+            found.append(rel)
+    return found
+
+
+def verify_dataset(out_dir: Path, *, threads: int = 2) -> VerifyReport:
+    entries = read_manifest(out_dir)
+    report = VerifyReport()
+    seen: dict[str, str] = {}
+    for e in entries:
+        key = canonical_id(e.id)
+        if key in seen:
+            report.duplicates.append(f"id {key!r} appears twice ({seen[key]}, {e.path})")
+        seen[key] = e.path
+    quarantined = {canonical_id(q.id) for q in read_quarantine(out_dir) if q.id is not None}
+    report.duplicates.extend(
+        f"id {k!r} is both written and quarantined" for k in sorted(quarantined & set(seen))
+    )
+    with ThreadPoolExecutor(threads) as pool:  # xxhash releases the GIL
+        for entry, problems in zip(
+            entries, pool.map(lambda e: verify_entry(out_dir, e), entries), strict=True
+        ):
+            report.checked += 1
+            report.bytes += entry.size
+            if problems:
+                report.problems[entry.path] = problems
+    report.strays = _strays(out_dir, {e.path for e in entries})
+    return report
+
+
+def repair(out_dir: Path, bad_paths: Iterable[str]) -> int:
+    """Drop manifest lines naming ``bad_paths`` and delete those files. Takes every shard's
+    lock, so it refuses to run beside a live ``hsx run``."""
+    bad = set(bad_paths)
+    files = log_files(out_dir, MANIFEST)
+    dropped = 0
+    with contextlib.ExitStack() as locks:
+        for index in sorted({shard_index_of(f) for f in files}):
+            locks.enter_context(shard_lock(out_dir, index))
+        for log_path in files:
+            dropped += _rewrite_without(log_path, bad)
+    for rel in bad:
+        (out_dir / rel).unlink(missing_ok=True)
+    return dropped
+
+
+def _rewrite_without(log_path: Path, bad: set[str]) -> int:
+    """Atomically rewrite one manifest without the lines naming ``bad``; lines dropped."""
+    records, _ = read_log(log_path)
+    keep = [orjson.dumps(rec) + b"\n" for _, rec in records if rec.get("path") not in bad]
+    write_atomic(log_path, b"".join(keep))
+    return len(records) - len(keep)
+
+
+# -- CLI -----------------------------------------------------------------------------------
+
+
+def status_command(args: argparse.Namespace) -> int:
+    print(dataset_status(Path(args.out)).format())
+    return 0
+
+
+def verify_command(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    report = verify_dataset(out, threads=args.threads)
+    print(report.format())
+    ok = report.ok
+    if args.repair and report.problems:
+        dropped = repair(out, report.problems)
+        print(f"repaired: dropped {dropped} manifest entries; `hsx run` will extract them again")
+    if args.deep:
+        from hsx_async.dataset.audit import audit_dataset  # noqa: PLC0415 - imports torch
+
+        plot = Path(args.plot) if args.plot else None
+        audit = audit_dataset(out, sample_fraction=args.fraction, plot_path=plot)
+        print(audit.format())
+        ok = ok and not audit.problems
+    return 0 if ok else 1
+
+
+def register_cli(sub: Any) -> None:
+    p = sub.add_parser("status", help="what an output directory holds")
+    p.add_argument("out", help="output directory ([output].dir)")
+    p.set_defaults(handler=status_command)
+    v = sub.add_parser("verify", help="re-hash every file against the manifest")
+    v.add_argument("out", help="output directory ([output].dir)")
+    v.add_argument(
+        "--deep", action="store_true", help="also decode tensors: NaN/Inf, zero rows, norms"
+    )
+    v.add_argument(
+        "--fraction", type=float, default=1.0, help="with --deep: share of samples to decode"
+    )
+    v.add_argument("--plot", help="with --deep: write the per-layer norm plot (PNG) here")
+    v.add_argument(
+        "--repair",
+        action="store_true",
+        help="drop failing entries and their files so `hsx run` redoes them",
+    )
+    v.add_argument("--threads", type=int, default=2, help="hashing threads")
+    v.set_defaults(handler=verify_command)

@@ -1,0 +1,233 @@
+"""``manifest.jsonl`` and ``quarantine.jsonl``: the durable record of what is done (PROTOCOL §4).
+
+A line is appended only after its data file is fsynced and renamed into place, and the log
+is fsynced before anyone relies on the line. A crash can leave at most a torn last line
+(no newline); it is tolerated on read and cut off before the next append. A complete line
+that does not parse is corruption, and is reported with its file and line number.
+
+A sharded run (``[shard].count > 1``) writes ``manifest.shard-IIIII-of-NNNNN.jsonl`` (and
+the same for quarantine); readers take the union of every manifest file in the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from hsx_async.dataset.layout import SampleId, canonical_id
+from hsx_async.errors import DatasetError
+
+MANIFEST = "manifest"
+QUARANTINE = "quarantine"
+_SHARD_FILE = re.compile(r"(manifest|quarantine)(?:\.shard-([0-9]{5})-of-([0-9]{5}))?\.jsonl")
+_XXH = re.compile(r"[0-9a-f]{16}")
+
+
+def log_name(kind: str, shard_index: int = 0, shard_count: int = 1) -> str:
+    if shard_count == 1:
+        return f"{kind}.jsonl"
+    return f"{kind}.shard-{shard_index:05d}-of-{shard_count:05d}.jsonl"
+
+
+def log_files(out_dir: Path, kind: str) -> list[Path]:
+    """Every ``kind`` log in ``out_dir``, sharded or not, in name order."""
+    if not out_dir.is_dir():
+        return []
+    found = []
+    for entry in os.scandir(out_dir):
+        m = _SHARD_FILE.fullmatch(entry.name)
+        if m and m.group(1) == kind and entry.is_file(follow_symlinks=False):
+            found.append(Path(entry.path))
+    return sorted(found)
+
+
+def shard_index_of(path: Path) -> int:
+    """The shard a log file belongs to (0 for an unsharded ``manifest.jsonl``)."""
+    m = _SHARD_FILE.fullmatch(path.name)
+    return int(m.group(2)) if m and m.group(2) else 0
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestEntry:
+    id: SampleId
+    path: str
+    num_tokens: int
+    size: int  # "bytes" in the JSON line
+    xxh3_64: str
+
+    def to_line(self) -> bytes:
+        return (
+            orjson.dumps(
+                {
+                    "id": self.id,
+                    "path": self.path,
+                    "num_tokens": self.num_tokens,
+                    "bytes": self.size,
+                    "xxh3_64": self.xxh3_64,
+                }
+            )
+            + b"\n"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class QuarantineEntry:
+    """``id`` is None when the line has no usable id of its own (bad JSON, duplicate id)."""
+
+    id: SampleId | None
+    line: int
+    reason: str
+
+    def to_line(self) -> bytes:
+        return orjson.dumps({"id": self.id, "line": self.line, "reason": self.reason}) + b"\n"
+
+
+def _split_lines(data: bytes, path: Path) -> tuple[list[tuple[int, Any]], int]:
+    """Parsed complete lines (with 1-based numbers) and the length of the complete prefix."""
+    complete = data.rfind(b"\n") + 1
+    records = []
+    for number, raw in enumerate(data[:complete].splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            records.append((number, orjson.loads(raw)))
+        except orjson.JSONDecodeError:
+            raise DatasetError(
+                f"{path}:{number} is not valid JSON; the log is corrupt. Move the line "
+                "aside (its sample will be redone) and run again"
+            ) from None
+    return records, complete
+
+
+def _id_of(value: object, where: str) -> SampleId:
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise DatasetError(f"{where}: id {value!r} is not a string or integer")
+    return value
+
+
+def _manifest_entry(rec: Any, where: str) -> ManifestEntry:
+    try:
+        entry = ManifestEntry(
+            id=_id_of(rec["id"], where),
+            path=str(rec["path"]),
+            num_tokens=int(rec["num_tokens"]),
+            size=int(rec["bytes"]),
+            xxh3_64=str(rec["xxh3_64"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DatasetError(f"{where}: manifest line is missing or mistypes {exc}") from None
+    if not _XXH.fullmatch(entry.xxh3_64):
+        raise DatasetError(f"{where}: xxh3_64 {entry.xxh3_64!r} is not 16 hex digits")
+    return entry
+
+
+def _quarantine_entry(rec: Any, where: str) -> QuarantineEntry:
+    try:
+        raw_id = rec["id"]
+        return QuarantineEntry(
+            id=None if raw_id is None else _id_of(raw_id, where),
+            line=int(rec["line"]),
+            reason=str(rec["reason"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DatasetError(f"{where}: quarantine line is missing or mistypes {exc}") from None
+
+
+def read_log(path: Path) -> tuple[list[tuple[int, Any]], bool]:
+    """The records of one log and whether its last line is torn (no newline)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return [], False
+    records, complete = _split_lines(data, path)
+    return records, complete < len(data)
+
+
+def read_manifest(out_dir: Path) -> list[ManifestEntry]:
+    """Every manifest entry of the directory (all shards)."""
+    return [
+        _manifest_entry(rec, f"{path}:{n}")
+        for path in log_files(out_dir, MANIFEST)
+        for n, rec in read_log(path)[0]
+    ]
+
+
+def read_quarantine(out_dir: Path) -> list[QuarantineEntry]:
+    return [
+        _quarantine_entry(rec, f"{path}:{n}")
+        for path in log_files(out_dir, QUARANTINE)
+        for n, rec in read_log(path)[0]
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class DoneSet:
+    """What a resumed run skips: ids in any manifest or quarantine, and quarantined lines."""
+
+    ids: frozenset[str]
+    lines: frozenset[int]
+    manifest: tuple[ManifestEntry, ...]
+
+    def is_done(self, sample_id: SampleId, line: int) -> bool:
+        return canonical_id(sample_id) in self.ids or line in self.lines
+
+
+def load_done(out_dir: Path) -> DoneSet:
+    manifest = read_manifest(out_dir)
+    quarantine = read_quarantine(out_dir)
+    ids = {canonical_id(e.id) for e in manifest}
+    ids.update(canonical_id(q.id) for q in quarantine if q.id is not None)
+    return DoneSet(frozenset(ids), frozenset(q.line for q in quarantine), tuple(manifest))
+
+
+class AppendLog:
+    """An append-only JSONL log with durable appends. Blocking: call from a thread.
+
+    Opening cuts a torn last line (left by a crash mid-append) so the next line starts
+    clean; the cut bytes were never acknowledged, so nothing durable is lost.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        try:
+            self._repair()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _repair(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size == 0:
+            return
+        tail = os.pread(self._fd, min(size, 1 << 20), max(0, size - (1 << 20)))
+        if tail.endswith(b"\n"):
+            return
+        cut = tail.rfind(b"\n")
+        if cut < 0 and size > len(tail):
+            raise DatasetError(f"{self.path}: last line is over 1 MiB and torn; repair by hand")
+        keep = size - len(tail) + cut + 1
+        os.ftruncate(self._fd, keep)
+        os.fsync(self._fd)
+
+    def append(self, lines: Iterable[bytes], *, sync: bool = True) -> None:
+        """Write the lines in one ``write`` (O_APPEND keeps them whole) and fsync."""
+        data = b"".join(lines)
+        if not data:
+            return
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        if sync:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)

@@ -1,0 +1,156 @@
+"""``hsx merge SRC... --to DEST``: combine shard outputs into one unsharded dataset.
+
+Each source is an output directory (one shard's, or a shared one with several shard
+manifests). Every file is re-hashed against its manifest line on the way (a bad copy is
+refused, not merged), linked when source and destination share a file system and copied
+with fsync otherwise, and only then gets its line in ``DEST/manifest.jsonl``. Merging is
+resumable: ids already in the destination are skipped; the same id with another hash in
+two sources is an error. Sources must come from the same input and model shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hsx_async.dataset.durable import fsync_dir
+from hsx_async.dataset.inspection import hash_file, human_bytes
+from hsx_async.dataset.layout import canonical_id
+from hsx_async.dataset.manifest import (
+    MANIFEST,
+    QUARANTINE,
+    AppendLog,
+    ManifestEntry,
+    log_name,
+    read_manifest,
+    read_quarantine,
+)
+from hsx_async.dataset.provenance import PROVENANCE, read_provenance, shard_lock, write_provenance
+from hsx_async.errors import DatasetError
+
+
+@dataclass
+class MergeResult:
+    copied: int = 0
+    skipped: int = 0
+    quarantined: int = 0
+    bytes: int = 0
+
+
+def _check_provenance(sources: list[Path]) -> dict[str, Any] | None:
+    records = [(src, read_provenance(src)) for src in sources]
+    known = [(src, r) for src, r in records if r is not None]
+    if not known:
+        return None
+    first_src, first = known[0]
+    for src, rec in known[1:]:
+        for key in ("input", "hidden_size", "aux_layers"):
+            a, b = first.get(key), rec.get(key)
+            if key == "input" and isinstance(a, dict) and isinstance(b, dict):
+                a, b = a.get("xxh3_64"), b.get("xxh3_64")
+            if a != b:
+                raise DatasetError(
+                    f"{src} and {first_src} differ in {key}: they are not shards of one job"
+                )
+    return first
+
+
+def _place(src: Path, dest: Path) -> None:
+    """Link or copy ``src`` to ``dest`` durably; ``dest`` appears only when complete."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.merge.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+            raise
+        with src.open("rb") as fin, tmp.open("wb") as fout:
+            shutil.copyfileobj(fin, fout, 8 << 20)
+            fout.flush()
+            os.fsync(fout.fileno())
+    tmp.replace(dest)
+    fsync_dir(dest.parent)
+
+
+def merge(sources: list[Path], dest: Path) -> MergeResult:
+    prov = _check_provenance(sources)
+    dest.mkdir(parents=True, exist_ok=True)
+    result = MergeResult()
+    with shard_lock(dest, 0):
+        have = {canonical_id(e.id): e for e in read_manifest(dest)}
+        have_q = {(q.id, q.line) for q in read_quarantine(dest)}
+        manifest = AppendLog(dest / log_name(MANIFEST))
+        quarantine = AppendLog(dest / log_name(QUARANTINE))
+        try:
+            for src in sources:
+                for entry in read_manifest(src):
+                    _merge_entry(
+                        src, dest, entry=entry, have=have, manifest=manifest, result=result
+                    )
+                lines = [q for q in read_quarantine(src) if (q.id, q.line) not in have_q]
+                quarantine.append(q.to_line() for q in lines)
+                have_q.update((q.id, q.line) for q in lines)
+                result.quarantined += len(lines)
+        finally:
+            manifest.close()
+            quarantine.close()
+        if prov is not None and not (dest / PROVENANCE).exists():
+            prov["merged_from"] = [str(s) for s in sources]
+            import orjson  # noqa: PLC0415
+
+            write_provenance(dest, orjson.dumps(prov, option=orjson.OPT_INDENT_2))
+    return result
+
+
+def _merge_entry(
+    src: Path,
+    dest: Path,
+    *,
+    entry: ManifestEntry,
+    have: dict[str, ManifestEntry],
+    manifest: AppendLog,
+    result: MergeResult,
+) -> None:
+    key = canonical_id(entry.id)
+    if key in have:
+        if have[key].xxh3_64 != entry.xxh3_64:
+            raise DatasetError(
+                f"id {key!r} is in two sources with different content "
+                f"({have[key].xxh3_64} vs {entry.xxh3_64} in {src})"
+            )
+        result.skipped += 1
+        return
+    size, digest = hash_file(src / entry.path)
+    if (size, digest) != (entry.size, entry.xxh3_64):
+        raise DatasetError(
+            f"{src / entry.path} does not match its manifest line; run "
+            f"`hsx verify {src} --repair` and extract again before merging"
+        )
+    if (src / entry.path).resolve() != (dest / entry.path).resolve():
+        _place(src / entry.path, dest / entry.path)
+    manifest.append([entry.to_line()])
+    have[key] = entry
+    result.copied += 1
+    result.bytes += entry.size
+
+
+def merge_command(args: argparse.Namespace) -> int:
+    result = merge([Path(s) for s in args.sources], Path(args.to))
+    print(
+        f"merged {result.copied} samples ({human_bytes(result.bytes)}), {result.skipped} already "
+        f"there, {result.quarantined} quarantine lines → {args.to}"
+    )
+    return 0
+
+
+def register_cli(sub: Any) -> None:
+    p = sub.add_parser("merge", help="combine shard outputs into one dataset")
+    p.add_argument("sources", nargs="+", help="output directories of the shards")
+    p.add_argument("--to", required=True, help="destination directory")
+    p.set_defaults(handler=merge_command)

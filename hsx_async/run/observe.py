@@ -1,0 +1,105 @@
+"""What the operator sees: ``/metrics`` and ``/status`` over HTTP, and a progress line.
+
+The HTTP endpoint binds to loopback by default (``daemon.metrics_listen``); it exposes
+counts and server URLs, nothing else. In a terminal the progress line redraws in place; in
+a pipe it becomes a ``progress`` log event every ``daemon.progress_interval`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import orjson
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from hsx_async.config import listen_address
+from hsx_async.dataset.inspection import human_bytes
+
+log = structlog.get_logger("hsx.observe")
+StatusFn = Callable[[], dict[str, Any]]
+
+
+def build_app(registry: CollectorRegistry, status_fn: StatusFn) -> web.Application:
+    async def metrics(_: web.Request) -> web.Response:
+        status_fn()  # refreshes the gauges from the live state
+        body = generate_latest(registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def status(_: web.Request) -> web.Response:
+        return web.Response(body=orjson.dumps(status_fn()), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/status", status)
+    return app
+
+
+async def serve_http(
+    listen: str,
+    registry: CollectorRegistry,
+    status_fn: StatusFn,
+    on_bound: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until cancelled (a long-lived task of the daemon's TaskGroup)."""
+    host, port = listen_address(listen)
+    runner = web.AppRunner(build_app(registry, status_fn), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0]
+        url = f"http://{bound[0]}:{bound[1]}"
+        log.info("metrics_listening", url=url)
+        if on_bound is not None:
+            on_bound(url)
+        await asyncio.Event().wait()  # until cancelled
+    finally:
+        await runner.cleanup()
+
+
+def eta_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+def progress_line(s: dict[str, Any]) -> str:
+    total = s.get("total_samples")
+    done = s["done"] + s["quarantined"] + s["skipped"]
+    share = f"{done}/{total}" if total else str(done)
+    pct = f" {100 * done / total:5.1f}%" if total else ""
+    paused = " PAUSED (disk)" if s.get("paused") else ""
+    return (
+        f"{share} samples{pct} | {s['tokens_per_s']:,.0f} tok/s | "
+        f"{s['bytes_per_s'] / 1e9:.2f} GB/s | {human_bytes(s['bytes'])} | "
+        f"q {s['quarantined']} | in flight {s['in_flight']} | "
+        f"ETA {eta_text(s.get('eta_s'))}{paused}"
+    )
+
+
+async def progress_loop(
+    status_fn: StatusFn, interval: float, *, stream: TextIO | None = None
+) -> None:
+    """Redraw a progress bar on a TTY (every second), or log a line per ``interval``."""
+    out = stream or sys.stderr
+    tty = out.isatty()
+    try:
+        while True:
+            await asyncio.sleep(1.0 if tty else interval)
+            snap = status_fn()
+            if tty:
+                out.write("\r\x1b[2K" + progress_line(snap))
+                out.flush()
+            else:
+                log.info("progress", **{k: v for k, v in snap.items() if k != "servers"})
+    finally:
+        if tty:
+            out.write("\n")
+            out.flush()

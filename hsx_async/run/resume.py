@@ -1,0 +1,108 @@
+"""Resuming: make the output directory agree with its manifests before new work starts.
+
+A crash can leave temp files (``.<name>.<tag>.tmp``) and data files renamed into place
+whose manifest line never became durable. Neither is trusted: both are deleted, and their
+samples are extracted again. In a directory shared by shards, a process only deletes
+files of its own shard, so it never races another shard's rename-then-append.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from hsx_async.config import ShardConfig
+from hsx_async.dataset.layout import DATA_DIR, FILE_SUFFIX, shard_of_id
+from hsx_async.dataset.manifest import ManifestEntry
+from hsx_async.errors import DatasetError
+
+log = structlog.get_logger("hsx.resume")
+_HEADER_MAX = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Cleanup:
+    temp_files: int
+    orphans: int
+    foreign: int  # orphans of another shard, left alone
+
+
+def _file_id(path: Path) -> str | None:
+    """The ``id`` in a safetensors file's metadata, or None when unreadable."""
+    import orjson  # noqa: PLC0415 - only needed on this rare path
+
+    try:
+        with path.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if not 0 < n <= _HEADER_MAX:
+                return None
+            header = orjson.loads(fh.read(n))
+        return str(header["__metadata__"]["id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _owned(path: Path, shard: ShardConfig) -> bool:
+    if shard.count == 1:
+        return True
+    if path.name.startswith("."):  # temp: .<name>.s<index>-<nonce>.tmp
+        parts = path.name.rsplit(".", 2)
+        return len(parts) == 3 and parts[1].startswith(f"s{shard.index}-")
+    sample_id = _file_id(path)
+    if sample_id is None:
+        return False
+    return shard_of_id(sample_id, shard.count) == shard.index
+
+
+def clean_orphans(out_dir: Path, entries: Iterable[ManifestEntry], shard: ShardConfig) -> Cleanup:
+    """Delete temp files and unnamed data files of this shard under ``out_dir/data``."""
+    named = {e.path for e in entries}
+    temp = orphans = foreign = 0
+    data = out_dir / DATA_DIR
+    if not data.is_dir():
+        return Cleanup(0, 0, 0)
+    for bucket in os.scandir(data):
+        if not bucket.is_dir(follow_symlinks=False):
+            continue
+        for entry in os.scandir(bucket.path):
+            rel = f"{DATA_DIR}/{bucket.name}/{entry.name}"
+            is_temp = entry.name.startswith(".") and entry.name.endswith(".tmp")
+            if not is_temp and (rel in named or not entry.name.endswith(FILE_SUFFIX)):
+                continue
+            path = Path(entry.path)
+            if not _owned(path, shard):
+                foreign += 1
+                continue
+            path.unlink(missing_ok=True)
+            temp, orphans = (temp + 1, orphans) if is_temp else (temp, orphans + 1)
+    if temp or orphans:
+        log.info("resume_cleanup", temp_files=temp, orphans=orphans, foreign=foreign)
+    return Cleanup(temp, orphans, foreign)
+
+
+def check_entries(out_dir: Path, entries: Iterable[ManifestEntry]) -> None:
+    """Every manifest line names a regular file of the recorded size (cheap: one stat each).
+
+    A full re-hash is ``hsx verify``; this catches a deleted or truncated file before a
+    resumed run reports the dataset complete.
+    """
+    bad = []
+    for e in entries:
+        try:
+            st = (out_dir / e.path).lstat()
+            ok = stat.S_ISREG(st.st_mode) and st.st_size == e.size
+        except FileNotFoundError:
+            ok = False
+        if not ok:
+            bad.append(e.path)
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise DatasetError(
+            f"{len(bad)} manifest entries name a missing or resized file ({shown}); run "
+            f"`hsx verify {out_dir} --repair` to drop them so they are extracted again"
+        )

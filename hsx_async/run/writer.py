@@ -1,0 +1,517 @@
+"""Moving a dump from /dev/shm into a durable dataset file (PROTOCOL §4). Blocking: threads.
+
+Two steps, so that the slow part runs in parallel and the syncs are shared:
+
+- :meth:`FileWriter.stage` (one writer thread per sample): header and ``input_ids`` from
+  memory, ``hidden_states`` copied part by part from the tmpfs, ``loss_mask`` last, into a
+  temp file; XXH3-64 over the same bytes as they are written (no second pass), fsync.
+- :meth:`FileWriter.publish` (the group commit, many samples at once): rename each temp
+  file into place, then one fsync per directory touched (a bucket's name in ``data/``,
+  the new names in each bucket). Only then does the caller write the manifest lines.
+
+Copy methods:
+
+- ``direct``: the file's bytes — header and ``input_ids``, the parts, ``loss_mask`` — pass
+  in order through a page-aligned buffer of ``CHUNK`` bytes, the parts read into it
+  (``preadv``) ``SUB`` bytes at a time, each piece hashed while it is still in the CPU
+  cache, and each full buffer is written with ``O_DIRECT`` at a ``CHUNK`` boundary of the
+  file: one memory copy, no page-cache pollution, the device sees whole aligned writes.
+  On a tmpfs mounted with huge pages each part is mapped ``CHUNK`` bytes at a time instead
+  and written straight from the mapping, the hash running beside the write in a helper
+  thread.
+  Needs every part to start on a 4 KiB boundary in the file, which holds when L × H × 2 is
+  a multiple of 4096 (any real model); the layout pads the header so ``hidden_states``
+  starts aligned.
+- ``sendfile``: kernel copy into the page cache; works everywhere (``copy_file_range`` does
+  not work from tmpfs to ext4). The hash reads the tmpfs part through the same buffer.
+
+``auto`` picks ``direct`` when the shape allows and the file system accepts O_DIRECT, and
+falls back to ``sendfile`` for good on the first EINVAL.
+
+Why not map 4 KiB-page tmpfs parts: on the machine the benchmarks ran on (kernel 6.18,
+bench/README.md) faulting small tmpfs pages into a mapping cost ~0.7 CPU-s/GB, the read
+copy ~0.3 (hash included), and the copy was faster too. Nothing is mapped or read whole,
+so a 32k-token sample adds nothing to the RSS but the buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import stat
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from hsx_async.dataset.durable import fsync_dir
+from hsx_async.dataset.layout import ALIGN, FileLayout
+from hsx_async.dataset.manifest import ManifestEntry
+from hsx_async.errors import DiskFullError, DumpError, WriteError
+from hsx_async.run.dump import Dump, open_dump_dir, tmpfs_mounts
+from hsx_async.run.failpoints import failpoint
+from hsx_async.run.source import Sample
+
+CHUNK = 8 << 20  # bytes per O_DIRECT write: large enough to keep the device streaming
+SUB = 256 << 10  # bytes read then hashed at once: still in the L2 cache when hashed
+Hasher = xxhash.xxh3_64
+_SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+# Threads hashing mapped chunks while the writer threads write them (created on first use).
+_HASH_POOL = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="hsx-hash")
+# Threads syncing the directories of one publish side by side (created on first use).
+_DIR_SYNC_POOL = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="hsx-dirsync")
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+@dataclass(frozen=True, slots=True)
+class WriteJob:
+    sample: Sample
+    dump: Dump
+    layout: FileLayout
+    relpath: str  # data/xx/<key>.safetensors
+    tmp_tag: str  # unique per run and shard, so shards never touch each other's temp files
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A sample file written and fsynced under its temp name, waiting for :meth:`publish`."""
+
+    tmp: Path
+    final: Path
+    entry: ManifestEntry
+    new_dirs: tuple[Path, ...]  # directories whose name publish must make durable first
+
+
+class _AlignedBuffers(threading.local):
+    """One page-aligned scratch buffer per I/O thread, grown rarely, never freed:
+    allocating large buffers on the hot path stalled the process (PERF-NOTES).
+
+    Private memory backed by transparent huge pages where the kernel allows it (the
+    ``madvise`` mode is the common default): an O_DIRECT write from 2 MiB pages pins 4
+    pages per CHUNK instead of 2,048 and hands the device a few large segments. Measured
+    here: ~25% less CPU per GB and twice the throughput on the virtio disk."""
+
+    buf: mmap.mmap | None = None
+
+    def get(self, size: int) -> mmap.mmap:
+        size = max(-(-size // ALIGN) * ALIGN, CHUNK)
+        if self.buf is None or len(self.buf) < size:
+            if self.buf is not None:
+                self.buf.close()
+            self.buf = _huge_page_buffer(size)
+        return self.buf
+
+
+def _huge_page_buffer(size: int) -> mmap.mmap:
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # THP disabled: small pages work as well
+            buf.madvise(advice)
+    return buf
+
+
+_buffers = _AlignedBuffers()
+
+
+class FileWriter:
+    """Writes sample files under ``out_dir``; thread-safe, one instance per run."""
+
+    def __init__(self, out_dir: Path, *, method: str, fsync: bool, row_bytes: int) -> None:
+        self.out_dir = out_dir
+        self.fsync = fsync
+        self.direct = method == "direct" or (method == "auto" and row_bytes % ALIGN == 0)
+        if method == "direct" and row_bytes % ALIGN:
+            raise WriteError(
+                f"writer.method = 'direct' needs L × H × 2 ({row_bytes}) to be a multiple of "
+                f"{ALIGN}; use 'auto' or 'sendfile'"
+            )
+        self._forced = method == "direct"
+        self._dirs_ready: set[Path] = set()  # created (or found) and checked for links
+        self._names_durable: set[Path] = set()  # ... and their names synced by a publish
+        self._temps: set[Path] = set()  # staged, not yet published
+        self._lock = threading.Lock()
+
+    def write(self, job: WriteJob) -> ManifestEntry:
+        """Stage and publish one sample: durable and named when this returns."""
+        staged = self.stage(job)
+        self.publish([staged])
+        return staged.entry
+
+    def stage(self, job: WriteJob) -> Staged:
+        """Copy, hash and fsync the sample into a temp file next to its final name.
+        Nothing is named yet: a crash leaves a temp file, which a resume deletes."""
+        final = self.out_dir / job.relpath
+        try:
+            new_dirs = self._ensure_dir(final.parent)
+        except OSError as exc:
+            raise _write_error(exc, final.parent) from exc
+        tmp = final.parent / f".{final.name}.{job.tmp_tag}.tmp"
+        self._temps.add(tmp)
+        try:
+            digest, size = self._write_file(tmp, job)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self._temps.discard(tmp)
+            if isinstance(exc, OSError):
+                raise _write_error(exc, final) from exc
+            raise
+        entry = ManifestEntry(job.sample.id, job.relpath, job.sample.num_tokens, size, digest)
+        return Staged(tmp, final, entry, new_dirs)
+
+    def publish(self, batch: list[Staged]) -> None:
+        """Rename each staged file into place, then sync every directory touched, once:
+        when this returns every name is durable, and manifest lines may follow. A failure
+        stops here; temp files not yet renamed stay for a resume to delete."""
+        parents: dict[Path, None] = {}  # where new directories were named (outermost first)
+        for staged in batch:
+            parents.update(dict.fromkeys(d.parent for d in staged.new_dirs))
+        buckets: dict[Path, None] = {}  # where files were renamed
+        for i, staged in enumerate(batch):
+            failpoint("writer.after_fsync")
+            try:
+                staged.tmp.rename(staged.final)
+            except OSError as exc:
+                for rest in batch[i:]:
+                    with contextlib.suppress(OSError):
+                        rest.tmp.unlink()
+                    self._temps.discard(rest.tmp)
+                raise _write_error(exc, staged.final) from exc
+            self._temps.discard(staged.tmp)
+            failpoint("writer.after_rename")
+            buckets[staged.final.parent] = None
+        if self.fsync:
+            # The new directories' names, then every bucket a file was renamed into. Each
+            # bucket is a directory of its own (256 of them), so a batch touches many:
+            # their fsyncs run side by side and the device sees them queued together.
+            for directory in parents:
+                _sync_dir(directory)
+            _sync_dirs([d for d in buckets if d not in parents])
+        for staged in batch:
+            self._names_durable.update(staged.new_dirs)
+
+    def forget(self, staged: Staged) -> None:
+        """Delete a staged file that will not be published (its commit failed)."""
+        if staged.tmp in self._temps:
+            with contextlib.suppress(OSError):
+                staged.tmp.unlink()
+            self._temps.discard(staged.tmp)
+
+    def discard_temps(self) -> None:
+        """Delete the temp files of samples staged but never published (the run failed
+        or was cut short before their commit). Call once no stage or publish runs."""
+        for tmp in self._temps:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        self._temps.clear()
+
+    def _ensure_dir(self, directory: Path) -> tuple[Path, ...]:
+        """Create the bucket directory if needed. Returns the directories, outermost first,
+        whose own name is not yet known durable in their parent this run (whether this run
+        created them or a crashed one did): a publish syncs their parents before listing a
+        file inside, once per run for each."""
+        if directory in self._names_durable:
+            return ()  # and so is every name above it
+        if directory not in self._dirs_ready:
+            with self._lock:
+                if directory not in self._dirs_ready:
+                    directory.mkdir(parents=True, exist_ok=True)
+                    _refuse_links(self.out_dir, directory)
+                    self._dirs_ready.add(directory)
+        names = []
+        current = directory
+        while current != self.out_dir and current not in self._names_durable:
+            names.append(current)
+            current = current.parent
+        return tuple(reversed(names))
+
+    def _write_file(self, tmp: Path, job: WriteJob) -> tuple[str, int]:
+        hasher = xxhash.xxh3_64()
+        if self.direct:
+            try:
+                fd = os.open(tmp, _NEW_FILE | os.O_DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or self._forced:
+                    raise
+                self.direct = False  # this file system refuses O_DIRECT: fall back for good
+        if not self.direct:
+            fd = os.open(tmp, _NEW_FILE, 0o644)
+        try:
+            if self.direct:
+                _write_direct(fd, job, hasher)
+            else:
+                _write_buffered(fd, job, hasher)
+            size = os.fstat(fd).st_size
+            if size != job.layout.total_bytes:
+                raise WriteError(f"{tmp}: wrote {size} bytes, expected {job.layout.total_bytes}")
+            failpoint("writer.after_temp_write")
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return hasher.hexdigest(), size
+
+
+def _sync_dir(directory: Path) -> None:
+    try:
+        fsync_dir(directory)
+    except OSError as exc:  # the files are in place but their names not durable
+        raise _write_error(exc, directory) from exc
+
+
+def _sync_dirs(directories: list[Path]) -> None:
+    """fsync every directory, concurrently; returns once all are done, raising the first
+    failure (after the others finished: nothing keeps running behind the caller)."""
+    if len(directories) <= 1:
+        for directory in directories:
+            _sync_dir(directory)
+        return
+    pending = [_DIR_SYNC_POOL.submit(_sync_dir, d) for d in directories]
+    futures.wait(pending)
+    for done in pending:
+        done.result()
+
+
+def _refuse_links(base: Path, directory: Path) -> None:
+    """Every directory between ``base`` and ``directory`` must be a real one: mkdir with
+    exist_ok accepts a planted link, and the sample would be written where it points."""
+    current = base
+    for name in directory.relative_to(base).parts:
+        current = current / name
+        if not stat.S_ISDIR(current.lstat().st_mode):
+            raise WriteError(
+                f"{current} is a link or not a directory; remove it (hsx writes only into "
+                "real directories under output.dir)"
+            )
+
+
+def _head(job: WriteJob) -> bytes:
+    return job.layout.header + job.sample.input_ids.astype("<i8", copy=False).tobytes()
+
+
+def _tail(job: WriteJob) -> bytes:
+    mask = job.sample.loss_mask
+    return b"" if mask is None else np.asarray(mask, dtype=np.uint8).tobytes()
+
+
+def _open_part(path: Path, expected: int) -> int:
+    """Open a part without following links and re-check its size on the descriptor."""
+    try:
+        # Component by component: a request dir swapped for a link is not followed either.
+        dir_fd = open_dump_dir(path.parent)
+        try:
+            fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+    except FileNotFoundError:
+        raise DumpError(f"{path.name} vanished before it was copied") from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        # Swapped for a link after validation: the dump's fault, not the disk's.
+        raise DumpError(f"{path.name} became a link after validation") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != expected:
+        os.close(fd)
+        raise DumpError(f"{path.name} changed after validation ({st.st_size} bytes)")
+    return fd
+
+
+def _write_all(fd: int, data: memoryview | bytes | mmap.mmap) -> None:
+    """Write every byte. Each view taken here is released even when a write fails: a view
+    still alive in the traceback would make resizing or closing the buffer it came from
+    raise BufferError later, in an unrelated call."""
+    with memoryview(data) as view:
+        done, total = 0, view.nbytes
+        while done < total:
+            with view[done:] as rest:
+                done += os.write(fd, rest)
+
+
+def _read_hashed(part_fd: int, name: str, view: memoryview, offset: int, hasher: Hasher) -> None:
+    """Fill ``view`` from the part at ``offset``, hashing each piece right after reading it."""
+    done, total = 0, view.nbytes
+    while done < total:
+        with view[done : done + SUB] as piece:
+            got = os.preadv(part_fd, [piece], offset + done)
+            if got == 0:
+                raise DumpError(f"{name} shrank while it was copied")
+            with piece[:got] as filled:
+                hasher.update(filled)
+        done += got
+
+
+def _hash_part(part_fd: int, name: str, size: int, hasher: Hasher) -> None:
+    if _on_huge_pages(part_fd):
+        for offset in range(0, size, CHUNK):
+            with _map(part_fd, offset, min(CHUNK, size - offset)) as mm:
+                hasher.update(mm)
+        return
+    with memoryview(_buffers.get(SUB)) as whole:
+        for offset in range(0, size, SUB):
+            with whole[: min(SUB, size - offset)] as view:
+                _read_hashed(part_fd, name, view, offset, hasher)
+
+
+class _AlignedFile:
+    """The bytes of one file, in order, written with O_DIRECT at CHUNK-aligned offsets of
+    the file: every write but the last is a whole CHUNK, starting on a CHUNK boundary, as
+    in a plain copy of the parts. (Written after the header and ``input_ids``, the hidden
+    states were shifted off those boundaries; on the virtio disk here that cost 5–7% of a
+    raw copy's rate: bench/README.md.) XXH3 runs over the same bytes, in the same order.
+    Parts on a huge-page tmpfs are the exception: see :meth:`_write_mapped`."""
+
+    def __init__(self, fd: int, whole: memoryview, hasher: Hasher) -> None:
+        self.fd, self.whole, self.hasher = fd, whole, hasher
+        self.fill = 0  # bytes in the buffer, not yet written
+
+    def put(self, data: bytes) -> None:
+        """Small pieces (the header and ids, the loss mask) go through the buffer."""
+        self.hasher.update(data)
+        with memoryview(data) as view:
+            done = 0
+            while done < len(view):
+                n = min(len(view) - done, CHUNK - self.fill)
+                self.whole[self.fill : self.fill + n] = view[done : done + n]
+                self.fill, done = self.fill + n, done + n
+                if self.fill == CHUNK:
+                    self._write_buffer()
+
+    def copy_part(self, part_fd: int, name: str, size: int) -> None:
+        """A dump part, read into the buffer in pieces, each hashed while in the cache
+        (on a huge-page tmpfs: :meth:`_write_mapped`)."""
+        if _on_huge_pages(part_fd):
+            self._write_mapped(part_fd, size)
+            return
+        pos = 0
+        while pos < size:
+            n = min(size - pos, CHUNK - self.fill)
+            with self.whole[self.fill : self.fill + n] as view:
+                _read_hashed(part_fd, name, view, pos, self.hasher)
+            self.fill, pos = self.fill + n, pos + n
+            if self.fill == CHUNK:
+                self._write_buffer()
+
+    def _write_mapped(self, part_fd: int, size: int) -> None:
+        """On a huge-page tmpfs: the part written straight from mappings of it, CHUNK by
+        CHUNK from its start, so each mapping is made of whole 2 MiB pages (one fault
+        each), and hashed beside the write (both release the GIL). These writes follow
+        the header unaligned: aligning them through the buffer measured no better there
+        (bench/README.md). A part truncated under the mapping would fault; committed
+        parts never change. One hash in flight per file keeps it in order."""
+        assert self.fill % ALIGN == 0  # header and parts are whole blocks
+        self._write_buffer()
+        for pos in range(0, size, CHUNK):
+            with _map(part_fd, pos, min(CHUNK, size - pos)) as mm:
+                hashed = _HASH_POOL.submit(self.hasher.update, mm)
+                try:
+                    _write_all(self.fd, mm)
+                finally:
+                    futures.wait([hashed])
+                hashed.result()
+
+    def finish(self, total: int) -> None:
+        """The last, partial block: O_DIRECT writes whole blocks, so it is written
+        zero-padded and the file cut back to ``total``."""
+        filled = self.fill
+        if not filled:
+            return
+        padded = -(-filled // ALIGN) * ALIGN
+        self.whole[filled:padded] = bytes(padded - filled)
+        self.fill = padded
+        self._write_buffer()
+        if padded != filled:
+            os.ftruncate(self.fd, total)
+
+    def _write_buffer(self) -> None:
+        if self.fill:
+            with self.whole[: self.fill] as block:
+                _write_all(self.fd, block)
+        self.fill = 0
+
+
+def _map(part_fd: int, offset: int, length: int) -> mmap.mmap:
+    return mmap.mmap(part_fd, length, prot=mmap.PROT_READ, offset=offset)
+
+
+_huge_devices: dict[int, bool] = {}  # st_dev -> backed by huge pages (a benign race)
+
+
+def _on_huge_pages(fd: int) -> bool:
+    """Whether the tmpfs holding ``fd`` backs files with transparent huge pages. Then
+    mapping a part costs one fault per 2 MiB, and freeing it next to nothing."""
+    dev = os.fstat(fd).st_dev
+    known = _huge_devices.get(dev)
+    if known is None:
+        known = _huge_devices[dev] = dev in _huge_tmpfs_devices()
+    return known
+
+
+def _huge_tmpfs_devices() -> set[int]:
+    """Devices of the tmpfs mounts with ``huge=always`` or ``huge=within_size`` (or every
+    tmpfs, when the kernel forces huge pages on all of them)."""
+    forced = False
+    with contextlib.suppress(OSError):
+        forced = "[force]" in Path(_SHMEM_ENABLED).read_text()
+    devices: set[int] = set()
+    for mount, options in tmpfs_mounts():
+        if forced or "huge=always" in options or "huge=within_size" in options:
+            with contextlib.suppress(OSError):
+                devices.add(mount.stat().st_dev)
+    return devices
+
+
+def _parts(job: WriteJob) -> list[tuple[Path, int]]:
+    per_row = job.layout.hidden_bytes // job.layout.num_tokens
+    return [
+        (p, (e - s) * per_row)
+        for p, (s, e) in zip(job.dump.part_paths(), job.dump.meta.parts, strict=True)
+    ]
+
+
+def _write_direct(fd: int, job: WriteJob, hasher: Hasher) -> None:
+    with memoryview(_buffers.get(CHUNK)) as whole:
+        out = _AlignedFile(fd, whole, hasher)
+        out.put(_head(job))  # a multiple of ALIGN long, by construction of the layout
+        for path, size in _parts(job):
+            part_fd = _open_part(path, size)
+            try:
+                out.copy_part(part_fd, path.name, size)
+            finally:
+                os.close(part_fd)
+        out.put(_tail(job))
+        out.finish(job.layout.total_bytes)
+
+
+def _write_buffered(fd: int, job: WriteJob, hasher: Hasher) -> None:
+    head = _head(job)
+    _write_all(fd, head)
+    hasher.update(head)
+    for path, size in _parts(job):
+        part_fd = _open_part(path, size)
+        try:
+            offset = 0
+            while offset < size:
+                sent = os.sendfile(fd, part_fd, offset, min(size - offset, 1 << 30))
+                if sent == 0:
+                    raise DumpError(f"{path.name} shrank while it was copied")
+                offset += sent
+            # Hash from the tmpfs copy: RAM-speed, and no read back from the disk.
+            _hash_part(part_fd, path.name, size, hasher)
+        finally:
+            os.close(part_fd)
+    tail = _tail(job)
+    _write_all(fd, tail)
+    hasher.update(tail)
+
+
+def _write_error(exc: OSError, path: Path) -> WriteError:
+    if exc.errno == errno.ENOSPC:
+        return DiskFullError(f"no space left writing {path}; free space on the output disk")
+    return WriteError(f"writing {path} failed: {exc.strerror or exc}")

@@ -1,0 +1,354 @@
+"""``hsx reference-server``: SGLang's hsx protocol with real hidden states, on the CPU.
+
+An aiohttp server that speaks PROTOCOL §2–3 like SGLang with the hsx hook, but computes
+the hidden states with a Hugging Face ``transformers`` causal LM: by default a tiny Llama
+built from a fixed seed (no download), or ``--model PATH`` for a local checkpoint. Requests
+are batched into packed forward passes and long prompts are prefilled in chunks
+(:mod:`.reference_sched`, :mod:`.reference_model`), so a dataset written through it can be
+checked, row for row, against one plain forward pass of the same model
+(:func:`reference_hidden_states`).
+
+torch and transformers are imported inside functions: the CLI imports this module to build
+its parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import structlog
+import uvloop
+from aiohttp import web
+
+from hsx_async import __version__
+from hsx_async.errors import ConfigError
+from hsx_async.protocol import DEFAULT_DUMP_ROOT
+from hsx_async.server.dumpwrite import RequestDump
+from hsx_async.server.reference.http import (
+    BadRequest,
+    error_body,
+    generate_response,
+    parse_generate,
+)
+from hsx_async.server.reference.sched import (
+    DuplicateRid,
+    Job,
+    PassFailed,
+    ReferenceStats,
+    Scheduler,
+    ServerClosing,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from hsx_async.server.reference.model import PackedEngine
+
+__all__ = [
+    "ReferenceOptions",
+    "ReferenceServer",
+    "build_app",
+    "build_default_model",
+    "parse_aux_layers",
+    "reference_hidden_states",
+    "register_cli",
+    "running_reference_server",
+]
+
+SERVER_NAME = f"hsx-reference {__version__}"
+# Long prompts as JSON: ~7 bytes a token; SGLang takes far more than aiohttp's 1 MiB default.
+MAX_BODY_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ReferenceOptions:
+    model: str | None = None  # a local Hugging Face model directory; None: the tiny Llama
+    aux_layers: tuple[int, ...] | None = None  # None: default_aux_layers() of the model
+    dump_root: Path = Path(DEFAULT_DUMP_ROOT)
+    chunk_size: int = 64  # most rows of one request in one pass (chunked prefill)
+    max_batch_tokens: int = 256  # most rows of one pass, all requests together
+    seed: int = 0  # weights of the built-in model
+    threads: int | None = None  # torch intra-op threads; None: leave torch's setting
+
+    def __post_init__(self) -> None:
+        for key in ("chunk_size", "max_batch_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"is {getattr(self, key)}, expected at least 1")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("threads", f"is {self.threads}, expected at least 1")
+
+
+@dataclass
+class _State:
+    engine: PackedEngine
+    scheduler: Scheduler
+    options: ReferenceOptions
+    model_name: str
+
+
+_STATE = web.AppKey("hsx_reference", _State)
+
+
+def build_default_model(seed: int = 0) -> Any:
+    """The built-in tiny Llama (see :func:`.reference_model.build_default_model`)."""
+    from hsx_async.server.reference import model as reference_model  # noqa: PLC0415 - torch stays out of hsx --help
+
+    return reference_model.build_default_model(seed)
+
+
+def reference_hidden_states(
+    model: Any, input_ids: Sequence[int] | np.ndarray[Any, Any], aux_layers: Sequence[int]
+) -> torch.Tensor:
+    """The ground truth: [T, L, H] bfloat16 from ONE unchunked, unbatched forward of
+    ``model`` (see :func:`.reference_model.reference_hidden_states`)."""
+    from hsx_async.server.reference import model as reference_model  # noqa: PLC0415 - torch stays out of hsx --help
+
+    return reference_model.reference_hidden_states(model, input_ids, aux_layers)
+
+
+def _load(options: ReferenceOptions) -> tuple[Any, str]:
+    from hsx_async.server.reference import model as rm  # noqa: PLC0415 - see build_app
+
+    if options.model is None:
+        return rm.build_default_model(options.seed), rm.default_model_name(options.seed)
+    return rm.load_model(options.model), options.model
+
+
+def build_app(options: ReferenceOptions) -> web.Application:
+    """The server, model loaded (blocking: seconds for a real checkpoint)."""
+    # torch and transformers take seconds to import: only a server that runs pays for them.
+    import torch  # noqa: PLC0415
+
+    from hsx_async.server.reference.model import (  # noqa: PLC0415
+        PackedEngine,
+        default_aux_layers,
+        text_config,
+    )
+    from hsx_async.server.reference.passes import PassRunner  # noqa: PLC0415
+
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
+    model, model_name = _load(options)
+    aux = options.aux_layers
+    if aux is None:
+        aux = default_aux_layers(text_config(model).num_hidden_layers)
+    engine = PackedEngine(model, aux)
+    scheduler = Scheduler(
+        PassRunner(engine, options.dump_root, model_name, SERVER_NAME),
+        chunk_size=options.chunk_size,
+        max_batch_tokens=options.max_batch_tokens,
+    )
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[_STATE] = _State(engine, scheduler, options, model_name)
+    app.router.add_post("/generate", _generate)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/get_model_info", _model_info)
+    app.router.add_get("/get_server_info", _server_info)
+    app.cleanup_ctx.append(_scheduler_task)
+    # on_shutdown runs before aiohttp waits for in-flight handlers: release them at once.
+    app.on_shutdown.append(_close_scheduler)
+    return app
+
+
+async def _scheduler_task(app: web.Application) -> AsyncIterator[None]:
+    scheduler = app[_STATE].scheduler
+    task = asyncio.create_task(scheduler.run(), name="hsx-reference-scheduler")
+    yield
+    scheduler.close()
+    await task  # the pass in flight finishes: no thread writes after the server is gone
+
+
+async def _close_scheduler(app: web.Application) -> None:
+    app[_STATE].scheduler.close()
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+async def _generate(request: web.Request) -> web.Response:
+    state = request.app[_STATE]
+    engine = state.engine
+    try:
+        body = orjson.loads(await request.read())
+        req = parse_generate(body, vocab_size=engine.vocab_size, max_positions=engine.max_positions)
+    except orjson.JSONDecodeError as exc:
+        return _json(error_body(f"the request body is not JSON: {exc}"), 400)
+    except BadRequest as exc:
+        return _json(error_body(str(exc)), 400)
+    dump = None if req.ns is None else RequestDump(req.rid, req.ns, len(req.input_ids))
+    job = Job(req.rid, list(req.input_ids), req.max_new_tokens, dump)
+    try:
+        done = await state.scheduler.submit(job)
+    except DuplicateRid as exc:
+        return _json(error_body(str(exc)), 400)
+    except ServerClosing as exc:
+        return _json(error_body(str(exc)), 503)
+    except PassFailed as exc:
+        return _json(error_body(str(exc)), 500)
+    return _json(generate_response(req.rid, done.prompt_tokens, done.output_ids))
+
+
+async def _health(request: web.Request) -> web.Response:
+    running = request.app[_STATE].scheduler.running
+    return web.Response(status=200 if running else 503)
+
+
+async def _model_info(request: web.Request) -> web.Response:
+    state = request.app[_STATE]
+    return _json(
+        {
+            "model_path": state.model_name,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "hidden_size": state.engine.hidden_size,
+            "hsx_aux_layers": list(state.engine.aux_layers),
+            "num_hidden_layers": state.engine.num_hidden_layers,
+        }
+    )
+
+
+async def _server_info(request: web.Request) -> web.Response:
+    state = request.app[_STATE]
+    return _json(
+        {
+            "version": __version__,
+            "server": SERVER_NAME,
+            "model_path": state.model_name,
+            "chunked_prefill_size": state.options.chunk_size,
+            "max_prefill_tokens": state.options.max_batch_tokens,
+            "disable_radix_cache": True,
+            "hsx_dump_root": str(state.options.dump_root),
+            "hsx_aux_layers": list(state.engine.aux_layers),
+            "hsx_reference_stats": state.scheduler.stats.to_json(),
+        }
+    )
+
+
+@dataclass(frozen=True)
+class ReferenceServer:
+    """A running reference server, for tests and ``hsx demo``."""
+
+    url: str
+    hidden_size: int
+    aux_layers: tuple[int, ...]
+    model_name: str
+    model: Any  # the transformers model: feed it to reference_hidden_states()
+    scheduler: Scheduler  # pause()/resume()/wait_queued() to shape batches in a test
+
+    @property
+    def stats(self) -> ReferenceStats:
+        return self.scheduler.stats
+
+
+@asynccontextmanager
+async def running_reference_server(
+    options: ReferenceOptions, host: str = "127.0.0.1", port: int = 0
+) -> AsyncIterator[ReferenceServer]:
+    """Serve until the block exits; ``port=0`` picks a free port (see ``.url``)."""
+    app = await asyncio.to_thread(build_app, options)  # model loading stays off the loop
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound_host, bound_port = runner.addresses[0][:2]
+        state = app[_STATE]
+        yield ReferenceServer(
+            url=f"http://{bound_host}:{bound_port}",
+            hidden_size=state.engine.hidden_size,
+            aux_layers=state.engine.aux_layers,
+            model_name=state.model_name,
+            model=state.engine.model,
+            scheduler=state.scheduler,
+        )
+    finally:
+        await runner.cleanup()
+
+
+def parse_aux_layers(text: str) -> tuple[int, ...]:
+    """``"1,3,5"`` → ``(1, 3, 5)``."""
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            "aux_layers", f"{text!r} is not a comma-separated list of layer numbers"
+        ) from None
+    if any(layer < 0 for layer in layers):
+        raise ConfigError("aux_layers", f"{text!r} has a negative layer")
+    return layers
+
+
+def _default_threads() -> int:
+    # Leave a core to the event loop and to an hsx client on the same machine.
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+def register_cli(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "reference-server",
+        help="serve the hsx protocol with a real transformers model on the CPU",
+        description=(
+            "An SGLang stand-in that answers POST /generate like SGLang with the hsx hook and "
+            "dumps REAL hidden states of a transformers causal LM (default: a tiny Llama "
+            "built from --seed, no download)."
+        ),
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--model", default=None, help="local Hugging Face model directory")
+    p.add_argument("--aux-layers", default=None, help="comma-separated, e.g. 1,3,5")
+    p.add_argument(
+        "--dump-root",
+        type=Path,
+        default=Path(os.environ.get("HSX_DUMP_ROOT", DEFAULT_DUMP_ROOT)),
+        help="where dumps go (default: $HSX_DUMP_ROOT or %(default)s)",
+    )
+    p.add_argument("--chunk-size", type=int, default=ReferenceOptions.chunk_size)
+    p.add_argument("--max-batch-tokens", type=int, default=ReferenceOptions.max_batch_tokens)
+    p.add_argument("--seed", type=int, default=0, help="weights of the built-in model")
+    p.add_argument("--threads", type=int, default=_default_threads(), help="torch threads")
+    p.set_defaults(handler=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    options = ReferenceOptions(
+        model=args.model,
+        aux_layers=None if args.aux_layers is None else parse_aux_layers(args.aux_layers),
+        dump_root=args.dump_root,
+        chunk_size=args.chunk_size,
+        max_batch_tokens=args.max_batch_tokens,
+        seed=args.seed,
+        threads=args.threads,
+    )
+    uvloop.run(_serve(options, args.host, args.port))
+    return 0
+
+
+async def _serve(options: ReferenceOptions, host: str, port: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log = structlog.get_logger("hsx.reference")
+    async with running_reference_server(options, host, port) as server:
+        log.info(
+            "reference_server.listening",
+            url=server.url,
+            model=server.model_name,
+            hidden_size=server.hidden_size,
+            aux_layers=list(server.aux_layers),
+            dump_root=str(options.dump_root),
+        )
+        await stop.wait()
+    log.info("reference_server.stopped", **server.stats.to_json())

@@ -1,0 +1,617 @@
+"""FileWriter: a dump in /dev/shm becomes one durable safetensors file, or nothing at all."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import stat
+import threading
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import xxhash
+
+from hsx_async.dataset.durable import fsync_dir
+from hsx_async.dataset.layout import build_layout, data_relpath, sample_key
+from hsx_async.errors import DiskFullError, DumpError, WriteError
+from hsx_async.protocol import META_NAME, DumpMeta, part_name, row_bytes
+from hsx_async.run import writer as writer_module
+from hsx_async.run.dump import Dump
+from hsx_async.run.source import Sample
+from hsx_async.run.writer import FileWriter, WriteJob
+from tests.dataset.test_layout import load_sample, sample_bytes
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    aux: tuple[int, ...]
+
+    @property
+    def row(self) -> int:
+        return row_bytes(self.hidden, self.aux)
+
+
+ALIGNED = Shape(512, (1, 2, 3))  # 4 layers × 512 × 2 bytes = 4096: O_DIRECT can copy it
+UNALIGNED = Shape(24, (1, 2))  # 144 bytes a row: only sendfile can
+PARTS = ((0, 16), (16, 30), (30, 37))
+
+
+@dataclass(frozen=True)
+class Case:
+    job: WriteJob
+    ids: npt.NDArray[np.int64]
+    hidden: npt.NDArray[np.uint16]
+    mask: npt.NDArray[np.uint8] | None
+
+
+def make_case(
+    shm_root: Path,
+    shape: Shape,
+    *,
+    parts: tuple[tuple[int, int], ...] = PARTS,
+    with_mask: bool = True,
+    sid: str | int = "s-1",
+) -> Case:
+    """A committed dump in ``shm_root`` and the job that copies it."""
+    t = parts[-1][1]
+    layers = len(shape.aux) + 1
+    rng = np.random.default_rng(t * 7919 + shape.hidden)
+    hidden = rng.integers(0, 2**16, size=(t, layers, shape.hidden), dtype=np.uint16)
+    rid = f"rid-{sample_key(sid)[:40]}"
+    rid_dir = shm_root / "ns" / rid
+    rid_dir.mkdir(parents=True)
+    for start, end in parts:
+        (rid_dir / part_name(start, end)).write_bytes(hidden[start:end].astype("<u2").tobytes())
+    meta = DumpMeta(rid, t, shape.hidden, shape.aux, parts, "m", "test")
+    (rid_dir / META_NAME).write_bytes(meta.to_json())
+    ids = rng.integers(0, 150_000, size=t, dtype=np.int64)
+    mask = rng.integers(0, 2, size=t, dtype=np.uint8) if with_mask else None
+    layout = build_layout(
+        sample_id=sid,
+        num_tokens=t,
+        hidden_size=shape.hidden,
+        aux_layers=shape.aux,
+        has_loss_mask=with_mask,
+    )
+    job = WriteJob(
+        Sample(sid, 3, ids, mask),
+        Dump(rid_dir, meta),
+        layout,
+        data_relpath(sample_key(sid)),
+        "s0-t",
+    )
+    return Case(job, ids, hidden, mask)
+
+
+def check_written(out: Path, case: Case, entry: Any) -> None:
+    """The file is complete, loads with safetensors and matches its manifest entry."""
+    path = out / case.job.relpath
+    data = path.read_bytes()
+    assert data == sample_bytes(case.job.layout, case.ids, case.hidden, case.mask)
+    assert entry.id == case.job.sample.id
+    assert entry.path == case.job.relpath
+    assert entry.num_tokens == case.ids.shape[0]
+    assert entry.size == len(data) == case.job.layout.total_bytes
+    assert entry.xxh3_64 == xxhash.xxh3_64_hexdigest(data)
+    tensors, meta = load_sample(path)
+    np.testing.assert_array_equal(tensors["hidden_states"], case.hidden)
+    np.testing.assert_array_equal(tensors["input_ids"], case.ids)
+    if case.mask is not None:
+        np.testing.assert_array_equal(tensors["loss_mask"], case.mask)
+    assert meta["id"] == str(case.job.sample.id)
+    assert_no_temp(out)
+
+
+def assert_no_temp(out: Path) -> None:
+    assert [p.name for p in out.rglob("*.tmp")] == []
+
+
+def assert_nothing_written(out: Path) -> None:
+    assert [p for p in out.rglob("*") if p.is_file()] == []
+
+
+def o_direct_supported(directory: Path) -> bool:
+    probe = directory / ".o-direct-probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    os.close(fd)
+    probe.unlink()
+    return True
+
+
+class _OsProxy(types.SimpleNamespace):
+    """``os`` with some functions replaced; every other name is the real module's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+
+def patch_os(monkeypatch: pytest.MonkeyPatch, **overrides: Callable[..., Any]) -> None:
+    """Replace functions of ``os`` as the writer sees them, and nowhere else (pytest's own
+    output and pathlib keep the real ones)."""
+    monkeypatch.setattr(writer_module, "os", _OsProxy(**overrides))
+
+
+def fail_on_call(number: int, real: Callable[..., Any], err: int) -> Callable[..., Any]:
+    calls = 0
+
+    def fake(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == number:
+            raise OSError(err, os.strerror(err))
+        return real(*args)
+
+    return fake
+
+
+@pytest.fixture
+def out(tmp_path: Path) -> Path:
+    d = tmp_path / "out"
+    d.mkdir()
+    return d
+
+
+# --- both methods, aligned and not ------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["sendfile", "auto"])
+@pytest.mark.parametrize("shape", [ALIGNED, UNALIGNED], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_write_produces_the_file_and_its_entry(
+    shm_root: Path, out: Path, method: str, shape: Shape, with_mask: bool
+) -> None:
+    case = make_case(shm_root, shape, with_mask=with_mask)
+    fw = FileWriter(out, method=method, fsync=True, row_bytes=shape.row)
+    entry = fw.write(case.job)
+    check_written(out, case, entry)
+    if method == "auto":  # direct only where the shape allows and the disk accepts it
+        expected = shape is ALIGNED and o_direct_supported(out)
+        assert fw.direct is expected
+    else:
+        assert fw.direct is False
+
+
+def test_direct_method(shm_root: Path, out: Path) -> None:
+    if not o_direct_supported(out):
+        pytest.skip("the temp file system refuses O_DIRECT")
+    case = make_case(shm_root, ALIGNED)
+    fw = FileWriter(out, method="direct", fsync=True, row_bytes=ALIGNED.row)
+    check_written(out, case, fw.write(case.job))
+    assert fw.direct
+
+
+def test_direct_part_larger_than_one_copy_chunk(shm_root: Path, out: Path) -> None:
+    rows = writer_module.CHUNK // ALIGNED.row + 10  # the first part takes two chunks
+    case = make_case(shm_root, ALIGNED, parts=((0, rows), (rows, rows + 3)))
+    fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
+    check_written(out, case, fw.write(case.job))
+
+
+def test_direct_writes_whole_chunks_at_chunk_boundaries(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header and ids do not shift the bulk: every O_DIRECT write but the last is one
+    whole chunk at a chunk-aligned file offset, and the file and its hash are those of
+    the bytes in order."""
+    _direct_or_skip("auto", out)
+    monkeypatch.setattr(writer_module, "_on_huge_pages", lambda fd: False)
+    case = make_case(shm_root, ALIGNED, parts=BIG_PARTS)
+    writes: list[tuple[int, int]] = []
+
+    def write(fd: int, data: Any) -> int:
+        writes.append((os.lseek(fd, 0, os.SEEK_CUR), memoryview(data).nbytes))
+        return os.write(fd, data)
+
+    patch_os(monkeypatch, write=write)
+    fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
+    check_written(out, case, fw.write(case.job))
+    chunk = writer_module.CHUNK
+    *whole, (last_at, last_size) = writes
+    assert len(whole) == 2
+    assert all(at % chunk == 0 and size == chunk for at, size in whole), writes
+    assert last_at == 2 * chunk and last_size % 4096 == 0
+
+
+def test_parts_on_huge_pages_are_written_from_whole_huge_page_mappings(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each mapping starts on a chunk boundary of its part (so on 2 MiB pages), the header
+    and ids go first in a write of their own, and the file and hash are exact."""
+    _direct_or_skip("auto", out)
+    monkeypatch.setattr(writer_module, "_on_huge_pages", lambda fd: True)
+    maps: list[tuple[int, int]] = []
+    real_map = writer_module._map
+
+    def record(part_fd: int, offset: int, length: int) -> Any:
+        maps.append((offset, length))
+        return real_map(part_fd, offset, length)
+
+    monkeypatch.setattr(writer_module, "_map", record)
+    case = make_case(shm_root, ALIGNED, parts=BIG_PARTS)
+    fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
+    check_written(out, case, fw.write(case.job))
+    chunk = writer_module.CHUNK
+    first = BIG_ROWS * ALIGNED.row
+    assert maps == [(0, chunk), (chunk, chunk), (2 * chunk, first - 2 * chunk), (0, 3 * 4096)]
+
+
+def test_direct_needs_an_aligned_row(out: Path) -> None:
+    with pytest.raises(WriteError, match="multiple of 4096; use 'auto' or 'sendfile'"):
+        FileWriter(out, method="direct", fsync=True, row_bytes=UNALIGNED.row)
+
+
+def test_several_samples_share_a_bucket_and_ids_of_any_kind(shm_root: Path, out: Path) -> None:
+    fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
+    for sid in ("a", 7, "../../etc/passwd"):
+        case = make_case(shm_root / str(abs(hash(sid))), ALIGNED, parts=((0, 5),), sid=sid)
+        entry = fw.write(case.job)
+        check_written(out, case, entry)
+        assert (out / entry.path).resolve().is_relative_to(out.resolve())
+
+
+# --- O_DIRECT refused -------------------------------------------------------------------
+
+
+def _uses_direct(fw: FileWriter) -> bool:
+    """Read the flag afresh (a plain attribute read would stay narrowed for mypy)."""
+    return fw.direct
+
+
+def _refuse_o_direct(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    refused: list[int] = []
+
+    def fake_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & os.O_DIRECT:
+            refused.append(flags)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return os.open(path, flags, *args, **kwargs)
+
+    patch_os(monkeypatch, open=fake_open)
+    return refused
+
+
+def test_auto_falls_back_for_good_when_o_direct_is_refused(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refused = _refuse_o_direct(monkeypatch)
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
+    assert fw.direct
+    first = make_case(shm_root / "a", ALIGNED)
+    check_written(out, first, fw.write(first.job))
+    assert _uses_direct(fw) is False
+    second = make_case(shm_root / "b", ALIGNED, sid="s-2")
+    check_written(out, second, fw.write(second.job))
+    assert len(refused) == 1  # the fallback is remembered, not retried per file
+
+
+def test_forced_direct_refused_is_a_write_error(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _refuse_o_direct(monkeypatch)
+    case = make_case(shm_root, ALIGNED)
+    fw = FileWriter(out, method="direct", fsync=True, row_bytes=ALIGNED.row)
+    with pytest.raises(WriteError, match="Invalid argument") as info:
+        fw.write(case.job)
+    assert not isinstance(info.value, DiskFullError)
+    assert_nothing_written(out)
+
+
+# --- a full disk ------------------------------------------------------------------------
+
+
+def _direct_or_skip(method: str, out: Path) -> None:
+    if method == "auto" and not o_direct_supported(out):
+        pytest.skip("the temp file system refuses O_DIRECT")
+
+
+@pytest.mark.parametrize(
+    ("method", "call"),
+    [
+        ("sendfile", 1),  # header + input_ids
+        ("sendfile", 2),  # loss_mask
+        ("auto", 1),  # direct: the only block of a small sample
+    ],
+)
+def test_enospc_on_write_leaves_nothing(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch, method: str, call: int
+) -> None:
+    _direct_or_skip(method, out)
+    case = make_case(shm_root, ALIGNED)
+    fw = FileWriter(out, method=method, fsync=True, row_bytes=ALIGNED.row)
+    patch_os(monkeypatch, write=fail_on_call(call, os.write, errno.ENOSPC))
+    with pytest.raises(DiskFullError, match=r"no space left writing .*free space"):
+        fw.write(case.job)
+    assert_nothing_written(out)
+    assert not (out / case.job.relpath).exists()
+
+
+# A sample of two parts, the first spanning more than two chunks. Read into the buffer,
+# O_DIRECT writes 1: the header, ids and the start of the part; 2: a whole chunk; 3: the
+# rest, the second part and the loss mask, zero-padded. Mapped (huge-page tmpfs): 1: the
+# header and ids; 2, 3: whole chunks from mappings of the part.
+BIG_ROWS = 2 * writer_module.CHUNK // ALIGNED.row + 10
+BIG_PARTS = ((0, BIG_ROWS), (BIG_ROWS, BIG_ROWS + 3))
+
+
+@pytest.fixture(params=[False, True], ids=["read", "mapped"])
+def mapped(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both copy paths: parts read into the buffer, or (as on a huge-page tmpfs) whole
+    chunks written from a mapping of the part, hashed beside the write."""
+    monkeypatch.setattr(writer_module, "_on_huge_pages", lambda fd: request.param)
+    return bool(request.param)
+
+
+@pytest.mark.parametrize("call", [1, 2, 3], ids=["first-block", "middle", "padded-last"])
+def test_enospc_on_a_direct_write_leaves_nothing(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch, mapped: bool, call: int
+) -> None:
+    """Failing inside a part's mapping too: a view left alive would turn ENOSPC into
+    BufferError when the mapping closes."""
+    _direct_or_skip("auto", out)
+    case = make_case(shm_root, ALIGNED, parts=BIG_PARTS)
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
+    patch_os(monkeypatch, write=fail_on_call(call, os.write, errno.ENOSPC))
+    with pytest.raises(DiskFullError, match=r"no space left writing .*free space"):
+        fw.write(case.job)
+    assert_nothing_written(out)
+    assert not (out / case.job.relpath).exists()
+
+
+def fail_fsync(monkeypatch: pytest.MonkeyPatch, *, directory: bool, number: int) -> None:
+    """ENOSPC from the ``number``-th fsync of a directory (or of a file), wherever the
+    writer's helpers live: the fd's type says which kind of fsync it is."""
+    real = os.fsync
+    calls = 0
+
+    def fake(fd: int) -> None:
+        nonlocal calls
+        if stat.S_ISDIR(os.fstat(fd).st_mode) == directory:
+            calls += 1
+            if calls == number:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fake)
+
+
+@pytest.mark.parametrize("what", ["sendfile", "ftruncate"])
+def test_enospc_elsewhere_leaves_nothing(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch, what: str
+) -> None:
+    method = "sendfile" if what == "sendfile" else "auto"
+    _direct_or_skip(method, out)
+    case = make_case(shm_root, ALIGNED)
+    fw = FileWriter(out, method=method, fsync=True, row_bytes=ALIGNED.row)
+    patch_os(monkeypatch, **{what: fail_on_call(1, getattr(os, what), errno.ENOSPC)})
+    with pytest.raises(DiskFullError):
+        fw.write(case.job)
+    assert_nothing_written(out)
+
+
+@pytest.mark.parametrize("method", ["sendfile", "auto"])
+def test_enospc_syncing_the_file_leaves_nothing(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    case = make_case(shm_root, ALIGNED)
+    fw = FileWriter(out, method=method, fsync=True, row_bytes=ALIGNED.row)
+    fail_fsync(monkeypatch, directory=False, number=1)
+    with pytest.raises(DiskFullError):
+        fw.write(case.job)
+    assert_nothing_written(out)
+
+
+# Directory fsyncs of a first publish, all after the rename: 1–2 the names of data/ (in the
+# output directory) and of the new bucket (in data/), 3 the bucket's entries.
+@pytest.mark.parametrize("number", [1, 2, 3], ids=["data", "new-bucket", "after-rename"])
+def test_enospc_syncing_a_directory_is_a_disk_full_error(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch, number: int
+) -> None:
+    case = make_case(shm_root, UNALIGNED)
+    fw = FileWriter(out, method="sendfile", fsync=True, row_bytes=UNALIGNED.row)
+    fail_fsync(monkeypatch, directory=True, number=number)
+    with pytest.raises(DiskFullError):
+        fw.write(case.job)
+    assert_no_temp(out)
+    # The file stays under its name: it has no manifest line, so a resume deletes it.
+    assert (out / case.job.relpath).exists()
+
+
+def _record_dir_syncs(monkeypatch: pytest.MonkeyPatch, out: Path) -> list[str]:
+    synced: list[str] = []
+
+    def record(path: Path) -> None:
+        synced.append(str(path.relative_to(out)))
+        fsync_dir(path)
+
+    monkeypatch.setattr(writer_module, "fsync_dir", record)
+    return synced
+
+
+def test_stage_leaves_only_a_synced_temp_file_and_publish_names_it(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = make_case(shm_root, ALIGNED)
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
+    synced = _record_dir_syncs(monkeypatch, out)
+    staged = fw.stage(case.job)
+    assert not (out / case.job.relpath).exists()
+    assert [p.name for p in out.rglob("*.tmp")] == [staged.tmp.name]
+    assert synced == [], "no name is synced before the publish"
+    fw.publish([staged])
+    check_written(out, case, staged.entry)
+    bucket = str(Path(case.job.relpath).parent)
+    assert synced == [".", "data", bucket]
+
+
+def test_one_publish_syncs_each_directory_once_for_a_batch(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five samples, two buckets (three in one): 2 + 2 directory syncs, not 5 × 3."""
+    cases = [make_case(shm_root, ALIGNED, sid=f"s-{i}") for i in range(5)]
+    buckets = ["data/aa", "data/aa", "data/aa", "data/bb", "data/bb"]
+    jobs = [
+        dataclasses.replace(c.job, relpath=f"{b}/{sample_key(c.job.sample.id)}.safetensors")
+        for c, b in zip(cases, buckets, strict=True)
+    ]
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
+    synced = _record_dir_syncs(monkeypatch, out)
+    staged = [fw.stage(job) for job in jobs]
+    fw.publish(staged)
+    # The names of new directories first, in order; then the buckets, side by side.
+    assert synced[:2] == [".", "data"]
+    assert sorted(synced[2:]) == ["data/aa", "data/bb"]
+    for case, job, s in zip(cases, jobs, staged, strict=True):
+        check_written(out, dataclasses.replace(case, job=job), s.entry)
+
+
+def test_a_failed_bucket_sync_fails_the_publish_after_every_other_sync_ran(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight buckets synced side by side, one fails: the publish raises DiskFullError, and
+    only once no sync is still running behind it."""
+    cases = [make_case(shm_root, ALIGNED, sid=f"s-{i}") for i in range(8)]
+    jobs = [
+        dataclasses.replace(c.job, relpath=f"data/b{i}/{sample_key(c.job.sample.id)}.st")
+        for i, c in enumerate(cases)
+    ]
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
+    staged = [fw.stage(job) for job in jobs]
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def sync(path: Path) -> None:
+        if path.name == "b3":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fsync_dir(path)
+        with lock:
+            finished.append(path.name)
+
+    monkeypatch.setattr(writer_module, "fsync_dir", sync)
+    with pytest.raises(DiskFullError, match="b3"):
+        fw.publish(staged)
+    buckets = {f"b{i}" for i in range(8)} - {"b3"}
+    assert buckets <= set(finished), "every other sync ran to its end"
+    for s in staged:  # renamed, not listed: a resume deletes them
+        assert s.final.exists()
+
+
+def test_a_bucket_name_is_synced_until_a_publish_succeeded(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two samples staged into a new bucket, published in separate batches, second first:
+    that batch must sync the bucket's name too (the other one has not yet). And after a
+    failed sync the next publish syncs it again."""
+    a, b, c = (make_case(shm_root, ALIGNED, sid=f"s-{i}") for i in range(3))
+    jobs = [
+        dataclasses.replace(x.job, relpath=f"data/cc/{sample_key(x.job.sample.id)}.safetensors")
+        for x in (a, b, c)
+    ]
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
+    synced = _record_dir_syncs(monkeypatch, out)
+    first, second = fw.stage(jobs[0]), fw.stage(jobs[1])
+    fail_fsync(monkeypatch, directory=True, number=1)
+    with pytest.raises(DiskFullError):
+        fw.publish([second])
+    synced.clear()
+    fw.publish([first])
+    assert synced == [".", "data", "data/cc"], "the failed sync is redone"
+    synced.clear()
+    fw.publish([fw.stage(jobs[2])])
+    assert synced == ["data/cc"], "once durable, only the bucket's entries"
+
+
+def test_each_name_above_a_bucket_is_synced_once_a_run(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second new bucket needs only its own name synced (in data/): the name of data/
+    in the output directory is already durable."""
+    a, b = (make_case(shm_root, ALIGNED, sid=f"s-{i}") for i in range(2))
+    jobs = [
+        dataclasses.replace(x.job, relpath=f"data/{bucket}/{sample_key(x.job.sample.id)}.st")
+        for x, bucket in ((a, "aa"), (b, "bb"))
+    ]
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
+    synced = _record_dir_syncs(monkeypatch, out)
+    fw.publish([fw.stage(jobs[0])])
+    assert synced == [".", "data", "data/aa"]
+    synced.clear()
+    fw.publish([fw.stage(jobs[1])])
+    assert synced == ["data", "data/bb"]
+
+
+def test_discard_temps_removes_what_was_staged_and_never_published(
+    shm_root: Path, out: Path
+) -> None:
+    a, b = (make_case(shm_root, ALIGNED, sid=f"s-{i}") for i in range(2))
+    fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
+    published, abandoned = fw.stage(a.job), fw.stage(b.job)
+    fw.publish([published])
+    fw.discard_temps()
+    assert_no_temp(out)
+    check_written(out, a, published.entry)
+    assert not (out / b.job.relpath).exists()
+    assert not abandoned.tmp.exists()
+
+
+def test_other_os_errors_are_write_errors(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = make_case(shm_root, UNALIGNED)
+    fw = FileWriter(out, method="sendfile", fsync=False, row_bytes=UNALIGNED.row)
+    patch_os(monkeypatch, write=fail_on_call(1, os.write, errno.EIO))
+    with pytest.raises(WriteError, match="Input/output error") as info:
+        fw.write(case.job)
+    assert not isinstance(info.value, DiskFullError)
+    assert_nothing_written(out)
+
+
+# --- the dump changed after validation --------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["sendfile", "auto"])
+def test_part_resized_after_validation_is_a_dump_error(
+    shm_root: Path, out: Path, method: str
+) -> None:
+    case = make_case(shm_root, ALIGNED)
+    path = case.job.dump.part_paths()[1]
+    os.truncate(path, path.stat().st_size - 4096)
+    fw = FileWriter(out, method=method, fsync=False, row_bytes=ALIGNED.row)
+    with pytest.raises(DumpError, match="changed after validation"):
+        fw.write(case.job)
+    assert_nothing_written(out)
+
+
+def test_part_removed_after_validation_is_a_dump_error(shm_root: Path, out: Path) -> None:
+    case = make_case(shm_root, UNALIGNED)
+    case.job.dump.part_paths()[2].unlink()
+    fw = FileWriter(out, method="sendfile", fsync=False, row_bytes=UNALIGNED.row)
+    with pytest.raises(DumpError, match="vanished before it was copied"):
+        fw.write(case.job)
+    assert_nothing_written(out)
+
+
+def test_part_swapped_for_a_link_after_validation_is_a_dump_error(
+    shm_root: Path, out: Path
+) -> None:
+    case = make_case(shm_root, UNALIGNED)
+    part = case.job.dump.part_paths()[0]
+    real = shm_root / "elsewhere.bin"
+    part.rename(real)
+    part.symlink_to(real)
+    fw = FileWriter(out, method="sendfile", fsync=False, row_bytes=UNALIGNED.row)
+    with pytest.raises(DumpError, match="became a link after validation"):
+        fw.write(case.job)
+    assert_nothing_written(out)

@@ -1,0 +1,132 @@
+"""Drift guard: the pinned SGLang source still has every class, method, attribute and string
+the hook's glue patches or reads (``SGLANG_TARGETS``), and the checker names whatever moved.
+
+SGLang is found with ``importlib.util.find_spec`` and read as text: it is installed without
+its dependencies (``pip install --no-deps sglang==0.5.23``) and never imported here.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from hsx_async.server.sglang.hook import (
+    SGLANG_TARGETS,
+    SGLANG_VERSION,
+    Target,
+    check_targets,
+    forward_hooks_arg,
+    installed_sglang_version,
+    launch_flags,
+    sglang_source_root,
+)
+
+ROOT = sglang_source_root()
+pytestmark = pytest.mark.skipif(
+    ROOT is None,
+    reason=f"sglang is not installed; CI runs pip install --no-deps sglang=={SGLANG_VERSION}",
+)
+DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "sglang"
+
+
+def sglang_root() -> Path:
+    assert ROOT is not None
+    return ROOT
+
+
+def test_installed_sglang_is_the_pinned_release() -> None:
+    assert installed_sglang_version() == SGLANG_VERSION, (
+        f"sglang {installed_sglang_version()} is installed, the hook is pinned to "
+        f"{SGLANG_VERSION}: re-read the glue's targets against it, then move the pin"
+    )
+
+
+def test_every_target_is_in_the_pinned_source() -> None:
+    problems = check_targets(sglang_root())
+    assert problems == [], "SGLang moved what the hsx hook relies on:\n" + "\n".join(problems)
+
+
+def copy_of(tmp_path: Path, rel: str, edit: str | None = None, new: str = "") -> Path:
+    """A fake sglang root holding one pinned file, with ``edit`` renamed to ``new``."""
+    text = (sglang_root() / rel).read_text(encoding="utf-8")
+    if edit is not None:
+        pattern = rf"(?<!\w){re.escape(edit)}(?!\w)"
+        assert re.search(pattern, text), f"{edit!r} not found in {rel}"
+        text = re.sub(pattern, new, text)
+    dest = tmp_path / "sglang" / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(text, encoding="utf-8")
+    return tmp_path / "sglang"
+
+
+@pytest.mark.parametrize("target", SGLANG_TARGETS, ids=lambda t: f"{t.label}@{t.path}")
+def test_a_renamed_target_is_named(tmp_path: Path, target: Target) -> None:
+    moved = copy_of(tmp_path, target.path, target.name, target.name + "_moved")
+    problems = check_targets(moved, [target])
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{target.label} ({target.path}): ")
+    assert target.why in problems[0]
+
+
+def test_a_renamed_class_names_each_member(tmp_path: Path) -> None:
+    rel = "srt/managers/utils.py"
+    members = [t for t in SGLANG_TARGETS if t.owner == "GenerationBatchResult"]
+    assert len(members) >= 2
+    moved = copy_of(tmp_path, rel, "GenerationBatchResult", "BatchResult")
+    problems = check_targets(moved, members)
+    assert len(problems) == len(members)
+    assert all("class GenerationBatchResult is gone or renamed" in p for p in problems)
+
+
+def test_changed_parameters_are_named(tmp_path: Path) -> None:
+    [target] = [t for t in SGLANG_TARGETS if t.name == "process_batch_result_prefill"]
+    source = (sglang_root() / target.path).read_text(encoding="utf-8")
+    edited = source.replace(
+        "def process_batch_result_prefill(\n        self,\n        batch: ScheduleBatch,",
+        "def process_batch_result_prefill(\n        self,\n        schedule_batch: ScheduleBatch,",
+    )
+    assert edited != source
+    dest = tmp_path / "sglang" / target.path
+    dest.parent.mkdir(parents=True)
+    dest.write_text(edited, encoding="utf-8")
+    [problem] = check_targets(tmp_path / "sglang", [target])
+    assert "its parameters are now (self, schedule_batch, result)" in problem
+
+
+def test_a_missing_file_is_named(tmp_path: Path) -> None:
+    [problem] = check_targets(tmp_path, SGLANG_TARGETS[:1])
+    assert "the file is gone" in problem
+
+
+def sglang_fields() -> set[str]:
+    """Every server argument SGLang 0.5.23 declares (its CLI flags, with '_' for '-')."""
+    fields: set[str] = set()
+    for path in (sglang_root() / "srt" / "arg_groups" / "fields").glob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                fields.update(
+                    item.target.id
+                    for item in node.body
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                )
+    return fields
+
+
+def test_every_launch_flag_is_a_sglang_argument() -> None:
+    flags = launch_flags((DEPLOY / "launch.sh").read_text(encoding="utf-8"))
+    assert "disable_radix_cache" in flags and "forward_hooks" in flags
+    unknown = sorted(set(flags) - sglang_fields())
+    assert unknown == [], f"launch.sh passes flags sglang {SGLANG_VERSION} does not have: {unknown}"
+
+
+def test_readme_shows_the_launch_command() -> None:
+    readme = (DEPLOY / "README.md").read_text(encoding="utf-8")
+    assert f"--forward-hooks '{forward_hooks_arg()}'" in readme
+    block = readme.split("python3 -m sglang.launch_server", 1)[1].split("```", 1)[0]
+    script = (DEPLOY / "launch.sh").read_text(encoding="utf-8")
+    optional = {"chunked_prefill_size"}
+    assert set(launch_flags(block)) == set(launch_flags(script)) - optional

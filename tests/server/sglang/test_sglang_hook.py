@@ -1,0 +1,668 @@
+"""The SGLang glue, run against stand-ins for SGLang's classes and a tiny CPU torch model,
+and the launch script run against a stand-in for ``sglang.launch_server``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hsx_async.errors import ConfigError
+from hsx_async.protocol import META_NAME, check_meta, parse_meta
+from hsx_async.server.hook_core import HookConfig, PrefillDumper, ServerSettings
+from hsx_async.server.sglang import hook as sglang_hook
+from hsx_async.server.sglang.hook import (
+    FORWARD_HOOK_SPEC,
+    HookState,
+    ServerInfo,
+    SglangApi,
+    apply_capture_layers,
+    find_capture_stack,
+    install,
+    uninstall,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+LAUNCH = REPO / "deploy" / "sglang" / "launch.sh"
+NS = "w0"
+H = 8
+N_LAYERS = 6
+SGLANG_DEFAULT_LAYERS = [3, 4]  # what SGLang's set_eagle3_layers_to_capture left behind
+LAYERS = (1, 4)
+NULL, FULL = "NULL", "FULL"
+
+
+# --------------------------------------------------------------------------------------
+# Stand-ins
+# --------------------------------------------------------------------------------------
+
+
+class Layer(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.scale = float(index + 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(x * self.scale) / self.scale
+
+
+def final_norm(x: torch.Tensor) -> torch.Tensor:
+    return x / (x.pow(2).mean(-1, keepdim=True) + 1.0).sqrt()
+
+
+class Stack(nn.Module):
+    """A decoder stack that captures "before layer i", by list or by per-layer flag."""
+
+    def __init__(self, *, flag_based: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(i) for i in range(N_LAYERS))
+        self.layers_to_capture = list(SGLANG_DEFAULT_LAYERS)
+        self.flag_based = flag_based
+        if flag_based:
+            for i in SGLANG_DEFAULT_LAYERS:
+                layer: Any = self.layers[i]
+                layer._is_layer_to_capture = True
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if self._captures(i, layer):
+                aux.append(x)
+            x = layer(x)
+        return final_norm(x), torch.cat(aux, dim=-1)
+
+    def _captures(self, i: int, layer: nn.Module) -> bool:
+        if self.flag_based:
+            return bool(getattr(layer, "_is_layer_to_capture", False))
+        return i in self.layers_to_capture
+
+
+class CausalLM(nn.Module):
+    def __init__(self, *, flag_based: bool = False) -> None:
+        super().__init__()
+        self.model = Stack(flag_based=flag_based)
+
+
+def reference_rows(x: torch.Tensor) -> np.ndarray:
+    """HF-style: hidden_states[k] for k in LAYERS, then the final norm; [T, L, H] bf16 bits."""
+    states = [x]
+    stack = Stack()
+    for layer in stack.layers:
+        states.append(layer(states[-1]))
+    picked = [states[k] for k in LAYERS] + [final_norm(states[-1])]
+    rows = torch.stack(picked, dim=1).to(torch.bfloat16)
+    return rows.view(torch.int16).numpy().view("<u2")
+
+
+class Event:
+    def __init__(self) -> None:
+        self.synchronized = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def make_api(d2h_calls: list[torch.Tensor]) -> SglangApi:
+    """Fresh stand-in classes per test, so patches never leak between tests."""
+
+    class Req:
+        def __init__(self, rid: object, origin_input_ids: list[int], sampling_params: Any) -> None:
+            self.rid = rid
+            self.origin_input_ids = origin_input_ids
+            self.sampling_params = sampling_params
+            self.return_hidden_states = False
+            self.return_hidden_states_mode = NULL
+            self.is_retracted = False
+            self.inflight_middle_chunks = 0
+            self.to_finish: object = None
+            self.discard_output_reason: object = None
+            self.finished_reason: object = None
+
+        def finished(self) -> bool:
+            return self.finished_reason is not None
+
+    class Processor:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def process_batch_result_prefill(self, batch: Any, result: Any) -> None:
+            """What SGLang does after the hook: count chunks down, finish the rest."""
+            self.calls += 1
+            for req in batch.reqs:
+                if req.inflight_middle_chunks > 0:
+                    req.inflight_middle_chunks -= 1
+                elif not req.is_retracted:
+                    req.finished_reason = "length"
+
+    class Result:
+        def __init__(self, logits_output: Any, lens: list[int] | None) -> None:
+            self.logits_output = logits_output
+            self.extend_input_len_per_req = lens
+            self.copy_done = Event()
+            self.can_run_cuda_graph = False
+            self.copies: list[bool] = []
+
+        def copy_to_cpu(self, return_logprob: bool, return_hidden_states: bool = True) -> None:
+            self.copies.append(return_hidden_states)
+
+    class Runner:
+        def __init__(self, model: nn.Module) -> None:
+            self.model: Any = model
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out: tuple[torch.Tensor, torch.Tensor] = self.model.model(x)
+            return out
+
+    def d2h(t: torch.Tensor) -> torch.Tensor:
+        d2h_calls.append(t)
+        return t.clone()
+
+    return SglangApi(
+        req_cls=Req,
+        processor_cls=Processor,
+        result_cls=Result,
+        runner_cls=Runner,
+        full_capture=FULL,
+        async_d2h=d2h,
+    )
+
+
+def params(ns: object | None = NS, max_new_tokens: int = 0) -> SimpleNamespace:
+    custom = None if ns is None else {"hsx_ns": ns}
+    return SimpleNamespace(custom_params=custom, max_new_tokens=max_new_tokens)
+
+
+def config(root: Path) -> HookConfig:
+    return HookConfig(dump_root=root, aux_layers=LAYERS, model=None, server="sglang test")
+
+
+@pytest.fixture
+def d2h_calls() -> list[torch.Tensor]:
+    return []
+
+
+@pytest.fixture
+def api(d2h_calls: list[torch.Tensor]) -> Iterator[SglangApi]:
+    api = make_api(d2h_calls)
+    try:
+        yield api
+    finally:
+        uninstall(api)
+
+
+@pytest.fixture
+def state(api: SglangApi, shm_root: Path) -> HookState:
+    cfg = config(shm_root)
+    st = HookState(config=cfg, dumper=PrefillDumper(cfg, model="tiny"), writer=True)
+    install(st, api)
+    return st
+
+
+def run_pass(
+    api: SglangApi, runner: Any, reqs: list[Any], spans: list[tuple[int, int]], x: torch.Tensor
+) -> tuple[Any, Any]:
+    """One prefill pass over ``x`` (the batch's rows), then the hooked result processing."""
+    final, aux = runner.forward(x)
+    out = SimpleNamespace(
+        hidden_states=aux.to(torch.bfloat16),
+        last_hidden_states=final.to(torch.bfloat16),
+        hidden_states_token_indices=None,
+    )
+    batch = SimpleNamespace(
+        reqs=reqs, prefix_lens=[s for s, _ in spans], extend_lens=[n for _, n in spans]
+    )
+    result = api.result_cls(out, [n for _, n in spans])
+    result.copy_to_cpu(False, return_hidden_states=True)
+    processor = api.processor_cls()
+    processor.process_batch_result_prefill(batch, result)
+    assert processor.calls == 1
+    return batch, result
+
+
+def dump_rows(root: Path, rid: str, num_tokens: int) -> np.ndarray:
+    d = root / NS / rid
+    meta = parse_meta((d / META_NAME).read_bytes())
+    check_meta(meta, rid=rid, num_tokens=num_tokens, hidden_size=H, aux_layers=LAYERS)
+    assert meta.model == "tiny"
+    parts = [
+        np.fromfile(d / f"part-{s:010d}-{e:010d}.bin", dtype="<u2").reshape(e - s, 3, H)
+        for s, e in meta.parts
+    ]
+    return np.concatenate(parts)
+
+
+# --------------------------------------------------------------------------------------
+# Patches
+# --------------------------------------------------------------------------------------
+
+
+def test_req_init_marks_only_dumpable_requests(api: SglangApi, state: HookState) -> None:
+    marked = api.req_cls("r1", [1, 2], params())
+    assert marked.return_hidden_states_mode == FULL
+    assert marked.return_hidden_states is False  # nothing goes into the JSON response
+    for req in (
+        api.req_cls("r2", [1], params(ns=None)),
+        api.req_cls("r3", [1], params(ns="../x")),
+        api.req_cls("../r4", [1], params()),
+        api.req_cls("r5", [1], params(max_new_tokens=8)),
+    ):
+        assert req.return_hidden_states_mode == NULL
+
+
+def test_copy_to_cpu_copies_the_final_hidden_state(
+    api: SglangApi, state: HookState, d2h_calls: list[torch.Tensor]
+) -> None:
+    final = torch.ones(3, H)
+    out = SimpleNamespace(last_hidden_states=final)
+    result = api.result_cls(out, None)
+    result.copy_to_cpu(False, True)
+    assert d2h_calls == [final] and result.copies == [True]
+    assert out.last_hidden_states is not final
+    result.copy_to_cpu(False, return_hidden_states=False)
+    result.copy_to_cpu(False, False)
+    assert len(d2h_calls) == 1 and result.copies == [True, False, False]
+    out.last_hidden_states = None
+    result.copy_to_cpu(True)
+    assert len(d2h_calls) == 1
+
+
+@pytest.mark.parametrize("flag_based", [False, True])
+def test_first_forward_sets_the_capture_layers(
+    api: SglangApi, state: HookState, flag_based: bool
+) -> None:
+    model = CausalLM(flag_based=flag_based)
+    runner = api.runner_cls(model)
+    x = torch.randn(5, H)
+    _, aux = runner.forward(x)
+    assert state.stack is model.model
+    assert state.graph_layers == tuple(SGLANG_DEFAULT_LAYERS)
+    assert model.model.layers_to_capture == list(LAYERS)
+    want = torch.from_numpy(reference_rows(x).view(np.int16)).view(torch.bfloat16)
+    torch.testing.assert_close(aux.to(torch.bfloat16), want[:, :2, :].reshape(5, 2 * H))
+    flags = [bool(getattr(layer, "_is_layer_to_capture", False)) for layer in model.model.layers]
+    assert flags == [i in LAYERS for i in range(N_LAYERS)]
+
+
+def test_capture_layers_must_exist() -> None:
+    stack = Stack()
+    with pytest.raises(ConfigError, match=r"layers \[6, 9\] do not exist.*6 decoder layers"):
+        apply_capture_layers(stack, [2, 6, 9])
+    assert stack.layers_to_capture == SGLANG_DEFAULT_LAYERS
+
+
+def test_model_without_capture_stack_is_refused() -> None:
+    with pytest.raises(ConfigError, match="no decoder stack with a layers_to_capture"):
+        find_capture_stack(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_install_is_idempotent_and_uninstall_restores(
+    api: SglangApi, state: HookState, shm_root: Path
+) -> None:
+    patched = api.processor_cls.__dict__["process_batch_result_prefill"]
+    install(HookState(config(shm_root), PrefillDumper(config(shm_root)), True), api)
+    assert api.processor_cls.__dict__["process_batch_result_prefill"] is patched
+    assert sglang_hook._Installed.state is state
+    uninstall(api)
+    for cls, name in (
+        (api.req_cls, "__init__"),
+        (api.result_cls, "copy_to_cpu"),
+        (api.runner_cls, "forward"),
+        (api.processor_cls, "process_batch_result_prefill"),
+    ):
+        assert not hasattr(cls.__dict__[name], "__hsx_original__")
+    assert api.req_cls("r1", [1], params()).return_hidden_states_mode == NULL
+
+
+def test_install_refuses_a_moved_method(api: SglangApi, shm_root: Path) -> None:
+    del api.runner_cls.forward
+    st = HookState(config(shm_root), PrefillDumper(config(shm_root)), True)
+    with pytest.raises(ConfigError, match=r"Runner\.forward missing"):
+        install(st, api)
+    assert "__hsx_original__" not in dir(api.req_cls.__dict__["__init__"])
+
+
+# --------------------------------------------------------------------------------------
+# Prefill results → dumps
+# --------------------------------------------------------------------------------------
+
+
+def test_mixed_and_chunked_passes_dump_exact_rows(
+    api: SglangApi, state: HookState, shm_root: Path
+) -> None:
+    runner = api.runner_cls(CausalLM())
+    user = api.req_cls("user-1", list(range(3)), params(ns=None, max_new_tokens=16))
+    short = api.req_cls("short", list(range(4)), params())
+    long = api.req_cls("long", list(range(7)), params())
+    long.inflight_middle_chunks = 1  # its first chunk is a middle chunk
+    x1 = torch.randn(3 + 4 + 5, H)
+    run_pass(api, runner, [user, short, long], [(0, 3), (0, 4), (0, 5)], x1)
+    assert (shm_root / NS / "short" / META_NAME).exists()
+    assert not (shm_root / NS / "long" / META_NAME).exists()
+    assert not (shm_root / NS / "user-1").exists()
+
+    x2 = torch.randn(2, H)
+    run_pass(api, runner, [long], [(5, 2)], x2)
+    ref1, ref2 = reference_rows(x1), reference_rows(x2)
+    np.testing.assert_array_equal(dump_rows(shm_root, "short", 4), ref1[3:7])
+    np.testing.assert_array_equal(dump_rows(shm_root, "long", 7), np.concatenate([ref1[7:], ref2]))
+    assert sorted(p.name for p in (shm_root / NS / "long").iterdir()) == [
+        "meta.json",
+        "part-0000000000-0000000005.bin",
+        "part-0000000005-0000000007.bin",
+    ]
+
+
+def test_non_writer_rank_writes_nothing(api: SglangApi, state: HookState, shm_root: Path) -> None:
+    state.writer = False
+    runner = api.runner_cls(CausalLM())
+    req = api.req_cls("r1", [1, 2], params())
+    run_pass(api, runner, [req], [(0, 2)], torch.randn(2, H))
+    assert req.finished()  # SGLang's own processing still ran
+    assert list(shm_root.iterdir()) == []
+
+
+def test_aborted_and_retracted_requests_get_no_meta(
+    api: SglangApi, state: HookState, shm_root: Path
+) -> None:
+    runner = api.runner_cls(CausalLM())
+    aborting = api.req_cls("ab", [1, 2], params())
+    aborting.to_finish = "abort"
+    retracted = api.req_cls("re", [1, 2, 3], params())
+    retracted.is_retracted = True
+    run_pass(api, runner, [aborting, retracted], [(0, 2), (0, 3)], torch.randn(5, H))
+    assert list(shm_root.iterdir()) == []
+
+
+def test_graph_replay_with_other_layers_is_refused(
+    api: SglangApi, state: HookState, shm_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    runner = api.runner_cls(CausalLM())
+    final, aux = runner.forward(torch.randn(2, H))
+    out = SimpleNamespace(
+        hidden_states=aux, last_hidden_states=final, hidden_states_token_indices=None
+    )
+    result = api.result_cls(out, [2])
+    result.can_run_cuda_graph = True
+    batch = SimpleNamespace(
+        reqs=[api.req_cls("r1", [1, 2], params())], prefix_lens=[0], extend_lens=[2]
+    )
+    with caplog.at_level(logging.WARNING, logger=sglang_hook.__name__):
+        api.processor_cls().process_batch_result_prefill(batch, result)
+    assert "--disable-prefill-cuda-graph" in caplog.text
+    assert list(shm_root.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("breakage", "fragment"),
+    [
+        ("no_aux", "--enable-return-aux-hidden-states"),
+        ("no_final", "--enable-return-aux-hidden-states"),
+        ("subset", "subset of its rows"),
+        ("layers_reset", "something reset them"),
+        ("no_forward", "no forward has gone through"),
+    ],
+)
+def test_unusable_pass_is_refused(
+    api: SglangApi,
+    state: HookState,
+    caplog: pytest.LogCaptureFixture,
+    breakage: str,
+    fragment: str,
+) -> None:
+    model = CausalLM()
+    if breakage == "no_forward":  # the model ran, but not through the hooked runner
+        final, aux = model.model(torch.randn(2, H))
+    else:
+        final, aux = api.runner_cls(model).forward(torch.randn(2, H))
+    out = SimpleNamespace(
+        hidden_states=None if breakage == "no_aux" else aux,
+        last_hidden_states=None if breakage == "no_final" else final,
+        hidden_states_token_indices=torch.arange(1) if breakage == "subset" else None,
+    )
+    if breakage == "layers_reset":
+        model.model.layers_to_capture = [0, 1]
+    batch = SimpleNamespace(
+        reqs=[api.req_cls("r1", [1, 2], params())], prefix_lens=[0], extend_lens=[2]
+    )
+    with caplog.at_level(logging.WARNING, logger=sglang_hook.__name__):
+        api.processor_cls().process_batch_result_prefill(batch, api.result_cls(out, [2]))
+    assert fragment in caplog.text
+    assert list(state.config.dump_root.iterdir()) == []
+
+
+def test_odd_batch_layout_is_logged_not_fatal(
+    api: SglangApi, state: HookState, shm_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    req = api.req_cls("r1", [1, 2], params())
+    batch = SimpleNamespace(reqs=[req], prefix_lens=[], extend_lens=[2])
+    with caplog.at_level(logging.ERROR, logger=sglang_hook.__name__):
+        api.processor_cls().process_batch_result_prefill(batch, api.result_cls(None, None))
+    assert "cannot map a prefill pass" in caplog.text
+    assert req.finished()
+
+
+def test_extend_lens_fall_back_to_the_batch(
+    api: SglangApi, state: HookState, shm_root: Path
+) -> None:
+    runner = api.runner_cls(CausalLM())
+    x = torch.randn(3, H)
+    final, aux = runner.forward(x)
+    out = SimpleNamespace(
+        hidden_states=aux, last_hidden_states=final, hidden_states_token_indices=None
+    )
+    batch = SimpleNamespace(
+        reqs=[api.req_cls("r1", [1, 2, 3], params())], prefix_lens=[0], extend_lens=[3]
+    )
+    result = api.result_cls(out, None)
+    api.processor_cls().process_batch_result_prefill(batch, result)
+    assert result.copy_done.synchronized == 1
+    np.testing.assert_array_equal(dump_rows(shm_root, "r1", 3), reference_rows(x))
+
+
+def test_tensor_bits_converts_to_bfloat16() -> None:
+    t = torch.tensor([[1.0, -2.5], [0.0, 3.0]], dtype=torch.float32)
+    bits = sglang_hook.tensor_bits(t)
+    assert bits.dtype == np.int16 and bits.shape == (2, 2)
+    np.testing.assert_array_equal(bits, t.to(torch.bfloat16).view(torch.int16).numpy())
+
+
+# --------------------------------------------------------------------------------------
+# The factory SGLang calls
+# --------------------------------------------------------------------------------------
+
+GOOD = ServerSettings(
+    radix_cache=False,
+    attn_dp_size=1,
+    pp_size=1,
+    two_batch_overlap=False,
+    moe_a2a_backend="none",
+    aux_capture="eagle3",
+    aux_layer_ids_flag=None,
+    disaggregation_mode="null",
+)
+
+
+@pytest.fixture
+def server_env(
+    monkeypatch: pytest.MonkeyPatch, api: SglangApi, shm_root: Path
+) -> Iterator[dict[str, ServerInfo]]:
+    info = {"info": ServerInfo(GOOD, attn_tp_rank=0, served_model_name="served/model")}
+    monkeypatch.setenv("HSX_AUX_LAYERS", "1,4")
+    monkeypatch.setenv("HSX_DUMP_ROOT", str(shm_root))
+    monkeypatch.delenv("HSX_MODEL_NAME", raising=False)
+    monkeypatch.setattr(sglang_hook, "_read_server_info", lambda: info["info"])
+    monkeypatch.setattr(sglang_hook, "_load_sglang_api", lambda: api)
+    yield info
+    sglang_hook._Installed.state = None
+
+
+def test_factory_installs_once(server_env: dict[str, ServerInfo], api: SglangApi) -> None:
+    hook = sglang_hook.hsx_hook_factory({})
+    assert hook(nn.Identity(), (torch.zeros(1),), torch.zeros(1)) is None
+    state = sglang_hook._Installed.state
+    assert state is not None and state.writer
+    assert state.dumper.model == "served/model"
+    assert state.config.aux_layers == LAYERS
+    assert sglang_hook.hsx_hook_factory(None) is hook
+    assert sglang_hook._Installed.state is state
+    assert api.req_cls("r1", [1], params()).return_hidden_states_mode == FULL
+
+
+def test_factory_rank_and_model_name(
+    server_env: dict[str, ServerInfo], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server_env["info"] = ServerInfo(GOOD, attn_tp_rank=3, served_model_name=None)
+    monkeypatch.setenv("HSX_MODEL_NAME", "my-model")
+    sglang_hook.hsx_hook_factory({})
+    state = sglang_hook._Installed.state
+    assert state is not None and not state.writer and state.dumper.model == "my-model"
+
+
+def test_factory_refuses_bad_settings(server_env: dict[str, ServerInfo], api: SglangApi) -> None:
+    server_env["info"] = ServerInfo(
+        dataclasses.replace(GOOD, radix_cache=True),
+        attn_tp_rank=0,
+        served_model_name=None,
+    )
+    with pytest.raises(ConfigError, match="--disable-radix-cache"):
+        sglang_hook.hsx_hook_factory({})
+    assert sglang_hook._Installed.state is None
+    assert api.req_cls("r1", [1], params()).return_hidden_states_mode == NULL
+
+
+def test_factory_refuses_config_and_bad_env(
+    server_env: dict[str, ServerInfo], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape('"config": {}')):
+        sglang_hook.hsx_hook_factory({"aux_layers": [1, 4]})
+    monkeypatch.setenv("HSX_AUX_LAYERS", "4,1")
+    with pytest.raises(ConfigError, match="ascending"):
+        sglang_hook.hsx_hook_factory({})
+    assert sglang_hook._Installed.state is None
+
+
+def test_factory_warns_on_other_sglang(
+    server_env: dict[str, ServerInfo],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(sglang_hook, "installed_sglang_version", lambda: "0.6.0")
+    with caplog.at_level(logging.WARNING, logger=sglang_hook.__name__):
+        sglang_hook.hsx_hook_factory({})
+    assert "checked against sglang 0.5.23, running 0.6.0" in caplog.text
+    state = sglang_hook._Installed.state
+    assert state is not None and state.config.server == "sglang 0.6.0"
+
+
+# --------------------------------------------------------------------------------------
+# deploy/sglang/launch.sh
+# --------------------------------------------------------------------------------------
+
+FAKE_LAUNCHER = textwrap.dedent(
+    """
+    import json, os, sys
+    with open(os.environ["HSX_TEST_CAPTURE"], "w") as fh:
+        json.dump({"argv": sys.argv[1:],
+                   "env": {k: v for k, v in os.environ.items() if k.startswith("HSX_")}}, fh)
+    """
+)
+
+
+def run_launch(
+    tmp_path: Path, env: dict[str, str], *args: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
+    fake = tmp_path / "fake"
+    (fake / "sglang").mkdir(parents=True, exist_ok=True)
+    (fake / "sglang" / "__init__.py").write_text("")
+    (fake / "sglang" / "launch_server.py").write_text(FAKE_LAUNCHER)
+    capture = tmp_path / "capture.json"
+    capture.unlink(missing_ok=True)
+    full_env = {
+        "PATH": os.environ["PATH"],
+        "HSX_PYTHON": sys.executable,
+        "PYTHONPATH": os.pathsep.join([str(fake), str(REPO)]),
+        "HSX_TEST_CAPTURE": str(capture),
+        **env,
+    }
+    proc = subprocess.run(
+        ["bash", str(LAUNCH), *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return proc, json.loads(capture.read_text()) if capture.exists() else None
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_launch_script_runs_sglang_with_every_required_flag(tmp_path: Path) -> None:
+    proc, got = run_launch(
+        tmp_path,
+        {"HSX_AUX_LAYERS": "2,30,58", "HSX_TP_SIZE": "8", "HSX_CHUNKED_PREFILL_SIZE": "4096"},
+        "/models/m",
+        "--mem-fraction-static",
+        "0.8",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert got is not None
+    argv = got["argv"]
+    for flag in (
+        "--disable-radix-cache",
+        "--enable-return-aux-hidden-states",
+        "--disable-prefill-cuda-graph",
+    ):
+        assert flag in argv
+    assert flag_value(argv, "--speculative-algorithm") == "EAGLE3"
+    assert flag_value(argv, "--model-path") == "/models/m"
+    assert flag_value(argv, "--tp-size") == "8"
+    assert flag_value(argv, "--chunked-prefill-size") == "4096"
+    assert json.loads(flag_value(argv, "--forward-hooks")) == FORWARD_HOOK_SPEC
+    assert argv[-2:] == ["--mem-fraction-static", "0.8"]
+    assert "--return-aux-hidden-state-layer-ids" not in argv
+    assert got["env"]["HSX_AUX_LAYERS"] == "2,30,58"
+    assert got["env"]["HSX_DUMP_ROOT"] == "/dev/shm/hsx"
+
+
+def test_launch_script_defaults(tmp_path: Path) -> None:
+    proc, got = run_launch(tmp_path, {"HSX_AUX_LAYERS": "3"}, "/models/m")
+    assert proc.returncode == 0, proc.stderr
+    assert got is not None
+    argv = got["argv"]
+    assert "--chunked-prefill-size" not in argv
+    assert (flag_value(argv, "--tp-size"), flag_value(argv, "--port")) == ("1", "30000")
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "message"),
+    [
+        ({}, ["/models/m"], "set HSX_AUX_LAYERS"),
+        ({"HSX_AUX_LAYERS": "30,2"}, ["/models/m"], "not strictly ascending"),
+        ({"HSX_AUX_LAYERS": "2", "HSX_DUMP_ROOT": "rel"}, ["/models/m"], "is relative"),
+        ({"HSX_AUX_LAYERS": "2"}, [], "usage:"),
+    ],
+)
+def test_launch_script_refuses_before_starting_sglang(
+    tmp_path: Path, env: dict[str, str], args: list[str], message: str
+) -> None:
+    proc, got = run_launch(tmp_path, env, *args)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert got is None
