@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import aiohttp
 import structlog
 
-from hsx_async.config import Config, ConfigDiff, diff_config, load_config, redact_url
+from hsx_async.config import Config, diff_config, load_config, redact_url
 from hsx_async.dataset.manifest import MANIFEST, QUARANTINE, AppendLog, DoneSet, load_done, log_name
 from hsx_async.dataset.provenance import (
     check_and_record,
@@ -43,10 +43,10 @@ from hsx_async.run.guard import DiskGuard, FreeFn, free_bytes
 from hsx_async.run.metrics import Metrics
 from hsx_async.run.notify import Notifier, watchdog_loop
 from hsx_async.run.observe import progress_line, progress_loop, serve_http
-from hsx_async.run.pool import EOF, Pipeline
+from hsx_async.run.pool import Pipeline
 from hsx_async.run.resume import check_entries, clean_orphans
-from hsx_async.run.retry import RetryPolicy
 from hsx_async.run.source import BadLine, SampleReader, count_pending, shard_of
+from hsx_async.run.status import RunStatus, StatusCollector, take_status
 
 log = structlog.get_logger("hsx.daemon")
 
@@ -99,14 +99,16 @@ class Daemon:
         self.stop_requested = asyncio.Event()
         self.force_requested = asyncio.Event()
         self.reload_requested = asyncio.Event()
-        self.reloaded = asyncio.Event()  # set after each reload attempt (tests wait on it)
-        self.last_reload = ""  # "applied", "refused" or "invalid"
+        self._reload_lock = asyncio.Lock()
         self.signals_seen = 0
         self.fed = 0  # samples put into the intake this run
         self.settled = 0  # of those, now in the manifest or the quarantine
         self.pending: tuple[int, int] | None = None  # (samples, tokens) to do, once counted
         self.http_url: str | None = None
         self.pipeline: Pipeline | None = None
+        self.servers: ServerPool | None = None
+        self.metrics.registry.register(StatusCollector(self.snapshot))
+        self.guard.on_change.append(self._intake_changed)
 
     # -- start --------------------------------------------------------------------------
 
@@ -153,7 +155,7 @@ class Daemon:
         self, done: DoneSet, manifest: AppendLog, quarantine: AppendLog
     ) -> None:
         cfg = self.config
-        pool = ServerPool(
+        pool = self.servers = ServerPool(
             cfg.server.urls,
             health_interval=cfg.server.health_interval,
             unreachable_timeout=cfg.server.unreachable_timeout,
@@ -215,14 +217,8 @@ class Daemon:
             async with asyncio.TaskGroup() as tg:
                 self._install_signals()
                 tg.create_task(self._feed(pipeline, done), name="hsx-feeder")
-                for _ in range(cfg.workers.concurrency):
-                    pipeline.spawn_worker(tg)
-                writers = [
-                    tg.create_task(pipeline.writer(), name=f"hsx-writer-{i}")
-                    for i in range(pipeline.writer_tasks)
-                ]
-                committer = tg.create_task(pipeline.committer.run(), name="hsx-committer")
-                tg.create_task(self._finish(pipeline, writers, committer), name="hsx-finish")
+                pipeline.start(tg)
+                tg.create_task(self._finish(pipeline), name="hsx-finish")
                 tg.create_task(self._watch_signals(pipeline), name="hsx-signals")
                 self._start_services(tg, pipeline, client, done)
                 self.notifier.ready()
@@ -255,9 +251,9 @@ class Daemon:
         tg.create_task(client.probe_forever(), name="hsx-prober")
         tg.create_task(self.guard.run(), name="hsx-disk-guard")
         tg.create_task(self._count_input(done), name="hsx-count")
-        tg.create_task(self._reload_loop(pipeline, tg), name="hsx-reload")
+        tg.create_task(self._reload_loop(), name="hsx-reload")
         tg.create_task(
-            progress_loop(self.status, cfg.daemon.progress_interval, stream=self.progress_stream),
+            progress_loop(self.status, self.progress_interval, stream=self.progress_stream),
             name="hsx-progress",
         )
         if cfg.daemon.metrics_listen:
@@ -270,14 +266,27 @@ class Daemon:
                 ),
                 name="hsx-http",
             )
-        interval = self.notifier.ping_interval(cfg.daemon.progress_interval)
         tg.create_task(
-            watchdog_loop(self.notifier, interval, lambda: progress_line(self.status())),
+            watchdog_loop(
+                self.notifier,
+                lambda: self.notifier.ping_interval(self.progress_interval()),
+                lambda: progress_line(self.status()),
+            ),
             name="hsx-notify",
         )
 
+    def progress_interval(self) -> float:
+        """Read at every round, so a reload changes it (``daemon.progress_interval``)."""
+        return self.config.daemon.progress_interval
+
     def _http_bound(self, url: str) -> None:
         self.http_url = url
+
+    def _intake_changed(self, open_: bool) -> None:
+        """The disk guard paused or resumed intake: systemd's status line says so."""
+        self.notifier.status(
+            "intake resumed" if open_ else "intake paused: output disk below output.disk_reserve"
+        )
 
     async def _feed(self, pipeline: Pipeline, done: DoneSet) -> None:
         cfg = self.config
@@ -297,17 +306,11 @@ class Daemon:
                 self.metrics.totals.samples_skipped += 1
                 continue
             self.fed += 1
-            await pipeline.intake.put(item)
-        await pipeline.intake.put(EOF)
+            await pipeline.put(item)
+        await pipeline.end_input()
 
-    async def _finish(
-        self, pipeline: Pipeline, writers: list[asyncio.Task[None]], committer: asyncio.Task[None]
-    ) -> None:
-        await pipeline.close_writers()
-        for task in writers:
-            await task
-        pipeline.committer.close()
-        await committer
+    async def _finish(self, pipeline: Pipeline) -> None:
+        await pipeline.drained()
         raise _Finished
 
     async def _count_input(self, done: DoneSet) -> None:
@@ -336,86 +339,48 @@ class Daemon:
 
     # -- status -------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        t = self.metrics.totals
-        tok_s, bytes_s = self.metrics.rates()
-        pipe = self.pipeline
-        remaining_tokens = None
-        total = None
-        if self.pending is not None:
-            total = self.pending[0] + t.samples_skipped
-            remaining_tokens = max(0, self.pending[1] - t.tokens_done)
-        eta = remaining_tokens / tok_s if remaining_tokens is not None and tok_s > 0 else None
-        snapshot = {
-            "done": t.samples_done,
-            "quarantined": t.samples_quarantined,
-            "skipped": t.samples_skipped,
-            "retried": t.samples_retried,
-            "attempts_failed": t.attempts_failed,
-            "tokens": t.tokens_done,
-            "bytes": t.bytes_written,
-            "tokens_per_s": tok_s,
-            "bytes_per_s": bytes_s,
-            "total_samples": total,
-            "remaining_tokens": remaining_tokens,
-            "eta_s": eta,
-            "in_flight": pipe.in_flight if pipe else 0,
-            "workers": pipe.workers_running if pipe else 0,
-            "shm_used": pipe.budget.used if pipe else 0,
-            "shm_budget": pipe.budget.capacity if pipe else self.config.dump.shm_budget,
-            "writer_queue": pipe.write_queue.qsize() if pipe else 0,
-            "paused": self.guard.paused,
-            "free_disk": self.guard.free,
-            "stopping": self.stop_requested.is_set(),
-            "servers": [
-                {
-                    "url": s.display,
-                    "healthy": s.healthy,
-                    "in_flight": s.in_flight,
-                    "requests": s.requests,
-                    "last_error": s.last_error,
-                }
-                for s in (pipe.servers.servers if pipe else [])
-                if not s.retired
-            ],
-        }
-        self._update_gauges(snapshot)
-        return snapshot
-
-    def _update_gauges(self, snap: dict[str, Any]) -> None:
-        """Gauges are refreshed from the same snapshot ``/status`` shows (on every scrape)."""
-        m = self.metrics
-        m.eta.set(snap["eta_s"] if snap["eta_s"] is not None else -1)
-        m.remaining.set(
-            max(
-                0,
-                (snap["total_samples"] or 0) - snap["done"] - snap["skipped"] - snap["quarantined"],
-            )
+    def snapshot(self) -> RunStatus:
+        """Where the run stands (``/status``, the progress line, the gauges)."""
+        return take_status(
+            self.metrics,
+            pending=self.pending,
+            pipeline=self.pipeline,
+            servers=self.servers,
+            guard=self.guard,
+            stopping=self.stop_requested.is_set(),
+            shm_budget=self.config.dump.shm_budget,
         )
-        m.free_disk.set(max(snap["free_disk"], 0))
-        m.paused.set(1 if snap["paused"] else 0)
-        m.shm_used.set(snap["shm_used"])
-        m.shm_capacity.set(snap["shm_budget"])
-        m.writer_queue.set(snap["writer_queue"])
-        for server in snap["servers"]:
-            m.server_up.labels(server["url"]).set(1 if server["healthy"] else 0)
+
+    def status(self) -> dict[str, Any]:
+        """:meth:`snapshot` as the ``/status`` JSON object."""
+        return self.snapshot().as_dict()
 
     # -- reload -------------------------------------------------------------------------
 
     def request_reload(self) -> None:
-        """Programmatic SIGHUP."""
+        """Programmatic SIGHUP: a reload soon, in the reload task."""
         self.reload_requested.set()
 
-    async def _reload_loop(self, pipeline: Pipeline, tg: asyncio.TaskGroup) -> None:
+    async def _reload_loop(self) -> None:
         while True:
             await self.reload_requested.wait()
             self.reload_requested.clear()
-            self.notifier.reloading()
-            self.last_reload = await self._reload(pipeline, tg)
-            self.notifier.ready()
-            self.reloaded.set()
+            await self.reload()
 
-    async def _reload(self, pipeline: Pipeline, tg: asyncio.TaskGroup) -> str:
+    async def reload(self) -> str:
+        """Re-read the config file and apply what may change live (what SIGHUP does).
+        Returns "applied"; or "refused" (a key needs a restart) or "invalid", and then the
+        running config stays."""
+        if self.pipeline is None or self.servers is None:
+            raise RuntimeError("the run has not started: nothing to reload")
+        async with self._reload_lock:
+            self.notifier.reloading()
+            try:
+                return await self._reload(self.pipeline, self.servers)
+            finally:
+                self.notifier.ready()
+
+    async def _reload(self, pipeline: Pipeline, servers: ServerPool) -> str:
         path = self.config.path
         if path is None:
             log.error("reload_invalid", error="this run has no config file to re-read")
@@ -434,31 +399,16 @@ class Daemon:
                 fix="restart hsx to change these keys (progress is kept)",
             )
             return "refused"
-        await self._apply(new, diff, pipeline, tg)
-        return "applied"
-
-    async def _apply(
-        self, new: Config, diff: ConfigDiff, pipeline: Pipeline, tg: asyncio.TaskGroup
-    ) -> None:
         old, self.config = self.config, new
-        pipeline.config = new
-        if "workers.concurrency" in diff.live:
-            pipeline.resize(new.workers.concurrency, tg)
-        if "dump.shm_budget" in diff.live:
-            pipeline.budget.resize(new.dump.shm_budget)
-            self.metrics.shm_capacity.set(new.dump.shm_budget)
-        w = new.workers
-        pipeline.retry = RetryPolicy(w.max_attempts, w.backoff_base, w.backoff_max)
-        pool = pipeline.servers
-        pool.health_interval = new.server.health_interval
-        pool.unreachable_timeout = new.server.unreachable_timeout
-        if "server.urls" in diff.live:
-            await pool.set_urls(new.server.urls)
+        pipeline.apply(new)
+        await servers.apply(new.server)
         self.guard.reserve = new.output.disk_reserve
         if old.daemon.log_level != new.daemon.log_level:
             configure_logging(new.daemon.log_format, new.daemon.log_level)
+        # daemon.drain_timeout and daemon.progress_interval are read where they are used.
         shown = {k: [_shown(k, a), _shown(k, b)] for k, (a, b) in diff.live.items()}
         log.info("config_reloaded", changed=shown)
+        return "applied"
 
     # -- signals ------------------------------------------------------------------------
 
@@ -491,8 +441,7 @@ class Daemon:
 
     async def _watch_signals(self, pipeline: Pipeline) -> None:
         await self.stop_requested.wait()
-        pipeline.stopping = True
-        pipeline.wake_workers()
+        pipeline.stop_intake()
         try:
             async with asyncio.timeout(self.config.daemon.drain_timeout):
                 await self.force_requested.wait()
