@@ -26,26 +26,20 @@ from typing import Any, TextIO
 import aiohttp
 import structlog
 
-from hsx_async.config import Config, diff_config, load_config, redact_url
-from hsx_async.dataset.manifest import MANIFEST, QUARANTINE, AppendLog, DoneSet, load_done, log_name
-from hsx_async.dataset.provenance import (
-    check_and_record,
-    fingerprint,
-    provenance_for,
-    read_provenance,
-    record_input_count,
-    shard_lock,
-)
-from hsx_async.errors import ConfigError, ForcedExit, HsxError
+from hsx_async.config import Config, load_config
+from hsx_async.dataset.manifest import AppendLog
+from hsx_async.dataset.provenance import shard_lock
+from hsx_async.errors import ForcedExit, HsxError
 from hsx_async.logs import configure_logging
 from hsx_async.run.client import ServerPool, SGLangClient
+from hsx_async.run.feed import Feeder
 from hsx_async.run.guard import DiskGuard, FreeFn, free_bytes
 from hsx_async.run.metrics import Metrics
 from hsx_async.run.notify import Notifier, watchdog_loop
 from hsx_async.run.observe import progress_line, progress_loop, serve_http
 from hsx_async.run.pool import Pipeline
-from hsx_async.run.resume import check_entries, clean_orphans
-from hsx_async.run.source import BadLine, SampleReader, count_pending, shard_of
+from hsx_async.run.reload import reload_config
+from hsx_async.run.startup import open_logs, prepare_output, record_server, wait_for_server
 from hsx_async.run.status import RunStatus, StatusCollector, take_status
 
 log = structlog.get_logger("hsx.daemon")
@@ -101,9 +95,8 @@ class Daemon:
         self.reload_requested = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         self.signals_seen = 0
-        self.fed = 0  # samples put into the intake this run
-        self.settled = 0  # of those, now in the manifest or the quarantine
-        self.pending: tuple[int, int] | None = None  # (samples, tokens) to do, once counted
+        self.feeder: Feeder | None = None
+        self.settled = 0  # samples fed this run now in the manifest or the quarantine
         self.http_url: str | None = None
         self.pipeline: Pipeline | None = None
         self.servers: ServerPool | None = None
@@ -112,33 +105,19 @@ class Daemon:
 
     # -- start --------------------------------------------------------------------------
 
-    def _prepare_output(self) -> DoneSet:
-        out = self.config.output.dir
-        input_fp = fingerprint(self.config.input.path)
-        record = provenance_for(self.config, input_fp)
-        check_and_record(out, record, allow_change=self.allow_provenance_change)
-        done = load_done(out)
-        check_entries(out, done.manifest)
-        clean_orphans(out, done.manifest, self.config.shard)
-        return done
-
-    def _open_logs(self) -> tuple[AppendLog, AppendLog]:
-        out, shard = self.config.output.dir, self.config.shard
-        return (
-            AppendLog(out / log_name(MANIFEST, shard.index, shard.count)),
-            AppendLog(out / log_name(QUARANTINE, shard.index, shard.count)),
-        )
-
     async def run(self) -> RunSummary:
         started = time.monotonic()
         out = self.config.output.dir
         out.mkdir(parents=True, exist_ok=True)
         with shard_lock(out, self.config.shard.index), contextlib.ExitStack() as stack:
-            done = await asyncio.to_thread(self._prepare_output)
-            manifest, quarantine = await asyncio.to_thread(self._open_logs)
+            done = await asyncio.to_thread(
+                prepare_output, self.config, allow_provenance_change=self.allow_provenance_change
+            )
+            self.feeder = Feeder(self.config, done, self.metrics)
+            manifest, quarantine = await asyncio.to_thread(open_logs, self.config)
             stack.callback(manifest.close)
             stack.callback(quarantine.close)
-            await self._connect_and_serve(done, manifest, quarantine)
+            await self._connect_and_serve(self.feeder, manifest, quarantine)
         t = self.metrics.totals
         return RunSummary(
             done=t.samples_done,
@@ -148,11 +127,11 @@ class Daemon:
             bytes=t.bytes_written,
             seconds=time.monotonic() - started,
             stopped=self.stop_requested.is_set(),
-            unfinished=self.fed - self.settled,
+            unfinished=(self.feeder.fed if self.feeder else 0) - self.settled,
         )
 
     async def _connect_and_serve(
-        self, done: DoneSet, manifest: AppendLog, quarantine: AppendLog
+        self, feeder: Feeder, manifest: AppendLog, quarantine: AppendLog
     ) -> None:
         cfg = self.config
         pool = self.servers = ServerPool(
@@ -163,18 +142,8 @@ class Daemon:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         async with aiohttp.ClientSession(connector=connector) as session:
             client = SGLangClient(session, pool)
-            await client.probe_all()
-            if not pool.healthy():
-                self.notifier.status(
-                    "waiting for a server: " + ", ".join(redact_url(u) for u in cfg.server.urls)
-                )
-                log.warning(
-                    "waiting_for_server",
-                    urls=[redact_url(u) for u in cfg.server.urls],
-                    timeout_s=cfg.server.unreachable_timeout,
-                )
-            await pool.wait_healthy()
-            await self._record_server(client)
+            await wait_for_server(client, cfg, self.notifier)
+            await record_server(client, cfg, allow_provenance_change=self.allow_provenance_change)
             pipeline = Pipeline(
                 cfg,
                 client=client,
@@ -185,48 +154,29 @@ class Daemon:
             )
             self.pipeline = pipeline
             try:
-                await self._serve(pipeline, client, done)
+                await self._serve(pipeline, client, feeder)
             finally:
                 await asyncio.to_thread(pipeline.close)
                 self.notifier.close()
 
-    async def _record_server(self, client: SGLangClient) -> None:
-        """Put the served model and server version into provenance; refuse another model."""
-        server = client.pool.healthy()[0]
-        model = version = ""
-        with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
-            info = await client.get_json(server.url, "/get_model_info")
-            model = str(info.get("model_path", "")) if isinstance(info, dict) else ""
-        with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
-            info = await client.get_json(server.url, "/get_server_info")
-            version = str(info.get("version", "")) if isinstance(info, dict) else ""
-        if not model:
-            return
-        out = self.config.output.dir
-        old = await asyncio.to_thread(read_provenance, out) or {}
-        record = provenance_for(self.config, old.get("input", {}), model, version)
-        await asyncio.to_thread(
-            check_and_record, out, record, allow_change=self.allow_provenance_change
-        )
-
     # -- the task group -----------------------------------------------------------------
 
-    async def _serve(self, pipeline: Pipeline, client: SGLangClient, done: DoneSet) -> None:
+    async def _serve(self, pipeline: Pipeline, client: SGLangClient, feeder: Feeder) -> None:
         cfg = self.config
         try:
             async with asyncio.TaskGroup() as tg:
                 self._install_signals()
-                tg.create_task(self._feed(pipeline, done), name="hsx-feeder")
+                tg.create_task(feeder.run(pipeline), name="hsx-feeder")
                 pipeline.start(tg)
                 tg.create_task(self._finish(pipeline), name="hsx-finish")
                 tg.create_task(self._watch_signals(pipeline), name="hsx-signals")
-                self._start_services(tg, pipeline, client, done)
+                self._start_services(tg, client, feeder)
                 self.notifier.ready()
                 log.info(
                     "run_started",
                     workers=cfg.workers.concurrency,
                     servers=len(cfg.server.urls),
-                    already_done=len(done.ids),
+                    already_done=len(feeder.done.ids),
                     shard=f"{cfg.shard.index}/{cfg.shard.count}",
                 )
         except* _Finished:
@@ -243,14 +193,12 @@ class Daemon:
             self.settled = pipeline.settled
             self._remove_signals()
 
-    def _start_services(
-        self, tg: asyncio.TaskGroup, pipeline: Pipeline, client: SGLangClient, done: DoneSet
-    ) -> None:
+    def _start_services(self, tg: asyncio.TaskGroup, client: SGLangClient, feeder: Feeder) -> None:
         """The long-lived helpers: none of them ends the run by returning."""
         cfg = self.config
         tg.create_task(client.probe_forever(), name="hsx-prober")
         tg.create_task(self.guard.run(), name="hsx-disk-guard")
-        tg.create_task(self._count_input(done), name="hsx-count")
+        tg.create_task(feeder.count(self.guard), name="hsx-count")
         tg.create_task(self._reload_loop(), name="hsx-reload")
         tg.create_task(
             progress_loop(self.status, self.progress_interval, stream=self.progress_stream),
@@ -288,54 +236,9 @@ class Daemon:
             "intake resumed" if open_ else "intake paused: output disk below output.disk_reserve"
         )
 
-    async def _feed(self, pipeline: Pipeline, done: DoneSet) -> None:
-        cfg = self.config
-        reader = SampleReader(cfg.input.path, cfg.input.max_tokens)
-        async for item in reader.items():
-            if pipeline.stopping:
-                break
-            if cfg.shard.count > 1 and shard_of(item, cfg.shard.count) != cfg.shard.index:
-                continue
-            if isinstance(item, BadLine):
-                if item.line not in done.lines and not (
-                    item.id is not None and done.is_done(item.id, item.line)
-                ):
-                    await pipeline.quarantine_bad_line(item)
-                continue
-            if done.is_done(item.id, item.line):
-                self.metrics.totals.samples_skipped += 1
-                continue
-            self.fed += 1
-            await pipeline.put(item)
-        await pipeline.end_input()
-
     async def _finish(self, pipeline: Pipeline) -> None:
         await pipeline.drained()
         raise _Finished
-
-    async def _count_input(self, done: DoneSet) -> None:
-        """Count what is left (for progress and ETA) and compare it with free disk."""
-        cfg = self.config
-        reader = SampleReader(cfg.input.path, cfg.input.max_tokens)
-        samples, tokens = await asyncio.to_thread(
-            count_pending, reader, cfg.shard.index, cfg.shard.count, done.is_done
-        )
-        self.pending = (samples, tokens)
-        need = tokens * cfg.model.row_bytes
-        free = await asyncio.to_thread(self.guard.free_fn, cfg.output.dir)
-        log.info(
-            "input_counted", samples=samples, tokens=tokens, estimated_bytes=need, free_bytes=free
-        )
-        if need + cfg.output.disk_reserve > free:
-            log.error(
-                "disk_too_small_for_job",
-                estimated_bytes=need,
-                free_bytes=free,
-                reserve=cfg.output.disk_reserve,
-                fix="free space or move output.dir; the run pauses when it reaches the reserve",
-            )
-        if cfg.shard.count == 1:  # a shard's count is not the whole input's
-            await asyncio.to_thread(record_input_count, cfg.output.dir, len(done.ids) + samples)
 
     # -- status -------------------------------------------------------------------------
 
@@ -343,7 +246,7 @@ class Daemon:
         """Where the run stands (``/status``, the progress line, the gauges)."""
         return take_status(
             self.metrics,
-            pending=self.pending,
+            pending=self.feeder.pending if self.feeder else None,
             pipeline=self.pipeline,
             servers=self.servers,
             guard=self.guard,
@@ -376,39 +279,12 @@ class Daemon:
         async with self._reload_lock:
             self.notifier.reloading()
             try:
-                return await self._reload(self.pipeline, self.servers)
+                outcome, self.config = await reload_config(
+                    self.config, pipeline=self.pipeline, servers=self.servers, guard=self.guard
+                )
             finally:
                 self.notifier.ready()
-
-    async def _reload(self, pipeline: Pipeline, servers: ServerPool) -> str:
-        path = self.config.path
-        if path is None:
-            log.error("reload_invalid", error="this run has no config file to re-read")
-            return "invalid"
-        try:
-            new = await asyncio.to_thread(load_config, path)
-        except ConfigError as exc:
-            log.error("reload_invalid", error=str(exc), kept="the running config")
-            return "invalid"
-        diff = diff_config(self.config, new)
-        if diff.restart:
-            log.error(
-                "reload_refused",
-                needs_restart=sorted(diff.restart),
-                kept="the running config",
-                fix="restart hsx to change these keys (progress is kept)",
-            )
-            return "refused"
-        old, self.config = self.config, new
-        pipeline.apply(new)
-        await servers.apply(new.server)
-        self.guard.reserve = new.output.disk_reserve
-        if old.daemon.log_level != new.daemon.log_level:
-            configure_logging(new.daemon.log_format, new.daemon.log_level)
-        # daemon.drain_timeout and daemon.progress_interval are read where they are used.
-        shown = {k: [_shown(k, a), _shown(k, b)] for k, (a, b) in diff.live.items()}
-        log.info("config_reloaded", changed=shown)
-        return "applied"
+        return outcome
 
     # -- signals ------------------------------------------------------------------------
 
@@ -448,12 +324,6 @@ class Daemon:
         except TimeoutError:
             raise _DrainExpired from None
         raise ForcedExit("second stop signal: exiting at once; run again to resume")
-
-
-def _shown(key: str, value: Any) -> str:
-    if key == "server.urls":
-        return ", ".join(redact_url(u) for u in value)
-    return str(value)
 
 
 def _first(group: BaseExceptionGroup[HsxError]) -> HsxError:

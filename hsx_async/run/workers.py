@@ -285,71 +285,87 @@ class Workers:
                 await self.servers.failed(server, exc)
                 raise
             self.servers.succeeded(server)
-        return await self._collect(sample, rid, ns, ns_dir)
-
-    async def _collect(self, sample: Sample, rid: str, ns: str, ns_dir: Path) -> Dump:
-        """The attempt's dump, read and validated (waiting for a late ``meta.json``)."""
-        cfg = self.config
-        rid_dir = ns_dir / rid
         keep = {*self.live_rids[ns], rid}
-
-        def validate(meta: bytes, sizes: dict[tuple[int, int], int] | None) -> Dump:
-            return validate_dump(
-                rid_dir,
-                meta,
-                rid=rid,
-                num_tokens=sample.num_tokens,
-                hidden_size=cfg.model.hidden_size,
-                aux_layers=cfg.model.aux_layers,
-                row_bytes=cfg.model.row_bytes,
-                sizes=sizes,
-            )
-
-        def look() -> Dump | None:
-            found = read_dump(rid_dir)
-            return None if found is None else validate(*found)
-
-        # The hook commits before it responds, so the first look nearly always finds
-        # meta.json; the poll (on the event loop, backing off) is for late commits.
-        dump: Dump | None
-        if self.dump_on_tmpfs:
-            # No call here waits for a device: on the loop they cost less than a thread
-            # hop (a wake-up and a GIL hand-over each way). Debris, rare, goes in a thread.
-            dump = look()
-            if dump is None:
-                dump = validate(await _wait_for_meta(rid_dir, cfg.dump.timeout), None)
-            if has_debris(ns_dir, keep):
-                await self.to_thread(sweep_namespace, ns_dir, keep)
-            return dump
-
-        def look_and_sweep(meta: bytes | None) -> Dump | None:
-            dump = look() if meta is None else validate(meta, None)
-            if dump is not None:
-                sweep_namespace(ns_dir, keep)  # debris since the last look: same thread hop
-            return dump
-
-        dump = await self.to_thread(look_and_sweep, None)
-        if dump is None:
-            meta = await _wait_for_meta(rid_dir, cfg.dump.timeout)
-            dump = await self.to_thread(look_and_sweep, meta)
-        assert dump is not None
-        return dump
+        return await collect_dump(
+            self.config,
+            sample,
+            ns_dir / rid,
+            keep,
+            on_tmpfs=bool(self.dump_on_tmpfs),
+            to_thread=self.to_thread,
+        )
 
     async def _hand_off(self, sample: Sample, dump: Dump, ns: str, need: int) -> None:
-        cfg = self.config
-        layout = build_layout(
-            sample_id=sample.id,
+        job = write_job(self.config, sample, dump, self.nonce)
+        self.live_rids[ns].add(dump.path.name)
+        await self._hand_off_fn(Handoff(job, ns, need))
+
+
+def write_job(config: Config, sample: Sample, dump: Dump, nonce: str) -> WriteJob:
+    """What the writer needs to turn a validated dump into the sample's file."""
+    layout = build_layout(
+        sample_id=sample.id,
+        num_tokens=sample.num_tokens,
+        hidden_size=config.model.hidden_size,
+        aux_layers=config.model.aux_layers,
+        has_loss_mask=sample.loss_mask is not None,
+    )
+    key = sample_key(sample.id)
+    return WriteJob(sample, dump, layout, data_relpath(key), f"s{config.shard.index}-{nonce}")
+
+
+async def collect_dump(
+    cfg: Config,
+    sample: Sample,
+    rid_dir: Path,
+    keep: set[str],
+    *,
+    on_tmpfs: bool,
+    to_thread: Callable[..., Awaitable[Any]],
+) -> Dump:
+    """An attempt's dump, read and validated (waiting for a late ``meta.json``); debris
+    in its namespace (every rid but ``keep``) is swept on the way."""
+    ns_dir = rid_dir.parent
+    rid = rid_dir.name
+
+    def validate(meta: bytes, sizes: dict[tuple[int, int], int] | None) -> Dump:
+        return validate_dump(
+            rid_dir,
+            meta,
+            rid=rid,
             num_tokens=sample.num_tokens,
             hidden_size=cfg.model.hidden_size,
             aux_layers=cfg.model.aux_layers,
-            has_loss_mask=sample.loss_mask is not None,
+            row_bytes=cfg.model.row_bytes,
+            sizes=sizes,
         )
-        job = WriteJob(
-            sample,
-            dump,
-            layout,
-            data_relpath(sample_key(sample.id)),
-            f"s{cfg.shard.index}-{self.nonce}",
-        )
-        self.live_rids[ns].add(dump.path.name)
-        await self._hand_off_fn(Handoff(job, ns, need))
+
+    def look() -> Dump | None:
+        found = read_dump(rid_dir)
+        return None if found is None else validate(*found)
+
+    # The hook commits before it responds, so the first look nearly always finds
+    # meta.json; the poll (on the event loop, backing off) is for late commits.
+    dump: Dump | None
+    if on_tmpfs:
+        # No call here waits for a device: on the loop they cost less than a thread
+        # hop (a wake-up and a GIL hand-over each way). Debris, rare, goes in a thread.
+        dump = look()
+        if dump is None:
+            dump = validate(await _wait_for_meta(rid_dir, cfg.dump.timeout), None)
+        if has_debris(ns_dir, keep):
+            await to_thread(sweep_namespace, ns_dir, keep)
+        return dump
+
+    def look_and_sweep(meta: bytes | None) -> Dump | None:
+        dump = look() if meta is None else validate(meta, None)
+        if dump is not None:
+            sweep_namespace(ns_dir, keep)  # debris since the last look: same thread hop
+        return dump
+
+    dump = await to_thread(look_and_sweep, None)
+    if dump is None:
+        meta = await _wait_for_meta(rid_dir, cfg.dump.timeout)
+        dump = await to_thread(look_and_sweep, meta)
+    assert dump is not None
+    return dump
