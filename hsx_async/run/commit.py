@@ -252,7 +252,7 @@ class Writers:
             return False
         except DiskFullError as exc:
             # The temp file is gone; pause intake and extract this sample again later.
-            self.guard.trip(str(exc))
+            await self.guard.trip(str(exc))
             self._requeue(job.sample)
             return False
         try:

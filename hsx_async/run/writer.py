@@ -53,8 +53,9 @@ from hsx_async.dataset.durable import fsync_dir, write_error
 from hsx_async.dataset.layout import ALIGN, FileLayout
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DumpError, WriteError
-from hsx_async.run.dump import Dump, open_dump_dir, tmpfs_mounts
+from hsx_async.run.dump import Dump, open_dump_dir
 from hsx_async.run.failpoints import failpoint
+from hsx_async.run.mounts import tmpfs_mounts
 from hsx_async.run.source import Sample
 
 CHUNK = 8 << 20  # bytes per O_DIRECT write: large enough to keep the device streaming
