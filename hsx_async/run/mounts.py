@@ -34,11 +34,11 @@ def tmpfs_mounts() -> list[tuple[Path, list[str]]]:
     return [(m.point, list(m.options)) for m in read_mounts() if m.fstype == "tmpfs"]
 
 
-def fs_type(path: Path) -> str:
+def fs_type(path: Path, table: Path = Path("/proc/self/mounts")) -> str:
     """The file system type of the mount holding ``path`` ("unknown" when not found)."""
     real = str(path.resolve())
     best, kind = "", "unknown"
-    for mount in read_mounts():
+    for mount in read_mounts(table):
         point = str(mount.point)
         inside = real == point or real.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= len(best):
