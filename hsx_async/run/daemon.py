@@ -6,7 +6,7 @@ a private exception, filtered with ``except*``:
 - end of input: the feeder sends EOF, workers finish, writers empty their queue, the
   committer makes the last lines durable, then :class:`_Finished`.
 - SIGTERM/SIGINT: stop intake, let in-flight samples finish within
-  ``daemon.drain_timeout``, then the same path; past the deadline :class:`_DrainExpired`
+  ``daemon.drain_timeout``, then the same path; past the deadline :class:`DrainExpired`
   cancels the rest (their samples are redone on resume). A second signal raises
   :class:`ForcedExit` at once.
 - SIGHUP: re-read the config file and apply what may change live (see :mod:`config`).
@@ -29,7 +29,7 @@ import structlog
 from hsx_async.config import Config, load_config
 from hsx_async.dataset.manifest import AppendLog
 from hsx_async.dataset.provenance import shard_lock
-from hsx_async.errors import ForcedExit, HsxError
+from hsx_async.errors import HsxError
 from hsx_async.logs import configure_logging
 from hsx_async.run.client import ServerPool, SGLangClient
 from hsx_async.run.feed import Feeder
@@ -39,6 +39,7 @@ from hsx_async.run.notify import Notifier, watchdog_loop
 from hsx_async.run.observe import progress_line, progress_loop, serve_http
 from hsx_async.run.pool import Pipeline
 from hsx_async.run.reload import reload_config
+from hsx_async.run.signals import DrainExpired, Stopper
 from hsx_async.run.startup import open_logs, prepare_output, record_server, wait_for_server
 from hsx_async.run.status import RunStatus, StatusCollector, take_status
 
@@ -47,10 +48,6 @@ log = structlog.get_logger("hsx.daemon")
 
 class _Finished(Exception):
     """Every sample of the input is in the manifest or the quarantine."""
-
-
-class _DrainExpired(Exception):
-    """The drain deadline passed; what is still in flight is abandoned."""
 
 
 @dataclass(frozen=True)
@@ -90,11 +87,9 @@ class Daemon:
         self.notifier = notifier or Notifier.from_env()
         self.progress_stream = progress_stream
         self.guard = DiskGuard(config.output.dir, config.output.disk_reserve, free_fn=free_fn)
-        self.stop_requested = asyncio.Event()
-        self.force_requested = asyncio.Event()
+        self.stopper = Stopper(self.notifier, lambda: self.config.daemon.drain_timeout)
         self.reload_requested = asyncio.Event()
         self._reload_lock = asyncio.Lock()
-        self.signals_seen = 0
         self.feeder: Feeder | None = None
         self.settled = 0  # samples fed this run now in the manifest or the quarantine
         self.http_url: str | None = None
@@ -165,11 +160,11 @@ class Daemon:
         cfg = self.config
         try:
             async with asyncio.TaskGroup() as tg:
-                self._install_signals()
+                self.stopper.install(self.request_reload)
                 tg.create_task(feeder.run(pipeline), name="hsx-feeder")
                 pipeline.start(tg)
                 tg.create_task(self._finish(pipeline), name="hsx-finish")
-                tg.create_task(self._watch_signals(pipeline), name="hsx-signals")
+                tg.create_task(self.stopper.watch(pipeline), name="hsx-signals")
                 self._start_services(tg, client, feeder)
                 self.notifier.ready()
                 log.info(
@@ -181,7 +176,7 @@ class Daemon:
                 )
         except* _Finished:
             log.info("run_finished", **vars(self.metrics.totals))
-        except* _DrainExpired:
+        except* DrainExpired:
             log.warning(
                 "drain_deadline_passed",
                 deadline_s=self.config.daemon.drain_timeout,
@@ -191,7 +186,7 @@ class Daemon:
             raise _first(group) from None
         finally:
             self.settled = pipeline.settled
-            self._remove_signals()
+            self.stopper.remove()
 
     def _start_services(self, tg: asyncio.TaskGroup, client: SGLangClient, feeder: Feeder) -> None:
         """The long-lived helpers: none of them ends the run by returning."""
@@ -288,42 +283,13 @@ class Daemon:
 
     # -- signals ------------------------------------------------------------------------
 
-    def _install_signals(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_stop_signal, sig)
-        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
-
-    def _remove_signals(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
-
-    def _on_stop_signal(self, sig: signal.Signals) -> None:
-        self.signals_seen += 1
-        if self.signals_seen == 1:
-            log.warning(
-                "stop_requested", signal=sig.name, drain_timeout=self.config.daemon.drain_timeout
-            )
-            self.notifier.stopping()
-            self.stop_requested.set()
-        else:
-            log.error("forced_exit", signal=sig.name)
-            self.force_requested.set()
+    @property
+    def stop_requested(self) -> asyncio.Event:
+        return self.stopper.stop_requested
 
     def request_stop(self) -> None:
         """Programmatic SIGTERM (tests, embedding)."""
-        self._on_stop_signal(signal.SIGTERM)
-
-    async def _watch_signals(self, pipeline: Pipeline) -> None:
-        await self.stop_requested.wait()
-        pipeline.stop_intake()
-        try:
-            async with asyncio.timeout(self.config.daemon.drain_timeout):
-                await self.force_requested.wait()
-        except TimeoutError:
-            raise _DrainExpired from None
-        raise ForcedExit("second stop signal: exiting at once; run again to resume")
+        self.stopper.on_signal(signal.SIGTERM)
 
 
 def _first(group: BaseExceptionGroup[HsxError]) -> HsxError:
