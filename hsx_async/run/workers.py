@@ -157,11 +157,6 @@ class Workers:
         self.live_rids[handoff.ns].discard(handoff.job.dump.path.name)
         self._release(handoff.need)
 
-    def namespace(self, index: int) -> str:
-        prefix = self.config.dump.namespace_prefix
-        shard = self.config.shard
-        return f"{prefix}-s{shard.index}-w{index}" if shard.count > 1 else f"{prefix}-w{index}"
-
     async def to_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
@@ -187,7 +182,7 @@ class Workers:
         return bool(self.requeued) and not self.stopping
 
     async def _worker(self, index: int) -> None:
-        ns = self.namespace(index)
+        ns = namespace(self.config, index)
         ns_dir = await self.to_thread(prepare_namespace, self.config.dump.root, ns)
         self.namespaces.add(ns_dir)
         if self.dump_on_tmpfs is None:
@@ -299,6 +294,12 @@ class Workers:
         job = write_job(self.config, sample, dump, self.nonce)
         self.live_rids[ns].add(dump.path.name)
         await self._hand_off_fn(Handoff(job, ns, need))
+
+
+def namespace(config: Config, index: int) -> str:
+    """Worker ``index``'s dump namespace (shards of one job never share one)."""
+    prefix, shard = config.dump.namespace_prefix, config.shard
+    return f"{prefix}-s{shard.index}-w{index}" if shard.count > 1 else f"{prefix}-w{index}"
 
 
 def write_job(config: Config, sample: Sample, dump: Dump, nonce: str) -> WriteJob:
