@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+import tomli_w
 
 from hsx_async.protocol import row_bytes
 
@@ -458,24 +459,6 @@ def client_config(
     return raw
 
 
-def to_toml(raw: dict[str, dict[str, Any]]) -> str:
-    lines: list[str] = []
-    for name, keys in raw.items():
-        lines.append(f"[{name}]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in keys.items()]
-    return "\n".join(lines) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return orjson.dumps(value).decode()
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
-
-
 @dataclass
 class ClientRun:
     usage: Usage
@@ -500,7 +483,7 @@ def run_hsx(raw_config: dict[str, dict[str, Any]], work: Path, name: str) -> Cli
     one file per run): its figures then include py-spy's own cost, so use them for the
     profile only."""
     config = work / f"{name}.toml"
-    config.write_text(to_toml(raw_config))
+    config.write_text(tomli_w.dumps(raw_config))
     log = work / f"{name}.log"
     argv = [PYTHON, "-m", "hsx_async", "run", "--config", str(config)]
     if PROFILE["dir"] is not None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import tomli_w
 
 from hsx_async.dataset.layout import DATA_DIR
 from hsx_async.dataset.manifest import read_manifest
@@ -38,7 +39,6 @@ from hsx_async.server.fake.server import (
 from tests.e2e import (
     SampleSet,
     check_dataset,
-    config_toml,
     make_config,
     shm_leftovers,
     write_samples,
@@ -94,7 +94,7 @@ def client_config(
 
 
 def write_config(path: Path, raw: dict[str, dict[str, Any]]) -> Path:
-    path.write_text(config_toml(raw))
+    path.write_text(tomli_w.dumps(raw))
     return path
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+import tomli_w
 import torch
 import xxhash
 from safetensors.torch import load_file
@@ -101,7 +102,7 @@ def make_config(
 
 def write_config(tmp: Path, raw: dict[str, Any], name: str = "hsx.toml") -> Path:
     path = tmp / name
-    path.write_text(config_toml(raw))
+    path.write_text(tomli_w.dumps(raw))
     return path
 
 
@@ -139,26 +140,6 @@ def config_raw(
     for section, keys in overrides.items():
         raw.setdefault(section, {}).update(keys)
     return raw
-
-
-def config_toml(config_raw: dict[str, Any]) -> str:
-    """Minimal TOML writer for the flat two-level dicts used in tests."""
-    out = []
-    for section, keys in config_raw.items():
-        out.append(f"[{section}]")
-        for key, value in keys.items():
-            out.append(f"{key} = {_toml_value(value)}")
-    return "\n".join(out) + "\n"
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return orjson.dumps(value).decode()
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
 
 
 def check_dataset(

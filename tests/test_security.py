@@ -50,6 +50,7 @@ from hsx_async.server.fake.server import running_fake_server
 from hsx_async.server.hook_core import BatchHidden, HookConfig, PrefillDumper, ReqView
 from tests.crash_driver import AUX, H, fake_options
 from tests.e2e import make_config, shm_leftovers, write_samples
+from tests.run.test_writer import write_one
 
 RB = row_bytes(H, AUX)
 # Names a hostile client might send as hsx_ns or rid: every one must be refused.
@@ -321,7 +322,7 @@ def test_part_swapped_for_a_link_after_validation_is_not_copied(tmp_path: Path) 
     part.unlink()
     part.symlink_to(_secret_file(tmp_path / "secret", 4 * RB))
     with pytest.raises(DumpError):
-        _writer(tmp_path / "out").write(_job(dump))
+        write_one(_writer(tmp_path / "out"), _job(dump))
     assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
 
 
@@ -333,7 +334,7 @@ def test_rid_dir_swapped_for_a_link_after_validation_is_not_copied(tmp_path: Pat
     shutil.rmtree(dump.path)
     dump.path.symlink_to(elsewhere)
     with pytest.raises(DumpError):
-        _writer(tmp_path / "out").write(_job(dump))
+        write_one(_writer(tmp_path / "out"), _job(dump))
 
 
 def test_namespace_planted_as_a_link_is_replaced_not_followed(tmp_path: Path) -> None:
@@ -368,7 +369,7 @@ def test_output_temp_name_planted_as_a_link_is_not_followed(tmp_path: Path) -> N
     target.write_bytes(b"untouched")
     (final.parent / f".{final.name}.{job.tmp_tag}.tmp").symlink_to(target)
     with pytest.raises(HsxError):
-        _writer(out).write(job)
+        write_one(_writer(out), job)
     assert target.read_bytes() == b"untouched"
     assert not final.exists()
 
@@ -382,7 +383,7 @@ def test_output_final_name_planted_as_a_link_is_replaced(tmp_path: Path) -> None
     target = tmp_path / "target"
     target.write_bytes(b"untouched")
     final.symlink_to(target)
-    entry = _writer(out).write(job)
+    entry = write_one(_writer(out), job)
     assert target.read_bytes() == b"untouched"
     assert final.is_file() and not final.is_symlink()
     assert final.stat().st_size == entry.size
@@ -397,7 +398,7 @@ def test_output_bucket_planted_as_a_link_is_not_followed(tmp_path: Path) -> None
     bucket.parent.mkdir(parents=True)
     bucket.symlink_to(elsewhere)
     with pytest.raises(HsxError):
-        _writer(out).write(job)
+        write_one(_writer(out), job)
     assert _tree(elsewhere) == set()
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import xxhash
 
-from hsx_async.dataset.layout import canonical_id
+from hsx_async.dataset.layout import canonical_id, read_header
 from hsx_async.dataset.manifest import ManifestEntry, read_manifest
 from hsx_async.errors import DatasetError
 
@@ -548,8 +548,7 @@ def inspect_file(path: Path) -> str:
 
     header, stored = dataset.read_tensors(path, (dataset.INPUT_IDS,))
     ids = stored[dataset.INPUT_IDS]
-    with path.open("rb") as fh:
-        header_bytes = 8 + int.from_bytes(fh.read(8), "little")
+    header_bytes = read_header(path)[1]
     hidden_offset = header_bytes + 8 * header.num_tokens
     shown = " ".join(str(int(x)) for x in ids[:8]) + (" …" if header.num_tokens > 8 else "")
     t, layers, size = header.num_tokens, header.num_layers, header.hidden_size

@@ -1,13 +1,33 @@
-"""Small durable-write helpers: temp file → fsync → rename → fsync of the directory."""
+"""Small durable-write helpers: temp file → fsync → rename → fsync of the directory; the
+exclusive lock that keeps two writers out of one place."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import secrets
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from hsx_async.errors import DiskFullError, WriteError
+from hsx_async.errors import DatasetError, DiskFullError, WriteError
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path, busy: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if needed) for the block; another
+    holder makes it raise :class:`DatasetError` with ``busy``, at once. The kernel drops
+    the lock when the process dies, so a crash never leaves a stale one."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DatasetError(busy) from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:
@@ -19,19 +39,35 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: Path) -> None:
+    """Make a file's data durable (any descriptor of the inode will do)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(final: Path, write: Callable[[Path], object], *, tmp: Path | None = None) -> None:
+    """Make ``final`` appear whole or not at all: ``write(tmp)`` fills a temp file next to
+    it, then fsync, rename over ``final``, fsync of the directory. On any failure the
+    temp file goes and ``final`` is untouched. ``tmp`` names the temp file for callers
+    whose resume recognises their own (by default a unique hidden name)."""
+    tmp = tmp or final.with_name(f".{final.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        write(tmp)
+        fsync_file(tmp)
+        tmp.replace(final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(final.parent)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data``: readers see the old or the new file, never a mix."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        with tmp.open("wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    write_durably(path, lambda tmp: tmp.write_bytes(data))
 
 
 def write_error(exc: OSError, path: Path) -> WriteError:

@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import functools
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -53,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from hsx_async.dataset.durable import exclusive_lock, write_durably
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import AppendLog, ManifestEntry, read_log, read_manifest
 from hsx_async.errors import DatasetError
@@ -173,27 +172,10 @@ def _claim(dest: Path, fmt: str, group_size: int, out_dir: Path) -> None:
     _write_durably(path, lambda tmp: tmp.write_bytes(orjson.dumps(info) + b"\n"))
 
 
-def _fsync_path(path: Path, flags: int = os.O_RDONLY) -> None:
-    fd = os.open(path, flags | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_durably(final: Path, write: Callable[[Path], object]) -> int:
-    """``write(tmp)`` then fsync, rename over ``final``, fsync the directory; the size."""
+    """``write(tmp)`` made durable under ``final`` (:func:`write_durably`); the size."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(TMP_PREFIX + final.name)
-    try:
-        write(tmp)
-        _fsync_path(tmp)
-        tmp.replace(final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_path(final.parent, os.O_DIRECTORY)
+    write_durably(final, write, tmp=final.with_name(TMP_PREFIX + final.name))
     return final.stat().st_size
 
 
@@ -276,15 +258,8 @@ def _check_stale(done: dict[str, ExportRecord], ids: set[str], dest: Path) -> No
 @contextlib.contextmanager
 def _exclusive(dest: Path) -> Iterator[None]:
     """One export at a time per destination: two would race on indices and the log."""
-    fd = os.open(dest / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DatasetError(f"another hsx export is writing to {dest}; wait for it") from None
+    with exclusive_lock(dest / LOCK_NAME, f"another hsx export is writing to {dest}; wait for it"):
         yield
-    finally:
-        os.close(fd)
 
 
 def _check_args(out_dir: Path, dest: Path, fmt: str, file_group_size: int) -> None:

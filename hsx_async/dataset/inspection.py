@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import xxhash
 
 from hsx_async.dataset.durable import write_atomic
-from hsx_async.dataset.layout import DATA_DIR, FILE_SUFFIX, canonical_id
+from hsx_async.dataset.layout import DATA_DIR, FILE_SUFFIX, canonical_id, read_header
 from hsx_async.dataset.manifest import (
     MANIFEST,
     ManifestEntry,
+    hash_file,
     log_files,
     read_log,
     read_manifest,
@@ -33,9 +32,6 @@ from hsx_async.dataset.manifest import (
 )
 from hsx_async.dataset.provenance import read_provenance, shard_lock
 from hsx_async.errors import DatasetError
-
-_CHUNK = 8 << 20
-_HEADER_MAX = 100 << 20
 
 
 def human_bytes(n: float) -> str:
@@ -100,30 +96,6 @@ def dataset_status(out_dir: Path) -> Status:
 # -- verify --------------------------------------------------------------------------------
 
 
-def hash_file(path: Path) -> tuple[int, str]:
-    hasher = xxhash.xxh3_64()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    size = 0
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            hasher.update(view[:n])
-            size += n
-    return size, hasher.hexdigest()
-
-
-def _read_header(path: Path) -> dict[str, Any]:
-    with path.open("rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        if not 0 < n <= _HEADER_MAX:
-            raise ValueError(f"header length {n} is not plausible")
-        header = orjson.loads(fh.read(n))
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")  # noqa: TRY004 - a content error
-    return header
-
-
 def _check_header(header: dict[str, Any], entry: ManifestEntry) -> list[str]:
     t = entry.num_tokens
     problems = []
@@ -158,7 +130,7 @@ def verify_entry(out_dir: Path, entry: ManifestEntry) -> list[str]:
             return [f"{where}: {size} bytes, manifest says {entry.size}"]
         if digest != entry.xxh3_64:
             return [f"{where}: xxh3 {digest}, manifest says {entry.xxh3_64}"]
-        return [f"{where}: {p}" for p in _check_header(_read_header(path), entry)]
+        return [f"{where}: {p}" for p in _check_header(read_header(path)[0], entry)]
     except (OSError, ValueError) as exc:
         return [f"{where}: unreadable ({exc})"]
 

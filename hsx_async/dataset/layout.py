@@ -9,9 +9,12 @@ allows), which lets the writer copy dump parts with O_DIRECT:
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import orjson
 import xxhash
@@ -117,3 +120,25 @@ def build_layout(
         hidden_bytes=hidden_bytes,
         mask_bytes=mask_bytes,
     )
+
+
+# The safetensors library's own bound (MAX_HEADER_SIZE): a longer header no trainer loads.
+HEADER_MAX = 100_000_000
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header and where its data starts (8 + header length),
+    without torch. ValueError when the length is not plausible or the header is not a
+    JSON object; OSError when the file cannot be read (links are not followed)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb", buffering=0) as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if not 0 < n <= HEADER_MAX:
+            raise ValueError(f"header length {n} is not plausible")
+        body = fh.read(n)
+    if len(body) != n:
+        raise ValueError(f"header cut short: {len(body)} of {n} bytes")
+    header = orjson.loads(body)  # orjson.JSONDecodeError is a ValueError
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")  # noqa: TRY004 - a content error
+    return header, 8 + n

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import xxhash
 
 from hsx_async.dataset.layout import SampleId, canonical_id
 from hsx_async.errors import DatasetError
@@ -231,3 +232,21 @@ class AppendLog:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self._fd)
+
+
+_HASH_CHUNK = 8 << 20
+
+
+def hash_file(path: Path, *, follow_symlinks: bool = False) -> tuple[int, str]:
+    """Size and XXH3-64 (hex) of a whole file, as a manifest line records them; read in
+    chunks, so memory stays flat whatever the size. Links are refused unless asked for."""
+    hasher = xxhash.xxh3_64()
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    size = 0
+    flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    with os.fdopen(os.open(path, flags), "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            hasher.update(view[:n])
+            size += n
+    return size, hasher.hexdigest()

@@ -18,14 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsx_async.dataset.durable import fsync_dir
-from hsx_async.dataset.inspection import hash_file, human_bytes
+from hsx_async.dataset.durable import write_durably
+from hsx_async.dataset.inspection import human_bytes
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import (
     MANIFEST,
     QUARANTINE,
     AppendLog,
     ManifestEntry,
+    hash_file,
     log_name,
     read_manifest,
     read_quarantine,
@@ -63,19 +64,18 @@ def _check_provenance(sources: list[Path]) -> dict[str, Any] | None:
 def _place(src: Path, dest: Path) -> None:
     """Link or copy ``src`` to ``dest`` durably; ``dest`` appears only when complete."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.merge.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-            raise
-        with src.open("rb") as fin, tmp.open("wb") as fout:
-            shutil.copyfileobj(fin, fout, 8 << 20)
-            fout.flush()
-            os.fsync(fout.fileno())
-    tmp.replace(dest)
-    fsync_dir(dest.parent)
+
+    def fill(tmp: Path) -> None:
+        tmp.unlink(missing_ok=True)  # left by an interrupted merge
+        try:
+            os.link(src, tmp)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                raise
+            with src.open("rb") as fin, tmp.open("wb") as fout:
+                shutil.copyfileobj(fin, fout, 8 << 20)
+
+    write_durably(dest, fill, tmp=dest.with_name(f".{dest.name}.merge.tmp"))
 
 
 def merge(sources: list[Path], dest: Path) -> MergeResult:

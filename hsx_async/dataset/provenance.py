@@ -9,37 +9,27 @@ mean two different things — unless the operator passes ``--allow-provenance-ch
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
-import xxhash
 
 from hsx_async import __version__
 from hsx_async.config import Config, flatten_public
-from hsx_async.dataset.durable import write_atomic
+from hsx_async.dataset.durable import exclusive_lock, write_atomic
+from hsx_async.dataset.manifest import hash_file
 from hsx_async.errors import DatasetError
 from hsx_async.protocol import PROTOCOL_VERSION
 
 PROVENANCE = "provenance.json"
-_CHUNK = 8 << 20
 
 
 def fingerprint(path: Path) -> dict[str, Any]:
     """Size and XXH3-64 of the whole input file (blocking; ~0.1 s/GB from page cache)."""
-    hasher = xxhash.xxh3_64()
-    size = 0
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with path.open("rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            hasher.update(view[:n])
-            size += n
-    return {"path": str(path), "bytes": size, "xxh3_64": hasher.hexdigest()}
+    size, digest = hash_file(path, follow_symlinks=True)
+    return {"path": str(path), "bytes": size, "xxh3_64": digest}
 
 
 def _json_safe(value: Any) -> Any:
@@ -157,16 +147,9 @@ def record_input_count(out_dir: Path, samples: int) -> None:
 def shard_lock(out_dir: Path, shard_index: int) -> Iterator[None]:
     """An exclusive lock per (output dir, shard): two runs appending to one manifest
     would interleave lines and delete each other's files as orphans."""
-    path = out_dir / f".hsx-shard-{shard_index}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DatasetError(
-                f"another hsx process is writing shard {shard_index} of {out_dir}; stop it "
-                "first, or give this run another output.dir or [shard].index"
-            ) from None
+    with exclusive_lock(
+        out_dir / f".hsx-shard-{shard_index}.lock",
+        f"another hsx process is writing shard {shard_index} of {out_dir}; stop it "
+        "first, or give this run another output.dir or [shard].index",
+    ):
         yield
-    finally:
-        os.close(fd)

@@ -24,7 +24,7 @@ import orjson
 import structlog
 import yarl
 
-from hsx_async.config import redact_url
+from hsx_async.config import ServerConfig, redact_url
 from hsx_async.errors import NoServerError, RequestError
 from hsx_async.protocol import check_response, generate_body
 
@@ -136,6 +136,13 @@ class ServerPool:
             server.healthy, server.soft_failures, server.down_since = True, 0, None
             log.info("server_back_in_rotation", server=server.display, down_s=round(down, 1))
             await self._notify()
+
+    async def apply(self, config: ServerConfig) -> None:
+        """A reloaded ``[server]`` section: intervals at once, URLs added or retired."""
+        self.health_interval = config.health_interval
+        self.unreachable_timeout = config.unreachable_timeout
+        if [s.url for s in self.servers if not s.retired] != [u.rstrip("/") for u in config.urls]:
+            await self.set_urls(config.urls)
 
     async def set_urls(self, urls: Sequence[str]) -> None:
         """Live reload: add new servers, retire removed ones (in-flight calls finish)."""

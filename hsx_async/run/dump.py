@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import errno
 import os
-import re
 import shutil
 import stat
 from collections.abc import Iterable
@@ -30,6 +29,7 @@ from hsx_async.protocol import (
     parse_part_name,
     part_name,
 )
+from hsx_async.run.mounts import tmpfs_mounts
 
 _META_MAX = 1 << 20
 _POLL_FIRST = 0.001
@@ -132,20 +132,6 @@ def has_debris(ns_dir: Path, keep: Iterable[str]) -> bool:
         os.close(fd)
 
 
-def tmpfs_mounts() -> list[tuple[Path, list[str]]]:
-    """Mount point and options of every tmpfs this process sees."""
-    try:
-        mounts = Path("/proc/self/mounts").read_text()
-    except OSError:
-        return []
-    found = []
-    for line in mounts.splitlines():
-        fields = line.split()
-        if len(fields) >= 4 and fields[2] == "tmpfs":
-            found.append((Path(_unescape_mount(fields[1])), fields[3].split(",")))
-    return found
-
-
 def on_tmpfs(path: Path) -> bool:
     """Whether ``path`` lies on a tmpfs: its metadata calls never wait for a device."""
     try:
@@ -157,11 +143,6 @@ def on_tmpfs(path: Path) -> bool:
             if mount.stat().st_dev == dev:
                 return True
     return False
-
-
-def _unescape_mount(path: str) -> str:
-    """/proc/self/mounts writes a space as \\040 (and so on, in octal)."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
 
 
 def _open_nofollow(path: Path | str, flags: int, dir_fd: int | None = None) -> int:

@@ -37,6 +37,8 @@ class DiskGuard:
         self.open = asyncio.Event()
         self.open.set()
         self.free = -1
+        # Called with True (resumed) or False (paused) at each change: the daemon puts it
+        # in systemd's status line; code embedding a Daemon may listen too.
         self.on_change: list[Callable[[bool], None]] = []
 
     @property
@@ -48,9 +50,14 @@ class DiskGuard:
             return
         if open_:
             self.open.set()
-            log.warning("intake_resumed", free=self.free, reserve=self.reserve, **why)
         else:
             self.open.clear()
+        self._announce(open_, **why)
+
+    def _announce(self, open_: bool, **why: object) -> None:
+        if open_:
+            log.warning("intake_resumed", free=self.free, reserve=self.reserve, **why)
+        else:
             log.error(
                 "intake_paused_disk_low",
                 free=self.free,
@@ -72,10 +79,15 @@ class DiskGuard:
             self._set(True)
         return self.open.is_set()
 
-    def trip(self, reason: str) -> None:
-        """Close intake now (ENOSPC seen); :meth:`run` reopens it when space returns."""
-        self.free = self.free_fn(self.path)
-        self._set(False, reason=reason)
+    async def trip(self, reason: str) -> None:
+        """Close intake now (ENOSPC seen); :meth:`run` reopens it when space returns.
+        Intake closes before the free space is measured, in a thread (statvfs can block
+        on a busy disk), so no sample starts meanwhile."""
+        was_open = self.open.is_set()
+        self.open.clear()
+        self.free = await asyncio.to_thread(self.free_fn, self.path)
+        if was_open:
+            self._announce(False, reason=reason)
 
     async def run(self) -> None:
         while True:

@@ -1,4 +1,6 @@
-"""Run metrics: Prometheus series on a private registry, plus the figures ``/status`` shows.
+"""Run metrics: Prometheus counters and histograms on a private registry, plus the totals
+``/status`` shows. The gauges are read from the run's state at each scrape
+(:mod:`hsx_async.run.status`).
 
 One :class:`Metrics` per run; labels stay low-cardinality (server URL, outcome, fault
 kind), never per sample.
@@ -10,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -33,7 +35,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.totals = Totals()
-        # Called after each sample is durable (tests and the progress reporter listen).
+        # Listeners called (on the event loop) right after each sample is durable: the
+        # hook for code embedding a Daemon to react to progress without polling.
         self.on_sample_done: list[Callable[[Totals], None]] = []
         r = self.registry
         self.samples = Counter(
@@ -44,24 +47,6 @@ class Metrics:
         )
         self.tokens = Counter("hsx_tokens", "Tokens written to the dataset", registry=r)
         self.bytes = Counter("hsx_bytes_written", "Dataset bytes written", registry=r)
-        self.in_flight = Gauge(
-            "hsx_in_flight", "Samples between send and durable write", registry=r
-        )
-        self.shm_used = Gauge("hsx_shm_budget_used_bytes", "/dev/shm bytes reserved", registry=r)
-        self.shm_capacity = Gauge("hsx_shm_budget_bytes", "/dev/shm byte budget", registry=r)
-        self.writer_queue = Gauge(
-            "hsx_writer_queue_depth", "Dumps waiting for the writer", registry=r
-        )
-        self.workers = Gauge("hsx_workers", "Worker tasks running", registry=r)
-        self.server_up = Gauge(
-            "hsx_server_up", "1 if the server is in rotation", ["server"], registry=r
-        )
-        self.free_disk = Gauge("hsx_output_free_bytes", "Free bytes on the output disk", registry=r)
-        self.paused = Gauge(
-            "hsx_intake_paused", "1 while intake is paused (disk guard)", registry=r
-        )
-        self.remaining = Gauge("hsx_samples_remaining", "Samples not yet done", registry=r)
-        self.eta = Gauge("hsx_eta_seconds", "Estimated seconds to finish", registry=r)
         self.request_latency = Histogram(
             "hsx_request_seconds",
             "/generate + dump wait, per attempt",

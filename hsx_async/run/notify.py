@@ -202,21 +202,28 @@ def _status_line(status_fn: Callable[[], str]) -> str | None:
 
 async def watchdog_loop(
     notifier: Notifier,
-    interval: float,
+    interval: float | Callable[[], float],
     status_fn: Callable[[], str],
     *,
     sleep: Sleep = asyncio.sleep,
 ) -> None:
     """Send ``WATCHDOG=1`` (when the unit has a watchdog) and ``STATUS=<status_fn()>``
-    every ``interval`` seconds, forever.
+    every ``interval`` seconds, forever (a callable is asked before each sleep, so a
+    reload can change it).
 
     Meant to run in the daemon's TaskGroup until cancelled. It runs on the event loop on
     purpose: if the loop stalls, the pings stop and systemd's watchdog restarts a hung
     daemon. Returns at once when systemd is not listening. ``sleep`` is injectable so
     tests can drive iterations without waiting.
     """
-    if interval <= 0:
-        raise ValueError(f"watchdog_loop interval must be positive, got {interval}")
+
+    def seconds() -> float:
+        value = interval() if callable(interval) else interval
+        if value <= 0:
+            raise ValueError(f"watchdog_loop interval must be positive, got {value}")
+        return value
+
+    seconds()  # a bad interval fails at once, even with no systemd listening
     if not notifier.enabled:
         return
     pings = notifier.watchdog_interval is not None
@@ -226,4 +233,4 @@ async def watchdog_loop(
         line = _status_line(status_fn)
         if line is not None:
             notifier.status(line)
-        await sleep(interval)
+        await sleep(seconds())

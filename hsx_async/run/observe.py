@@ -26,8 +26,7 @@ StatusFn = Callable[[], dict[str, Any]]
 
 def build_app(registry: CollectorRegistry, status_fn: StatusFn) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
-        status_fn()  # refreshes the gauges from the live state
-        body = generate_latest(registry)
+        body = generate_latest(registry)  # the gauges read the live state as they are collected
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def status(_: web.Request) -> web.Response:
@@ -85,14 +84,15 @@ def progress_line(s: dict[str, Any]) -> str:
 
 
 async def progress_loop(
-    status_fn: StatusFn, interval: float, *, stream: TextIO | None = None
+    status_fn: StatusFn, interval: float | Callable[[], float], *, stream: TextIO | None = None
 ) -> None:
-    """Redraw a progress bar on a TTY (every second), or log a line per ``interval``."""
+    """Redraw a progress bar on a TTY (every second), or log a line per ``interval``
+    (a callable is asked before each line, so the interval can change while it runs)."""
     out = stream or sys.stderr
     tty = out.isatty()
     try:
         while True:
-            await asyncio.sleep(1.0 if tty else interval)
+            await asyncio.sleep(1.0 if tty else interval() if callable(interval) else interval)
             snap = status_fn()
             if tty:
                 out.write("\r\x1b[2K" + progress_line(snap))

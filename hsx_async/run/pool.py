@@ -1,4 +1,4 @@
-"""The worker pool: N workers keep requests in flight; writers make dumps durable.
+"""The pipeline of one run: the worker half and the writer/commit half, wired together.
 
 Flow of one sample::
 
@@ -7,180 +7,31 @@ Flow of one sample::
         fsync a temp file ─► committer (a batch at a time): rename, fsync of the
         directories, manifest lines, fsync ─► delete dump ─► release bytes
 
-A failed attempt deletes its dump, backs off and retries with a new rid; after the last
-attempt the sample goes to quarantine with the reason. A sample reaches the manifest only
-after its file is durable, and leaves /dev/shm only after its manifest line is.
+:mod:`hsx_async.run.workers` holds the first half (up to the writer queue),
+:mod:`hsx_async.run.commit` the second. A failed attempt deletes its dump, backs off and
+retries with a new rid; after the last attempt the sample goes to quarantine with the
+reason. A sample reaches the manifest only after its file is durable, and leaves /dev/shm
+only after its manifest line is.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import secrets
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import structlog
-
 from hsx_async.config import Config
-from hsx_async.dataset.durable import write_error
-from hsx_async.dataset.layout import build_layout, data_relpath, sample_key
-from hsx_async.dataset.manifest import AppendLog, QuarantineEntry
-from hsx_async.errors import DiskFullError, DumpError, RequestError, WriteError
-from hsx_async.run.budget import ByteBudget
-from hsx_async.run.client import ServerPool, SGLangClient
-from hsx_async.run.dump import (
-    Dump,
-    has_debris,
-    on_tmpfs,
-    prepare_namespace,
-    read_dump,
-    remove_tree,
-    sweep_namespace,
-    validate_dump,
-)
-from hsx_async.run.dump import wait_for_meta as _wait_for_meta
-from hsx_async.run.failpoints import failpoint
+from hsx_async.dataset.manifest import AppendLog
+from hsx_async.run.client import SGLangClient
+from hsx_async.run.commit import WRITER_TASKS_PER_THREAD, Committer, Writers, delete_dump
+from hsx_async.run.dump import remove_tree
 from hsx_async.run.guard import DiskGuard
 from hsx_async.run.metrics import Metrics
-from hsx_async.run.retry import RetryPolicy
 from hsx_async.run.source import BadLine, Sample
-from hsx_async.run.writer import FileWriter, Staged, WriteJob
+from hsx_async.run.workers import EOF, Handoff, Workers
 
-log = structlog.get_logger("hsx.pool")
-
-# A tiny sample waits for its group commit several times as long as its copy took, so a
-# copy thread needs several writer tasks to stay busy (tiny samples, bench/overhead.py:
-# 4 tasks a thread 310 requests/s, 8: 342, 16: 368); large ones queue on the copy threads
-# whatever the count, within the /dev/shm budget.
-WRITER_TASKS_PER_THREAD = 8
-
-
-class _Eof:
-    """End marker: a consumer that takes it puts it back for the next one."""
-
-
-EOF = _Eof()
-
-
-@dataclass(frozen=True, slots=True)
-class _Handoff:
-    """A validated dump on its way to the writer, with what the worker reserved for it."""
-
-    job: WriteJob
-    ns: str
-    need: int
-
-
-@dataclass(slots=True)
-class _Line:
-    log_file: AppendLog
-    line: bytes
-    done: asyncio.Future[None]
-    staged: Staged | None = None  # a sample file to name before its manifest line
-    dump: Path | None = None  # ... and its dump, deleted once the line is durable
-
-
-@dataclass
-class Committer:
-    """Group commit: every sample file and log line that arrived while the previous batch
-    was syncing is made durable together, so the cost per sample falls as load rises.
-
-    A batch: rename the staged files into place, one fsync per directory they touched,
-    then one write + fsync per log file, then delete the samples' dumps. A manifest line
-    is never durable before its file and name are (PROTOCOL §4); a crash in between leaves
-    a named file without a line, which a resume deletes; a dump goes only after its line.
-    """
-
-    manifest: AppendLog
-    quarantine: AppendLog
-    executor: ThreadPoolExecutor
-    publish: Callable[[list[Staged]], None]
-    fsync: bool = True
-    _pending: list[_Line] = field(default_factory=list)
-    _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    _closed: bool = False
-    _failed: BaseException | None = None
-
-    async def commit(self, log_file: AppendLog, line: bytes) -> None:
-        await self._submit(_Line(log_file, line, self._future()))
-
-    async def commit_sample(self, staged: Staged, dump: Path) -> None:
-        """Name the staged file and list it in the manifest, durably; then delete its dump."""
-        line = _Line(self.manifest, staged.entry.to_line(), self._future(), staged, dump)
-        await self._submit(line)
-
-    def _future(self) -> asyncio.Future[None]:
-        if self._failed is not None:
-            raise WriteError(f"not committed: an earlier commit failed ({self._failed})")
-        if self._closed:
-            raise RuntimeError("committer is closed")
-        return asyncio.get_running_loop().create_future()
-
-    async def _submit(self, item: _Line) -> None:
-        self._pending.append(item)
-        self._wake.set()
-        await item.done
-
-    def close(self) -> None:
-        self._closed = True
-        self._wake.set()
-
-    @property
-    def failed(self) -> bool:
-        return self._failed is not None
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            batch, self._pending = self._pending, []
-            if batch:
-                try:
-                    await loop.run_in_executor(self.executor, self._flush, batch)
-                except BaseException as exc:
-                    self._failed = exc
-                    # Nothing after a failed commit is committed. (A new list: the thread
-                    # may still be running its flush of `batch`.)
-                    failed, self._pending = [*batch, *self._pending], []
-                    for item in failed:
-                        if not item.done.done():
-                            item.done.set_exception(
-                                exc
-                                if isinstance(exc, Exception)
-                                else RuntimeError("commit cancelled")
-                            )
-                    raise
-                for item in batch:
-                    if not item.done.done():
-                        item.done.set_result(None)
-            elif self._closed:
-                return
-
-    def _flush(self, batch: list[_Line]) -> None:
-        staged = [item.staged for item in batch if item.staged is not None]
-        if staged:
-            self.publish(staged)  # raises WriteError: the run stops, resume cleans up
-        failpoint("commit.before_append")
-        for log_file in (self.manifest, self.quarantine):
-            lines = [item.line for item in batch if item.log_file is log_file]
-            if lines:
-                try:
-                    log_file.append(lines, sync=self.fsync)
-                except OSError as exc:
-                    # A failed append or fsync is not retried: after a failed fsync the
-                    # kernel may have dropped the pages. Stop; resume repairs the tail.
-                    raise write_error(exc, log_file.path) from exc
-        failpoint("commit.after_append")
-        for item in batch:
-            if item.dump is not None:
-                delete_dump(item.dump)
+__all__ = ["EOF", "WRITER_TASKS_PER_THREAD", "Committer", "Pipeline", "delete_dump"]
 
 
 class Pipeline:
@@ -196,331 +47,92 @@ class Pipeline:
         quarantine: AppendLog,
         guard: DiskGuard,
     ) -> None:
-        self.config = config
-        self.guard = guard
-        self.client = client
-        self.servers: ServerPool = client.pool
-        self.metrics = metrics
-        self.nonce = secrets.token_hex(6)  # rids stay unique across restarts
-        self.budget = ByteBudget(config.dump.shm_budget)
-        self.intake: asyncio.Queue[Sample | _Eof] = asyncio.Queue(
-            maxsize=2 * config.workers.concurrency
-        )
-        self.requeued: collections.deque[Sample] = collections.deque()
-        self.write_queue: asyncio.Queue[_Handoff | _Eof] = asyncio.Queue(
-            maxsize=config.writer.queue_depth
-        )
         # Small blocking calls (sweeps, validation, deletes, commits) never wait behind
         # the copies: those have their own threads, writer.threads of them.
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="hsx-io")
-        self.copy_executor = ThreadPoolExecutor(
-            config.writer.threads, thread_name_prefix="hsx-copy"
+        self.workers = Workers(
+            config,
+            client=client,
+            metrics=metrics,
+            guard=guard,
+            executor=self.executor,
+            hand_off=self._submit,
+            quarantine=self._quarantine,
+            nonce=secrets.token_hex(6),  # rids stay unique across restarts
         )
-        self.file_writer = FileWriter(
-            config.output.dir,
-            method=config.writer.method,
-            fsync=config.writer.fsync,
-            row_bytes=config.model.row_bytes,
+        self.writers = Writers(
+            config,
+            metrics=metrics,
+            manifest=manifest,
+            quarantine=quarantine,
+            guard=guard,
+            executor=self.executor,
+            requeue=self.workers.requeue,
+            release=self.workers.release,
         )
-        self.committer = Committer(
-            manifest, quarantine, self.executor, self.file_writer.publish, config.writer.fsync
-        )
-        # Writer tasks: more than copy threads, so that a sample waiting for its group
-        # commit and delete does not hold a copy thread idle.
-        self.writer_tasks = WRITER_TASKS_PER_THREAD * config.writer.threads
-        self.retry = RetryPolicy(
-            config.workers.max_attempts, config.workers.backoff_base, config.workers.backoff_max
-        )
-        self.target_workers = config.workers.concurrency
-        self.stopping = False
-        self.live_rids: dict[str, set[str]] = collections.defaultdict(set)  # ns → rids
-        self.workers_running = 0
-        self.workers_done = asyncio.Event()
-        self.namespaces: set[Path] = set()  # removed when the run ends
-        # Dumps on a tmpfs are looked at on the event loop, elsewhere from a thread.
-        self.dump_on_tmpfs: bool | None = None  # known once the first namespace exists
-        self._next_worker = 0
-        self.in_flight = 0
-        self._changed = asyncio.Event()
-        self.settled = 0  # samples taken from the intake that reached manifest or quarantine
 
-    # -- helpers ------------------------------------------------------------------------
+    async def _submit(self, handoff: Handoff) -> None:
+        await self.writers.submit(handoff)
 
-    async def to_thread(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def _quarantine(self, line: int, sample_id: Any, reason: str) -> None:
+        await self.writers.quarantine(line, sample_id, reason)
+
+    def start(self, tg: asyncio.TaskGroup) -> None:
+        """Every task of the pipeline, in the run's task group."""
+        self.workers.start(tg)
+        self.writer_tasks = [
+            tg.create_task(self.writers.writer(), name=f"hsx-writer-{i}")
+            for i in range(self.writers.tasks)
+        ]
+        self.committer_task = tg.create_task(self.writers.committer.run(), name="hsx-committer")
+
+    async def drained(self) -> None:
+        """Return once every sample taken from the intake is settled or abandoned: the
+        workers are done, the writers emptied their queue, the last lines are durable."""
+        await self.workers.workers_done.wait()
+        await self.writers.finish_input()
+        for task in self.writer_tasks:
+            await task
+        self.writers.committer.close()
+        await self.committer_task
+
+    async def put(self, sample: Sample) -> None:
+        """Feed one sample (waits while the intake is full)."""
+        await self.workers.intake.put(sample)
+
+    async def end_input(self) -> None:
+        await self.workers.intake.put(EOF)
+
+    def stop_intake(self) -> None:
+        self.workers.stop_intake()
+
+    @property
+    def stopping(self) -> bool:
+        return self.workers.stopping
+
+    @property
+    def in_flight(self) -> int:
+        return self.workers.in_flight
+
+    def apply(self, config: Config) -> None:
+        """A reloaded config, for both halves."""
+        self.workers.apply(config)
+        self.writers.apply(config)
+
+    async def quarantine_bad_line(self, bad: BadLine) -> None:
+        await self.writers.quarantine(bad.line, bad.id, bad.reason)
+
+    @property
+    def settled(self) -> int:
+        """Samples taken from the intake that reached the manifest or the quarantine."""
+        return self.workers.settled + self.writers.settled
 
     def close(self) -> None:
         """At the end of the run (blocking): queued calls are dropped, running ones
         finish; temp files staged but never committed (a failed or cut-short run) are
         deleted, and nothing is left in /dev/shm."""
-        for executor in (self.copy_executor, self.executor):
-            executor.shutdown(wait=True, cancel_futures=True)
-        self.file_writer.discard_temps()
-        for ns_dir in self.namespaces:
+        self.writers.close()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.writers.discard_temps()
+        for ns_dir in self.workers.namespaces:
             remove_tree(ns_dir)
-
-    def namespace(self, index: int) -> str:
-        prefix = self.config.dump.namespace_prefix
-        shard = self.config.shard
-        return f"{prefix}-s{shard.index}-w{index}" if shard.count > 1 else f"{prefix}-w{index}"
-
-    async def quarantine(self, line: int, sample_id: Any, reason: str) -> None:
-        entry = QuarantineEntry(sample_id, line, reason)
-        await asyncio.shield(self.committer.commit(self.committer.quarantine, entry.to_line()))
-        self.metrics.sample_quarantined()
-        log.warning("sample_quarantined", id=sample_id, line=line, reason=reason)
-
-    async def quarantine_bad_line(self, bad: BadLine) -> None:
-        await self.quarantine(bad.line, bad.id, bad.reason)
-
-    # -- workers ------------------------------------------------------------------------
-
-    def spawn_worker(self, tg: asyncio.TaskGroup) -> None:
-        index = self._next_worker
-        self._next_worker += 1
-        self.workers_running += 1
-        self.metrics.workers.set(self.workers_running)
-        tg.create_task(self._worker(index), name=f"hsx-worker-{index}")
-
-    async def _next_sample(self) -> Sample | _Eof:
-        if self.requeued:
-            return self.requeued.popleft()
-        return await self.intake.get()
-
-    async def _requeue_after_eof(self) -> bool:
-        """At the end of input, wait while samples are still in flight: the writer may
-        hand one back (ENOSPC, a dump changed before its copy). True: one is waiting."""
-        while not (self.requeued or self.in_flight == 0 or self.stopping):
-            self._changed.clear()  # no await between the check and the clear: no lost wake
-            await self._changed.wait()
-        return bool(self.requeued) and not self.stopping
-
-    def wake_workers(self) -> None:
-        """Something a worker at the end of input waits for changed."""
-        self._changed.set()
-
-    def resize(self, target: int, tg: asyncio.TaskGroup) -> None:
-        """Live resize: spawn workers, or let the surplus retire after their sample."""
-        self.target_workers = target
-        while self.workers_running < target:
-            self.spawn_worker(tg)
-
-    async def _worker(self, index: int) -> None:
-        ns = self.namespace(index)
-        ns_dir = await self.to_thread(prepare_namespace, self.config.dump.root, ns)
-        self.namespaces.add(ns_dir)
-        if self.dump_on_tmpfs is None:
-            self.dump_on_tmpfs = await self.to_thread(on_tmpfs, ns_dir)
-        try:
-            # The check and the decrement in `finally` run without an await between
-            # them, so exactly the surplus retires after a shrink.
-            while self.workers_running <= self.target_workers:
-                await self.guard.open.wait()  # the disk guard pauses intake here
-                item = await self._next_sample()
-                if isinstance(item, _Eof):
-                    self.intake.put_nowait(item)  # let the next worker see it too
-                    if await self._requeue_after_eof():
-                        continue
-                    break
-                if self.stopping:
-                    continue  # stop intake: skip queued samples, a resume redoes them
-                await self._process(item, ns, ns_dir)
-        finally:
-            self.workers_running -= 1
-            self.metrics.workers.set(self.workers_running)
-            if self.workers_running == 0:
-                self.workers_done.set()
-            log.debug("worker_exit", worker=index, ns=ns)
-
-    async def _process(self, sample: Sample, ns: str, ns_dir: Path) -> None:
-        need = sample.num_tokens * self.config.model.row_bytes
-        await self.budget.acquire(need)
-        self.metrics.shm_used.set(self.budget.used)
-        self.in_flight += 1
-        self.metrics.in_flight.set(self.in_flight)
-        handed_off = False
-        try:
-            dump = await self._extract(sample, ns, ns_dir)
-            if dump is not None:
-                await self._hand_off(sample, dump, ns, need)
-                handed_off = True
-        finally:
-            if not handed_off:
-                self._release(need)
-
-    def _release(self, need: int) -> None:
-        self.budget.release(need)
-        self.metrics.shm_used.set(self.budget.used)
-        self.in_flight -= 1
-        self.metrics.in_flight.set(self.in_flight)
-        self.wake_workers()
-
-    async def _extract(self, sample: Sample, ns: str, ns_dir: Path) -> Dump | None:
-        """Attempts until one yields a valid dump; None once the sample is quarantined."""
-        attempt = 0
-        while True:
-            attempt += 1
-            rid = f"{self.nonce}-{sample.line}-{attempt}"
-            started = time.monotonic()
-            try:
-                dump = await self._attempt(sample, rid, ns, ns_dir)
-            except (RequestError, DumpError) as exc:
-                # The failed dump goes, and any debris with it (late writes of abandoned
-                # attempts): everything but the dumps the writers hold.
-                await self.to_thread(sweep_namespace, ns_dir, set(self.live_rids[ns]))
-                kind = "request" if isinstance(exc, RequestError) else "dump"
-                self.metrics.attempt_failed(kind)
-                log.info("attempt_failed", id=sample.id, rid=rid, attempt=attempt, error=str(exc))
-                if self.retry.exhausted(attempt):
-                    reason = f"{attempt} attempts failed; last: {exc}"
-                    await self.quarantine(sample.line, sample.id, reason)
-                    self.settled += 1
-                    return None
-                if attempt == 1:
-                    self.metrics.totals.samples_retried += 1
-                await asyncio.sleep(self.retry.delay(attempt))
-                continue
-            self.metrics.request_latency.observe(time.monotonic() - started)
-            return dump
-
-    async def _attempt(self, sample: Sample, rid: str, ns: str, ns_dir: Path) -> Dump:
-        cfg = self.config
-        async with self.servers.lease() as server:
-            try:
-                await self.client.generate(
-                    server,
-                    rid=rid,
-                    ns=ns,
-                    input_ids=sample.input_ids,
-                    timeout=cfg.server.request_timeout,
-                )
-            except RequestError as exc:
-                await self.servers.failed(server, exc)
-                raise
-            self.servers.succeeded(server)
-        rid_dir = ns_dir / rid
-        keep = {*self.live_rids[ns], rid}
-
-        def validate(meta: bytes, sizes: dict[tuple[int, int], int] | None) -> Dump:
-            return validate_dump(
-                rid_dir,
-                meta,
-                rid=rid,
-                num_tokens=sample.num_tokens,
-                hidden_size=cfg.model.hidden_size,
-                aux_layers=cfg.model.aux_layers,
-                row_bytes=cfg.model.row_bytes,
-                sizes=sizes,
-            )
-
-        def look() -> Dump | None:
-            found = read_dump(rid_dir)
-            return None if found is None else validate(*found)
-
-        # The hook commits before it responds, so the first look nearly always finds
-        # meta.json; the poll (on the event loop, backing off) is for late commits.
-        dump: Dump | None
-        if self.dump_on_tmpfs:
-            # No call here waits for a device: on the loop they cost less than a thread
-            # hop (a wake-up and a GIL hand-over each way). Debris, rare, goes in a thread.
-            dump = look()
-            if dump is None:
-                dump = validate(await _wait_for_meta(rid_dir, cfg.dump.timeout), None)
-            if has_debris(ns_dir, keep):
-                await self.to_thread(sweep_namespace, ns_dir, keep)
-            return dump
-
-        def look_and_sweep(meta: bytes | None) -> Dump | None:
-            dump = look() if meta is None else validate(meta, None)
-            if dump is not None:
-                sweep_namespace(ns_dir, keep)  # debris since the last look: same thread hop
-            return dump
-
-        dump = await self.to_thread(look_and_sweep, None)
-        if dump is None:
-            meta = await _wait_for_meta(rid_dir, cfg.dump.timeout)
-            dump = await self.to_thread(look_and_sweep, meta)
-        assert dump is not None
-        return dump
-
-    async def _hand_off(self, sample: Sample, dump: Dump, ns: str, need: int) -> None:
-        layout = build_layout(
-            sample_id=sample.id,
-            num_tokens=sample.num_tokens,
-            hidden_size=self.config.model.hidden_size,
-            aux_layers=self.config.model.aux_layers,
-            has_loss_mask=sample.loss_mask is not None,
-        )
-        job = WriteJob(
-            sample,
-            dump,
-            layout,
-            data_relpath(sample_key(sample.id)),
-            f"s{self.config.shard.index}-{self.nonce}",
-        )
-        self.live_rids[ns].add(dump.path.name)
-        await self.write_queue.put(_Handoff(job, ns, need))
-        self.metrics.writer_queue.set(self.write_queue.qsize())
-
-    # -- writers ------------------------------------------------------------------------
-
-    async def close_writers(self) -> None:
-        """After the last worker: let the writers finish the queue and stop."""
-        await self.workers_done.wait()
-        await self.write_queue.put(EOF)
-
-    async def writer(self) -> None:
-        while True:
-            item = await self.write_queue.get()
-            self.metrics.writer_queue.set(self.write_queue.qsize())
-            if isinstance(item, _Eof):
-                self.write_queue.put_nowait(item)
-                return
-            deleted = False
-            try:
-                deleted = await asyncio.shield(self._finish(item.job))
-            finally:
-                if not deleted:
-                    await self.to_thread(delete_dump, item.job.dump.path)
-                self.live_rids[item.ns].discard(item.job.dump.path.name)
-                self._release(item.need)
-
-    async def _finish(self, job: WriteJob) -> bool:
-        """Write, then commit the manifest line: shielded so a drain never cuts it in half.
-        True once committed (the commit deleted the dump too)."""
-        started = time.monotonic()
-        loop = asyncio.get_running_loop()
-        try:
-            staged = await loop.run_in_executor(self.copy_executor, self.file_writer.stage, job)
-        except DumpError as exc:
-            log.warning("dump_changed_before_copy", id=job.sample.id, error=str(exc))
-            self.requeued.append(job.sample)  # a fresh attempt; nothing was written
-            self.wake_workers()
-            return False
-        except DiskFullError as exc:
-            # The temp file is gone; pause intake and extract this sample again later.
-            self.guard.trip(str(exc))
-            self.requeued.append(job.sample)
-            self.wake_workers()
-            return False
-        try:
-            await self.committer.commit_sample(staged, job.dump.path)
-        except Exception:
-            self.file_writer.forget(staged)  # the temp file, if it was not renamed yet
-            if self.committer.failed:
-                return False  # the committer's task reports the error; a resume redoes this
-            raise
-        entry = staged.entry
-        self.settled += 1
-        self.metrics.write_latency.observe(time.monotonic() - started)
-        self.metrics.sample_done(entry.num_tokens, entry.size)
-        log.debug("sample_done", id=entry.id, tokens=entry.num_tokens, bytes=entry.size)
-        return True
-
-
-def delete_dump(path: Path) -> None:
-    """Free a dump's /dev/shm bytes. Never fails a run: what it leaves, the namespace
-    sweep or the end of the run removes."""
-    failpoint("dump.during_delete")
-    with contextlib.suppress(OSError):
-        remove_tree(path)

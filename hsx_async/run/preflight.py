@@ -25,6 +25,7 @@ from hsx_async.errors import DumpError, HsxError, RequestError
 from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.dump import prepare_namespace, remove_tree, validate_dump, wait_for_meta
 from hsx_async.run.guard import free_bytes
+from hsx_async.run.mounts import fs_type
 from hsx_async.run.observe import eta_text
 from hsx_async.run.source import BadLine, SampleReader
 
@@ -44,25 +45,6 @@ class Report:
 
     def format(self) -> str:
         return "\n".join(f"{level:<4}  {check:<14} {detail}" for level, check, detail in self.lines)
-
-
-def fs_type(path: Path) -> str:
-    """The file system type of the mount holding ``path`` (from /proc/mounts)."""
-    best, kind = "", "unknown"
-    real = str(path.resolve())
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return kind
-    for line in mounts:
-        fields = line.split()
-        if (
-            len(fields) >= 3
-            and (real == fields[1] or real.startswith(fields[1].rstrip("/") + "/"))
-            and len(fields[1]) >= len(best)
-        ):
-            best, kind = fields[1], fields[2]
-    return kind
 
 
 def check_input(config: Config, report: Report) -> int:

@@ -17,12 +17,11 @@ from pathlib import Path
 import structlog
 
 from hsx_async.config import ShardConfig
-from hsx_async.dataset.layout import DATA_DIR, FILE_SUFFIX, shard_of_id
+from hsx_async.dataset.layout import DATA_DIR, FILE_SUFFIX, read_header, shard_of_id
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DatasetError
 
 log = structlog.get_logger("hsx.resume")
-_HEADER_MAX = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,14 +33,8 @@ class Cleanup:
 
 def _file_id(path: Path) -> str | None:
     """The ``id`` in a safetensors file's metadata, or None when unreadable."""
-    import orjson  # noqa: PLC0415 - only needed on this rare path
-
     try:
-        with path.open("rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if not 0 < n <= _HEADER_MAX:
-                return None
-            header = orjson.loads(fh.read(n))
+        header, _ = read_header(path)
         return str(header["__metadata__"]["id"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

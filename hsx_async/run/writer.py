@@ -49,22 +49,19 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from hsx_async.dataset.durable import fsync_dir
+from hsx_async.dataset.durable import fsync_dir, write_error
 from hsx_async.dataset.layout import ALIGN, FileLayout
 from hsx_async.dataset.manifest import ManifestEntry
-from hsx_async.errors import DiskFullError, DumpError, WriteError
-from hsx_async.run.dump import Dump, open_dump_dir, tmpfs_mounts
+from hsx_async.errors import DumpError, WriteError
+from hsx_async.run.dump import Dump, open_dump_dir
 from hsx_async.run.failpoints import failpoint
+from hsx_async.run.mounts import tmpfs_mounts
 from hsx_async.run.source import Sample
 
 CHUNK = 8 << 20  # bytes per O_DIRECT write: large enough to keep the device streaming
 SUB = 256 << 10  # bytes read then hashed at once: still in the L2 cache when hashed
 Hasher = xxhash.xxh3_64
 _SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
-# Threads hashing mapped chunks while the writer threads write them (created on first use).
-_HASH_POOL = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="hsx-hash")
-# Threads syncing the directories of one publish side by side (created on first use).
-_DIR_SYNC_POOL = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="hsx-dirsync")
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
@@ -136,12 +133,15 @@ class FileWriter:
         self._names_durable: set[Path] = set()  # ... and their names synced by a publish
         self._temps: set[Path] = set()  # staged, not yet published
         self._lock = threading.Lock()
+        # Threads hashing mapped chunks while the copy threads write them, and syncing the
+        # directories of one publish side by side (each started on first use).
+        self._hash_pool = futures.ThreadPoolExecutor(4, thread_name_prefix="hsx-hash")
+        self._dir_sync_pool = futures.ThreadPoolExecutor(16, thread_name_prefix="hsx-dirsync")
 
-    def write(self, job: WriteJob) -> ManifestEntry:
-        """Stage and publish one sample: durable and named when this returns."""
-        staged = self.stage(job)
-        self.publish([staged])
-        return staged.entry
+    def close(self) -> None:
+        """Stop the writer's threads (once no stage or publish runs)."""
+        self._hash_pool.shutdown(wait=True)
+        self._dir_sync_pool.shutdown(wait=True)
 
     def stage(self, job: WriteJob) -> Staged:
         """Copy, hash and fsync the sample into a temp file next to its final name.
@@ -150,7 +150,7 @@ class FileWriter:
         try:
             new_dirs = self._ensure_dir(final.parent)
         except OSError as exc:
-            raise _write_error(exc, final.parent) from exc
+            raise write_error(exc, final.parent) from exc
         tmp = final.parent / f".{final.name}.{job.tmp_tag}.tmp"
         self._temps.add(tmp)
         try:
@@ -160,7 +160,7 @@ class FileWriter:
                 tmp.unlink()
             self._temps.discard(tmp)
             if isinstance(exc, OSError):
-                raise _write_error(exc, final) from exc
+                raise write_error(exc, final) from exc
             raise
         entry = ManifestEntry(job.sample.id, job.relpath, job.sample.num_tokens, size, digest)
         return Staged(tmp, final, entry, new_dirs)
@@ -182,7 +182,7 @@ class FileWriter:
                     with contextlib.suppress(OSError):
                         rest.tmp.unlink()
                     self._temps.discard(rest.tmp)
-                raise _write_error(exc, staged.final) from exc
+                raise write_error(exc, staged.final) from exc
             self._temps.discard(staged.tmp)
             failpoint("writer.after_rename")
             buckets[staged.final.parent] = None
@@ -192,7 +192,7 @@ class FileWriter:
             # their fsyncs run side by side and the device sees them queued together.
             for directory in parents:
                 _sync_dir(directory)
-            _sync_dirs([d for d in buckets if d not in parents])
+            _sync_dirs([d for d in buckets if d not in parents], self._dir_sync_pool)
         for staged in batch:
             self._names_durable.update(staged.new_dirs)
 
@@ -244,7 +244,7 @@ class FileWriter:
             fd = os.open(tmp, _NEW_FILE, 0o644)
         try:
             if self.direct:
-                _write_direct(fd, job, hasher)
+                _write_direct(fd, job, hasher, self._hash_pool)
             else:
                 _write_buffered(fd, job, hasher)
             size = os.fstat(fd).st_size
@@ -262,17 +262,17 @@ def _sync_dir(directory: Path) -> None:
     try:
         fsync_dir(directory)
     except OSError as exc:  # the files are in place but their names not durable
-        raise _write_error(exc, directory) from exc
+        raise write_error(exc, directory) from exc
 
 
-def _sync_dirs(directories: list[Path]) -> None:
+def _sync_dirs(directories: list[Path], pool: futures.ThreadPoolExecutor) -> None:
     """fsync every directory, concurrently; returns once all are done, raising the first
     failure (after the others finished: nothing keeps running behind the caller)."""
     if len(directories) <= 1:
         for directory in directories:
             _sync_dir(directory)
         return
-    pending = [_DIR_SYNC_POOL.submit(_sync_dir, d) for d in directories]
+    pending = [pool.submit(_sync_dir, d) for d in directories]
     futures.wait(pending)
     for done in pending:
         done.result()
@@ -367,8 +367,10 @@ class _AlignedFile:
     raw copy's rate: bench/README.md.) XXH3 runs over the same bytes, in the same order.
     Parts on a huge-page tmpfs are the exception: see :meth:`_write_mapped`."""
 
-    def __init__(self, fd: int, whole: memoryview, hasher: Hasher) -> None:
-        self.fd, self.whole, self.hasher = fd, whole, hasher
+    def __init__(
+        self, fd: int, whole: memoryview, hasher: Hasher, hash_pool: futures.ThreadPoolExecutor
+    ) -> None:
+        self.fd, self.whole, self.hasher, self.hash_pool = fd, whole, hasher, hash_pool
         self.fill = 0  # bytes in the buffer, not yet written
 
     def put(self, data: bytes) -> None:
@@ -409,7 +411,7 @@ class _AlignedFile:
         self._write_buffer()
         for pos in range(0, size, CHUNK):
             with _map(part_fd, pos, min(CHUNK, size - pos)) as mm:
-                hashed = _HASH_POOL.submit(self.hasher.update, mm)
+                hashed = self.hash_pool.submit(self.hasher.update, mm)
                 try:
                     _write_all(self.fd, mm)
                 finally:
@@ -475,9 +477,11 @@ def _parts(job: WriteJob) -> list[tuple[Path, int]]:
     ]
 
 
-def _write_direct(fd: int, job: WriteJob, hasher: Hasher) -> None:
+def _write_direct(
+    fd: int, job: WriteJob, hasher: Hasher, hash_pool: futures.ThreadPoolExecutor
+) -> None:
     with memoryview(_buffers.get(CHUNK)) as whole:
-        out = _AlignedFile(fd, whole, hasher)
+        out = _AlignedFile(fd, whole, hasher, hash_pool)
         out.put(_head(job))  # a multiple of ALIGN long, by construction of the layout
         for path, size in _parts(job):
             part_fd = _open_part(path, size)
@@ -509,9 +513,3 @@ def _write_buffered(fd: int, job: WriteJob, hasher: Hasher) -> None:
     tail = _tail(job)
     _write_all(fd, tail)
     hasher.update(tail)
-
-
-def _write_error(exc: OSError, path: Path) -> WriteError:
-    if exc.errno == errno.ENOSPC:
-        return DiskFullError(f"no space left writing {path}; free space on the output disk")
-    return WriteError(f"writing {path} failed: {exc.strerror or exc}")

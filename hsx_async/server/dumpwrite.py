@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,14 +78,6 @@ def write_part(dir_fd: int, start: int, end: int, data: bytes | memoryview) -> N
 def write_meta(dir_fd: int, meta: DumpMeta) -> None:
     """The commit: ``meta.json`` is renamed into place after every part."""
     _write_atomic(dir_fd, META_NAME, meta.to_json())
-
-
-def is_plain_file(dir_fd: int, name: str) -> bool:
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return stat.S_ISREG(st.st_mode)
 
 
 @dataclass(slots=True)

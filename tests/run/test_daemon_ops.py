@@ -24,6 +24,7 @@ from tests.e2e import (
     config_raw,
     make_config,
     shm_leftovers,
+    when_done,
     write_config,
     write_samples,
 )
@@ -43,22 +44,16 @@ async def test_sighup_resizes_pool_mid_run_without_loss(tmp_path: Path, shm_root
         path = write_config(tmp_path, raw)
         daemon = Daemon(load_config(path))
         seen_workers: list[int] = []
-
-        def grow() -> None:
-            raw["workers"]["concurrency"] = 6
-            write_config(tmp_path, raw)
-            daemon.request_reload()
-
-        after_done(daemon, 20, grow)
+        grown = when_done(daemon, 20)
         run = asyncio.create_task(daemon.run())
-        await daemon.reloaded.wait()
-        assert daemon.last_reload == "applied"
-        seen_workers.append(daemon.pipeline.workers_running if daemon.pipeline else 0)
-        daemon.reloaded.clear()
+        await grown.wait()
+        raw["workers"]["concurrency"] = 6
+        write_config(tmp_path, raw)
+        assert await daemon.reload() == "applied"
+        seen_workers.append(daemon.pipeline.workers.workers_running if daemon.pipeline else 0)
         raw["workers"]["concurrency"] = 1
         write_config(tmp_path, raw)
-        daemon.request_reload()
-        await daemon.reloaded.wait()
+        assert await daemon.reload() == "applied"
         summary = await run
     assert seen_workers == [6]
     assert daemon.config.workers.concurrency == 1
@@ -82,16 +77,11 @@ async def test_reload_refused_and_invalid_keep_old_config(tmp_path: Path, shm_ro
         raw["model"]["hidden_size"] = 128
         raw["workers"]["concurrency"] = 7
         write_config(tmp_path, raw)
-        daemon.request_reload()
-        await daemon.reloaded.wait()
-        assert daemon.last_reload == "refused"
+        assert await daemon.reload() == "refused"
         assert daemon.config is original
         # An invalid file: nothing changes.
-        daemon.reloaded.clear()
         path.write_text("[workers]\nconcurency = 3\n")
-        daemon.request_reload()
-        await daemon.reloaded.wait()
-        assert daemon.last_reload == "invalid"
+        assert await daemon.reload() == "invalid"
         assert daemon.config is original
         summary = await run
     assert summary.done == len(samples.good)

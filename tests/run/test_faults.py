@@ -19,7 +19,7 @@ from hsx_async.dataset.manifest import read_manifest, read_quarantine
 from hsx_async.errors import DumpError
 from hsx_async.protocol import DumpMeta, row_bytes
 from hsx_async.run import dump as dump_module
-from hsx_async.run import pool
+from hsx_async.run import workers as workers_module
 from hsx_async.run.daemon import Daemon, RunSummary
 from hsx_async.run.dump import validate_dump
 from hsx_async.server.fake.server import ALL_FAULTS, FakeServerHandle, running_fake_server
@@ -162,8 +162,8 @@ async def test_every_fault_at_once_with_random_chunks(
         looked_on_main.append(threading.current_thread() is threading.main_thread())
         return dump_module.read_dump(rid_dir)
 
-    monkeypatch.setattr(pool, "on_tmpfs", lambda path: on_loop)
-    monkeypatch.setattr(pool, "read_dump", read_dump)
+    monkeypatch.setattr(workers_module, "on_tmpfs", lambda path: on_loop)
+    monkeypatch.setattr(workers_module, "read_dump", read_dump)
     samples = write_samples(tmp_path / "in.jsonl", 80, max_len=64, seed=4, bad_every=13)
     options = fake_options(shm_root, fault_rate=0.3, random_chunks=True, late_meta_s=0.05, seed=5)
     async with running_fake_server(options) as fake:

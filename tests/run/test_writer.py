@@ -20,6 +20,7 @@ import xxhash
 
 from hsx_async.dataset.durable import fsync_dir
 from hsx_async.dataset.layout import build_layout, data_relpath, sample_key
+from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DiskFullError, DumpError, WriteError
 from hsx_async.protocol import META_NAME, DumpMeta, part_name, row_bytes
 from hsx_async.run import writer as writer_module
@@ -89,6 +90,13 @@ def make_case(
         "s0-t",
     )
     return Case(job, ids, hidden, mask)
+
+
+def write_one(fw: FileWriter, job: WriteJob) -> ManifestEntry:
+    """Stage and publish one sample, as the writer and the committer do for a batch."""
+    staged = fw.stage(job)
+    fw.publish([staged])
+    return staged.entry
 
 
 def check_written(out: Path, case: Case, entry: Any) -> None:
@@ -175,7 +183,7 @@ def test_write_produces_the_file_and_its_entry(
 ) -> None:
     case = make_case(shm_root, shape, with_mask=with_mask)
     fw = FileWriter(out, method=method, fsync=True, row_bytes=shape.row)
-    entry = fw.write(case.job)
+    entry = write_one(fw, case.job)
     check_written(out, case, entry)
     if method == "auto":  # direct only where the shape allows and the disk accepts it
         expected = shape is ALIGNED and o_direct_supported(out)
@@ -189,7 +197,7 @@ def test_direct_method(shm_root: Path, out: Path) -> None:
         pytest.skip("the temp file system refuses O_DIRECT")
     case = make_case(shm_root, ALIGNED)
     fw = FileWriter(out, method="direct", fsync=True, row_bytes=ALIGNED.row)
-    check_written(out, case, fw.write(case.job))
+    check_written(out, case, write_one(fw, case.job))
     assert fw.direct
 
 
@@ -197,7 +205,7 @@ def test_direct_part_larger_than_one_copy_chunk(shm_root: Path, out: Path) -> No
     rows = writer_module.CHUNK // ALIGNED.row + 10  # the first part takes two chunks
     case = make_case(shm_root, ALIGNED, parts=((0, rows), (rows, rows + 3)))
     fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
-    check_written(out, case, fw.write(case.job))
+    check_written(out, case, write_one(fw, case.job))
 
 
 def test_direct_writes_whole_chunks_at_chunk_boundaries(
@@ -217,7 +225,7 @@ def test_direct_writes_whole_chunks_at_chunk_boundaries(
 
     patch_os(monkeypatch, write=write)
     fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
-    check_written(out, case, fw.write(case.job))
+    check_written(out, case, write_one(fw, case.job))
     chunk = writer_module.CHUNK
     *whole, (last_at, last_size) = writes
     assert len(whole) == 2
@@ -242,7 +250,7 @@ def test_parts_on_huge_pages_are_written_from_whole_huge_page_mappings(
     monkeypatch.setattr(writer_module, "_map", record)
     case = make_case(shm_root, ALIGNED, parts=BIG_PARTS)
     fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
-    check_written(out, case, fw.write(case.job))
+    check_written(out, case, write_one(fw, case.job))
     chunk = writer_module.CHUNK
     first = BIG_ROWS * ALIGNED.row
     assert maps == [(0, chunk), (chunk, chunk), (2 * chunk, first - 2 * chunk), (0, 3 * 4096)]
@@ -257,7 +265,7 @@ def test_several_samples_share_a_bucket_and_ids_of_any_kind(shm_root: Path, out:
     fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
     for sid in ("a", 7, "../../etc/passwd"):
         case = make_case(shm_root / str(abs(hash(sid))), ALIGNED, parts=((0, 5),), sid=sid)
-        entry = fw.write(case.job)
+        entry = write_one(fw, case.job)
         check_written(out, case, entry)
         assert (out / entry.path).resolve().is_relative_to(out.resolve())
 
@@ -290,10 +298,10 @@ def test_auto_falls_back_for_good_when_o_direct_is_refused(
     fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
     assert fw.direct
     first = make_case(shm_root / "a", ALIGNED)
-    check_written(out, first, fw.write(first.job))
+    check_written(out, first, write_one(fw, first.job))
     assert _uses_direct(fw) is False
     second = make_case(shm_root / "b", ALIGNED, sid="s-2")
-    check_written(out, second, fw.write(second.job))
+    check_written(out, second, write_one(fw, second.job))
     assert len(refused) == 1  # the fallback is remembered, not retried per file
 
 
@@ -304,7 +312,7 @@ def test_forced_direct_refused_is_a_write_error(
     case = make_case(shm_root, ALIGNED)
     fw = FileWriter(out, method="direct", fsync=True, row_bytes=ALIGNED.row)
     with pytest.raises(WriteError, match="Invalid argument") as info:
-        fw.write(case.job)
+        write_one(fw, case.job)
     assert not isinstance(info.value, DiskFullError)
     assert_nothing_written(out)
 
@@ -333,7 +341,7 @@ def test_enospc_on_write_leaves_nothing(
     fw = FileWriter(out, method=method, fsync=True, row_bytes=ALIGNED.row)
     patch_os(monkeypatch, write=fail_on_call(call, os.write, errno.ENOSPC))
     with pytest.raises(DiskFullError, match=r"no space left writing .*free space"):
-        fw.write(case.job)
+        write_one(fw, case.job)
     assert_nothing_written(out)
     assert not (out / case.job.relpath).exists()
 
@@ -365,7 +373,7 @@ def test_enospc_on_a_direct_write_leaves_nothing(
     fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
     patch_os(monkeypatch, write=fail_on_call(call, os.write, errno.ENOSPC))
     with pytest.raises(DiskFullError, match=r"no space left writing .*free space"):
-        fw.write(case.job)
+        write_one(fw, case.job)
     assert_nothing_written(out)
     assert not (out / case.job.relpath).exists()
 
@@ -397,7 +405,7 @@ def test_enospc_elsewhere_leaves_nothing(
     fw = FileWriter(out, method=method, fsync=True, row_bytes=ALIGNED.row)
     patch_os(monkeypatch, **{what: fail_on_call(1, getattr(os, what), errno.ENOSPC)})
     with pytest.raises(DiskFullError):
-        fw.write(case.job)
+        write_one(fw, case.job)
     assert_nothing_written(out)
 
 
@@ -409,7 +417,7 @@ def test_enospc_syncing_the_file_leaves_nothing(
     fw = FileWriter(out, method=method, fsync=True, row_bytes=ALIGNED.row)
     fail_fsync(monkeypatch, directory=False, number=1)
     with pytest.raises(DiskFullError):
-        fw.write(case.job)
+        write_one(fw, case.job)
     assert_nothing_written(out)
 
 
@@ -423,7 +431,7 @@ def test_enospc_syncing_a_directory_is_a_disk_full_error(
     fw = FileWriter(out, method="sendfile", fsync=True, row_bytes=UNALIGNED.row)
     fail_fsync(monkeypatch, directory=True, number=number)
     with pytest.raises(DiskFullError):
-        fw.write(case.job)
+        write_one(fw, case.job)
     assert_no_temp(out)
     # The file stays under its name: it has no manifest line, so a resume deletes it.
     assert (out / case.job.relpath).exists()
@@ -573,7 +581,7 @@ def test_other_os_errors_are_write_errors(
     fw = FileWriter(out, method="sendfile", fsync=False, row_bytes=UNALIGNED.row)
     patch_os(monkeypatch, write=fail_on_call(1, os.write, errno.EIO))
     with pytest.raises(WriteError, match="Input/output error") as info:
-        fw.write(case.job)
+        write_one(fw, case.job)
     assert not isinstance(info.value, DiskFullError)
     assert_nothing_written(out)
 
@@ -590,7 +598,7 @@ def test_part_resized_after_validation_is_a_dump_error(
     os.truncate(path, path.stat().st_size - 4096)
     fw = FileWriter(out, method=method, fsync=False, row_bytes=ALIGNED.row)
     with pytest.raises(DumpError, match="changed after validation"):
-        fw.write(case.job)
+        write_one(fw, case.job)
     assert_nothing_written(out)
 
 
@@ -599,7 +607,7 @@ def test_part_removed_after_validation_is_a_dump_error(shm_root: Path, out: Path
     case.job.dump.part_paths()[2].unlink()
     fw = FileWriter(out, method="sendfile", fsync=False, row_bytes=UNALIGNED.row)
     with pytest.raises(DumpError, match="vanished before it was copied"):
-        fw.write(case.job)
+        write_one(fw, case.job)
     assert_nothing_written(out)
 
 
@@ -613,5 +621,5 @@ def test_part_swapped_for_a_link_after_validation_is_a_dump_error(
     part.symlink_to(real)
     fw = FileWriter(out, method="sendfile", fsync=False, row_bytes=UNALIGNED.row)
     with pytest.raises(DumpError, match="became a link after validation"):
-        fw.write(case.job)
+        write_one(fw, case.job)
     assert_nothing_written(out)

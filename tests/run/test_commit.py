@@ -14,7 +14,7 @@ import pytest
 
 from hsx_async.dataset.manifest import AppendLog, ManifestEntry
 from hsx_async.errors import WriteError
-from hsx_async.run.pool import Committer
+from hsx_async.run.commit import Committer
 from hsx_async.run.writer import Staged
 
 

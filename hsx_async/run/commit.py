@@ -1,0 +1,278 @@
+"""The writer/commit half of the pipeline: writers make dumps durable, the committer
+lists them.
+
+Flow of one handed-off dump::
+
+    writer queue ─► writer task: copy, hash, fsync a temp file (a copy thread)
+        ─► committer (a batch at a time): rename, fsync of the directories, manifest
+        lines, fsync ─► delete dump ─► the worker half releases the bytes
+
+A sample reaches the manifest only after its file is durable, and leaves /dev/shm only
+after its manifest line is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from hsx_async.config import Config
+from hsx_async.dataset.durable import write_error
+from hsx_async.dataset.manifest import AppendLog, QuarantineEntry
+from hsx_async.errors import DiskFullError, DumpError, WriteError
+from hsx_async.run.dump import remove_tree
+from hsx_async.run.failpoints import failpoint
+from hsx_async.run.guard import DiskGuard
+from hsx_async.run.metrics import Metrics
+from hsx_async.run.source import Sample
+from hsx_async.run.workers import EOF, Handoff, _Eof
+from hsx_async.run.writer import FileWriter, Staged, WriteJob
+
+log = structlog.get_logger("hsx.pool")
+
+# A tiny sample waits for its group commit several times as long as its copy took, so a
+# copy thread needs several writer tasks to stay busy (tiny samples, bench/overhead.py:
+# 4 tasks a thread 310 requests/s, 8: 342, 16: 368); large ones queue on the copy threads
+# whatever the count, within the /dev/shm budget.
+WRITER_TASKS_PER_THREAD = 8
+
+
+@dataclass(slots=True)
+class _Line:
+    log_file: AppendLog
+    line: bytes
+    done: asyncio.Future[None]
+    staged: Staged | None = None  # a sample file to name before its manifest line
+    dump: Path | None = None  # ... and its dump, deleted once the line is durable
+
+
+@dataclass
+class Committer:
+    """Group commit: every sample file and log line that arrived while the previous batch
+    was syncing is made durable together, so the cost per sample falls as load rises.
+
+    A batch: rename the staged files into place, one fsync per directory they touched,
+    then one write + fsync per log file, then delete the samples' dumps. A manifest line
+    is never durable before its file and name are (PROTOCOL §4); a crash in between leaves
+    a named file without a line, which a resume deletes; a dump goes only after its line.
+    """
+
+    manifest: AppendLog
+    quarantine: AppendLog
+    executor: ThreadPoolExecutor
+    publish: Callable[[list[Staged]], None]
+    fsync: bool = True
+    _pending: list[_Line] = field(default_factory=list)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _closed: bool = False
+    _failed: BaseException | None = None
+
+    async def commit(self, log_file: AppendLog, line: bytes) -> None:
+        await self._submit(_Line(log_file, line, self._future()))
+
+    async def commit_sample(self, staged: Staged, dump: Path) -> None:
+        """Name the staged file and list it in the manifest, durably; then delete its dump."""
+        line = _Line(self.manifest, staged.entry.to_line(), self._future(), staged, dump)
+        await self._submit(line)
+
+    def _future(self) -> asyncio.Future[None]:
+        if self._failed is not None:
+            raise WriteError(f"not committed: an earlier commit failed ({self._failed})")
+        if self._closed:
+            raise RuntimeError("committer is closed")
+        return asyncio.get_running_loop().create_future()
+
+    async def _submit(self, item: _Line) -> None:
+        self._pending.append(item)
+        self._wake.set()
+        await item.done
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._pending = self._pending, []
+            if batch:
+                try:
+                    await loop.run_in_executor(self.executor, self._flush, batch)
+                except BaseException as exc:
+                    self._failed = exc
+                    # Nothing after a failed commit is committed. (A new list: the thread
+                    # may still be running its flush of `batch`.)
+                    failed, self._pending = [*batch, *self._pending], []
+                    for item in failed:
+                        if not item.done.done():
+                            item.done.set_exception(
+                                exc
+                                if isinstance(exc, Exception)
+                                else RuntimeError("commit cancelled")
+                            )
+                    raise
+                for item in batch:
+                    if not item.done.done():
+                        item.done.set_result(None)
+            elif self._closed:
+                return
+
+    def _flush(self, batch: list[_Line]) -> None:
+        staged = [item.staged for item in batch if item.staged is not None]
+        if staged:
+            self.publish(staged)  # raises WriteError: the run stops, resume cleans up
+        failpoint("commit.before_append")
+        for log_file in (self.manifest, self.quarantine):
+            lines = [item.line for item in batch if item.log_file is log_file]
+            if lines:
+                try:
+                    log_file.append(lines, sync=self.fsync)
+                except OSError as exc:
+                    # A failed append or fsync is not retried: after a failed fsync the
+                    # kernel may have dropped the pages. Stop; resume repairs the tail.
+                    raise write_error(exc, log_file.path) from exc
+        failpoint("commit.after_append")
+        for item in batch:
+            if item.dump is not None:
+                delete_dump(item.dump)
+
+
+class Writers:
+    """The writer tasks, their copy threads and the committer of one run.
+
+    The worker half hands dumps over with :meth:`submit`; a sample the writers cannot
+    take goes back through ``requeue``, and every handed-off dump through ``release``.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        metrics: Metrics,
+        manifest: AppendLog,
+        quarantine: AppendLog,
+        guard: DiskGuard,
+        executor: ThreadPoolExecutor,
+        requeue: Callable[[Sample], None],
+        release: Callable[[Handoff], None],
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.guard = guard
+        self.executor = executor  # deletes and commits (not owned)
+        self._requeue = requeue
+        self._release = release
+        self.queue: asyncio.Queue[Handoff | _Eof] = asyncio.Queue(maxsize=config.writer.queue_depth)
+        # Copies never wait behind the small blocking calls: writer.threads of their own.
+        self.copy_executor = ThreadPoolExecutor(
+            config.writer.threads, thread_name_prefix="hsx-copy"
+        )
+        self.file_writer = FileWriter(
+            config.output.dir,
+            method=config.writer.method,
+            fsync=config.writer.fsync,
+            row_bytes=config.model.row_bytes,
+        )
+        self.committer = Committer(
+            manifest, quarantine, executor, self.file_writer.publish, config.writer.fsync
+        )
+        # Writer tasks: more than copy threads, so that a sample waiting for its group
+        # commit and delete does not hold a copy thread idle.
+        self.tasks = WRITER_TASKS_PER_THREAD * config.writer.threads
+        self.settled = 0  # samples that reached the manifest
+
+    def apply(self, config: Config) -> None:
+        """A reloaded config. No ``writer.*`` key is live (threads, method and fsync are
+        fixed for the run), so only later reads see the new config."""
+        self.config = config
+
+    def close(self) -> None:
+        """At the end of the run (blocking): queued copies are dropped, running ones
+        finish, and the writer's threads stop."""
+        self.copy_executor.shutdown(wait=True, cancel_futures=True)
+        self.file_writer.close()
+
+    def discard_temps(self) -> None:
+        """Delete the temp files staged but never committed (once no commit runs)."""
+        self.file_writer.discard_temps()
+
+    async def submit(self, handoff: Handoff) -> None:
+        await self.queue.put(handoff)
+
+    async def finish_input(self) -> None:
+        """No more dumps: the writers finish the queue and stop."""
+        await self.queue.put(EOF)
+
+    async def quarantine(self, line: int, sample_id: Any, reason: str) -> None:
+        entry = QuarantineEntry(sample_id, line, reason)
+        await asyncio.shield(self.committer.commit(self.committer.quarantine, entry.to_line()))
+        self.metrics.sample_quarantined()
+        log.warning("sample_quarantined", id=sample_id, line=line, reason=reason)
+
+    async def writer(self) -> None:
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, _Eof):
+                self.queue.put_nowait(item)
+                return
+            deleted = False
+            try:
+                deleted = await asyncio.shield(self._finish(item.job))
+            finally:
+                if not deleted:
+                    await asyncio.get_running_loop().run_in_executor(
+                        self.executor, delete_dump, item.job.dump.path
+                    )
+                self._release(item)
+
+    async def _finish(self, job: WriteJob) -> bool:
+        """Write, then commit the manifest line: shielded so a drain never cuts it in half.
+        True once committed (the commit deleted the dump too)."""
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            staged = await loop.run_in_executor(self.copy_executor, self.file_writer.stage, job)
+        except DumpError as exc:
+            log.warning("dump_changed_before_copy", id=job.sample.id, error=str(exc))
+            self._requeue(job.sample)  # a fresh attempt; nothing was written
+            return False
+        except DiskFullError as exc:
+            # The temp file is gone; pause intake and extract this sample again later.
+            await self.guard.trip(str(exc))
+            self._requeue(job.sample)
+            return False
+        try:
+            await self.committer.commit_sample(staged, job.dump.path)
+        except Exception:
+            self.file_writer.forget(staged)  # the temp file, if it was not renamed yet
+            if self.committer.failed:
+                return False  # the committer's task reports the error; a resume redoes this
+            raise
+        entry = staged.entry
+        self.settled += 1
+        self.metrics.write_latency.observe(time.monotonic() - started)
+        self.metrics.sample_done(entry.num_tokens, entry.size)
+        log.debug("sample_done", id=entry.id, tokens=entry.num_tokens, bytes=entry.size)
+        return True
+
+
+def delete_dump(path: Path) -> None:
+    """Free a dump's /dev/shm bytes. Never fails a run: what it leaves, the namespace
+    sweep or the end of the run removes."""
+    failpoint("dump.during_delete")
+    with contextlib.suppress(OSError):
+        remove_tree(path)

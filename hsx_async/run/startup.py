@@ -1,0 +1,76 @@
+"""What a run does before its first request: check and record provenance, resume from the
+manifest (checking its tail, deleting orphans), open the logs, wait for a server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import structlog
+
+from hsx_async.config import Config, redact_url
+from hsx_async.dataset.manifest import MANIFEST, QUARANTINE, AppendLog, DoneSet, load_done, log_name
+from hsx_async.dataset.provenance import (
+    check_and_record,
+    fingerprint,
+    provenance_for,
+    read_provenance,
+)
+from hsx_async.errors import HsxError
+from hsx_async.run.client import SGLangClient
+from hsx_async.run.notify import Notifier
+from hsx_async.run.resume import check_entries, clean_orphans
+
+log = structlog.get_logger("hsx.daemon")
+
+
+def prepare_output(config: Config, *, allow_provenance_change: bool) -> DoneSet:
+    """Blocking: the provenance check, then what earlier runs finished (resume)."""
+    out = config.output.dir
+    record = provenance_for(config, fingerprint(config.input.path))
+    check_and_record(out, record, allow_change=allow_provenance_change)
+    done = load_done(out)
+    check_entries(out, done.manifest)
+    clean_orphans(out, done.manifest, config.shard)
+    return done
+
+
+def open_logs(config: Config) -> tuple[AppendLog, AppendLog]:
+    """Blocking: this shard's manifest and quarantine, opened for appending."""
+    out, shard = config.output.dir, config.shard
+    return (
+        AppendLog(out / log_name(MANIFEST, shard.index, shard.count)),
+        AppendLog(out / log_name(QUARANTINE, shard.index, shard.count)),
+    )
+
+
+async def wait_for_server(client: SGLangClient, config: Config, notifier: Notifier) -> None:
+    """Probe every server; wait (saying so) until one is healthy, or NoServerError."""
+    pool = client.pool
+    await client.probe_all()
+    if not pool.healthy():
+        urls = [redact_url(u) for u in config.server.urls]
+        notifier.status("waiting for a server: " + ", ".join(urls))
+        log.warning("waiting_for_server", urls=urls, timeout_s=config.server.unreachable_timeout)
+    await pool.wait_healthy()
+
+
+async def record_server(
+    client: SGLangClient, config: Config, *, allow_provenance_change: bool
+) -> None:
+    """Put the served model and server version into provenance; refuse another model."""
+    server = client.pool.healthy()[0]
+    model = version = ""
+    with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
+        info = await client.get_json(server.url, "/get_model_info")
+        model = str(info.get("model_path", "")) if isinstance(info, dict) else ""
+    with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
+        info = await client.get_json(server.url, "/get_server_info")
+        version = str(info.get("version", "")) if isinstance(info, dict) else ""
+    if not model:
+        return
+    out = config.output.dir
+    old = await asyncio.to_thread(read_provenance, out) or {}
+    record = provenance_for(config, old.get("input", {}), model, version)
+    await asyncio.to_thread(check_and_record, out, record, allow_change=allow_provenance_change)

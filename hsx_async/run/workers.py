@@ -1,0 +1,372 @@
+"""The worker half of the pipeline: N workers keep requests in flight.
+
+A worker takes a sample from the intake, reserves its /dev/shm bytes, sends
+``POST /generate`` (a new rid per attempt), waits for the dump's ``meta.json``, validates
+it and hands it to the writers (:mod:`hsx_async.run.commit`). A failed attempt deletes its
+dump, backs off and retries; after the last attempt the sample goes to quarantine with the
+reason. The reserved bytes are released when the writers are done with the dump.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from hsx_async.config import Config
+from hsx_async.dataset.layout import build_layout, data_relpath, sample_key
+from hsx_async.errors import DumpError, RequestError
+from hsx_async.run.budget import ByteBudget
+from hsx_async.run.client import ServerPool, SGLangClient
+from hsx_async.run.dump import (
+    Dump,
+    has_debris,
+    on_tmpfs,
+    prepare_namespace,
+    read_dump,
+    sweep_namespace,
+    validate_dump,
+)
+from hsx_async.run.dump import wait_for_meta as _wait_for_meta
+from hsx_async.run.guard import DiskGuard
+from hsx_async.run.metrics import Metrics
+from hsx_async.run.retry import RetryPolicy
+from hsx_async.run.source import Sample
+from hsx_async.run.writer import WriteJob
+
+log = structlog.get_logger("hsx.pool")
+
+
+class _Eof:
+    """End marker: a consumer that takes it puts it back for the next one."""
+
+
+EOF = _Eof()
+
+Quarantine = Callable[[int, Any, str], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """A validated dump on its way to the writer, with what the worker reserved for it."""
+
+    job: WriteJob
+    ns: str
+    need: int
+
+
+def retry_policy(config: Config) -> RetryPolicy:
+    w = config.workers
+    return RetryPolicy(w.max_attempts, w.backoff_base, w.backoff_max)
+
+
+class Workers:
+    """The workers of one run; the daemon's task group runs them (:meth:`start`)."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        client: SGLangClient,
+        metrics: Metrics,
+        guard: DiskGuard,
+        executor: ThreadPoolExecutor,
+        hand_off: Callable[[Handoff], Awaitable[None]],
+        quarantine: Quarantine,
+        nonce: str,
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.servers: ServerPool = client.pool
+        self.metrics = metrics
+        self.guard = guard
+        self.executor = executor  # small blocking calls: sweeps, validation (not owned)
+        self._hand_off_fn = hand_off
+        self._quarantine = quarantine
+        self.nonce = nonce  # rids stay unique across restarts
+        self.budget = ByteBudget(config.dump.shm_budget)
+        self.intake: asyncio.Queue[Sample | _Eof] = asyncio.Queue(
+            maxsize=2 * config.workers.concurrency
+        )
+        self.requeued: collections.deque[Sample] = collections.deque()
+        self.retry = retry_policy(config)
+        self.target_workers = config.workers.concurrency
+        self.stopping = False
+        self.live_rids: dict[str, set[str]] = collections.defaultdict(set)  # ns → rids
+        self.workers_running = 0
+        self.workers_done = asyncio.Event()
+        self.namespaces: set[Path] = set()  # removed when the run ends
+        # Dumps on a tmpfs are looked at on the event loop, elsewhere from a thread.
+        self.dump_on_tmpfs: bool | None = None  # known once the first namespace exists
+        self.in_flight = 0
+        self.settled = 0  # samples that went to quarantine from here
+        self._next_worker = 0
+        self._changed = asyncio.Event()
+        self._tg: asyncio.TaskGroup | None = None
+
+    # -- life cycle and live changes -----------------------------------------------------
+
+    def start(self, tg: asyncio.TaskGroup) -> None:
+        """Spawn ``workers.concurrency`` workers in the run's task group."""
+        self._tg = tg
+        self.set_concurrency(self.config.workers.concurrency)
+
+    def set_concurrency(self, n: int) -> None:
+        """Live resize: spawn workers, or let the surplus retire after their sample."""
+        if n < 1:
+            raise ValueError(f"concurrency must be at least 1, not {n}")
+        if self._tg is None:
+            raise RuntimeError("the workers have not been started")
+        self.target_workers = n
+        while self.workers_running < n:
+            self._spawn(self._tg)
+
+    def apply(self, config: Config) -> None:
+        """A reloaded config: concurrency, /dev/shm budget and retry policy change now;
+        timeouts are read at each attempt."""
+        self.config = config
+        if config.workers.concurrency != self.target_workers:
+            self.set_concurrency(config.workers.concurrency)
+        if config.dump.shm_budget != self.budget.capacity:
+            self.budget.resize(config.dump.shm_budget)
+        self.retry = retry_policy(config)
+
+    def stop_intake(self) -> None:
+        """Stop taking samples: workers skip what is queued (a resume redoes it)."""
+        self.stopping = True
+        self.wake()
+
+    def wake(self) -> None:
+        """Something a worker at the end of input waits for changed."""
+        self._changed.set()
+
+    def requeue(self, sample: Sample) -> None:
+        """A sample the writers hand back (ENOSPC, a dump changed before its copy)."""
+        self.requeued.append(sample)
+        self.wake()
+
+    def release(self, handoff: Handoff) -> None:
+        """The writers are done with a handed-off dump: its rid and bytes are free."""
+        self.live_rids[handoff.ns].discard(handoff.job.dump.path.name)
+        self._release(handoff.need)
+
+    async def to_thread(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # -- one worker ----------------------------------------------------------------------
+
+    def _spawn(self, tg: asyncio.TaskGroup) -> None:
+        index = self._next_worker
+        self._next_worker += 1
+        self.workers_running += 1
+        tg.create_task(self._worker(index), name=f"hsx-worker-{index}")
+
+    async def _next_sample(self) -> Sample | _Eof:
+        if self.requeued:
+            return self.requeued.popleft()
+        return await self.intake.get()
+
+    async def _requeue_after_eof(self) -> bool:
+        """At the end of input, wait while samples are still in flight: the writer may
+        hand one back (ENOSPC, a dump changed before its copy). True: one is waiting."""
+        while not (self.requeued or self.in_flight == 0 or self.stopping):
+            self._changed.clear()  # no await between the check and the clear: no lost wake
+            await self._changed.wait()
+        return bool(self.requeued) and not self.stopping
+
+    async def _worker(self, index: int) -> None:
+        ns = namespace(self.config, index)
+        ns_dir = await self.to_thread(prepare_namespace, self.config.dump.root, ns)
+        self.namespaces.add(ns_dir)
+        if self.dump_on_tmpfs is None:
+            self.dump_on_tmpfs = await self.to_thread(on_tmpfs, ns_dir)
+        try:
+            # The check and the decrement in `finally` run without an await between
+            # them, so exactly the surplus retires after a shrink.
+            while self.workers_running <= self.target_workers:
+                await self.guard.open.wait()  # the disk guard pauses intake here
+                item = await self._next_sample()
+                if isinstance(item, _Eof):
+                    self.intake.put_nowait(item)  # let the next worker see it too
+                    if await self._requeue_after_eof():
+                        continue
+                    break
+                if self.stopping:
+                    continue  # stop intake: skip queued samples, a resume redoes them
+                await self._process(item, ns, ns_dir)
+        finally:
+            self.workers_running -= 1
+            if self.workers_running == 0:
+                self.workers_done.set()
+            log.debug("worker_exit", worker=index, ns=ns)
+
+    async def _process(self, sample: Sample, ns: str, ns_dir: Path) -> None:
+        need = sample.num_tokens * self.config.model.row_bytes
+        await self.budget.acquire(need)
+        self.in_flight += 1
+        handed_off = False
+        try:
+            dump = await self._extract(sample, ns, ns_dir)
+            if dump is not None:
+                await self._hand_off(sample, dump, ns, need)
+                handed_off = True
+        finally:
+            if not handed_off:
+                self._release(need)
+
+    def _release(self, need: int) -> None:
+        self.budget.release(need)
+        self.in_flight -= 1
+        self.wake()
+
+    async def _extract(self, sample: Sample, ns: str, ns_dir: Path) -> Dump | None:
+        """Attempts until one yields a valid dump; None once the sample is quarantined."""
+        attempt = 0
+        while True:
+            attempt += 1
+            rid = f"{self.nonce}-{sample.line}-{attempt}"
+            started = time.monotonic()
+            # Every event of this attempt, here and in the modules it calls, names it.
+            with structlog.contextvars.bound_contextvars(id=sample.id, rid=rid, attempt=attempt):
+                try:
+                    dump = await self._attempt(sample, rid, ns, ns_dir)
+                except (RequestError, DumpError) as exc:
+                    if await self._failed_attempt(sample, attempt, ns, ns_dir, exc):
+                        return None
+                    continue
+            self.metrics.request_latency.observe(time.monotonic() - started)
+            return dump
+
+    async def _failed_attempt(
+        self, sample: Sample, attempt: int, ns: str, ns_dir: Path, exc: RequestError | DumpError
+    ) -> bool:
+        """Clean up after a failed attempt and back off; True once the sample is
+        quarantined (the last attempt failed)."""
+        # The failed dump goes, and any debris with it (late writes of abandoned
+        # attempts): everything but the dumps the writers hold.
+        await self.to_thread(sweep_namespace, ns_dir, set(self.live_rids[ns]))
+        kind = "request" if isinstance(exc, RequestError) else "dump"
+        self.metrics.attempt_failed(kind)
+        log.info("attempt_failed", error=str(exc))
+        if self.retry.exhausted(attempt):
+            reason = f"{attempt} attempts failed; last: {exc}"
+            await self._quarantine(sample.line, sample.id, reason)
+            self.settled += 1
+            return True
+        if attempt == 1:
+            self.metrics.totals.samples_retried += 1
+        await asyncio.sleep(self.retry.delay(attempt))
+        return False
+
+    async def _attempt(self, sample: Sample, rid: str, ns: str, ns_dir: Path) -> Dump:
+        cfg = self.config
+        async with self.servers.lease() as server:
+            try:
+                await self.client.generate(
+                    server,
+                    rid=rid,
+                    ns=ns,
+                    input_ids=sample.input_ids,
+                    timeout=cfg.server.request_timeout,
+                )
+            except RequestError as exc:
+                await self.servers.failed(server, exc)
+                raise
+            self.servers.succeeded(server)
+        keep = {*self.live_rids[ns], rid}
+        return await collect_dump(
+            self.config,
+            sample,
+            ns_dir / rid,
+            keep,
+            on_tmpfs=bool(self.dump_on_tmpfs),
+            to_thread=self.to_thread,
+        )
+
+    async def _hand_off(self, sample: Sample, dump: Dump, ns: str, need: int) -> None:
+        job = write_job(self.config, sample, dump, self.nonce)
+        self.live_rids[ns].add(dump.path.name)
+        await self._hand_off_fn(Handoff(job, ns, need))
+
+
+def namespace(config: Config, index: int) -> str:
+    """Worker ``index``'s dump namespace (shards of one job never share one)."""
+    prefix, shard = config.dump.namespace_prefix, config.shard
+    return f"{prefix}-s{shard.index}-w{index}" if shard.count > 1 else f"{prefix}-w{index}"
+
+
+def write_job(config: Config, sample: Sample, dump: Dump, nonce: str) -> WriteJob:
+    """What the writer needs to turn a validated dump into the sample's file."""
+    layout = build_layout(
+        sample_id=sample.id,
+        num_tokens=sample.num_tokens,
+        hidden_size=config.model.hidden_size,
+        aux_layers=config.model.aux_layers,
+        has_loss_mask=sample.loss_mask is not None,
+    )
+    key = sample_key(sample.id)
+    return WriteJob(sample, dump, layout, data_relpath(key), f"s{config.shard.index}-{nonce}")
+
+
+async def collect_dump(
+    cfg: Config,
+    sample: Sample,
+    rid_dir: Path,
+    keep: set[str],
+    *,
+    on_tmpfs: bool,
+    to_thread: Callable[..., Awaitable[Any]],
+) -> Dump:
+    """An attempt's dump, read and validated (waiting for a late ``meta.json``); debris
+    in its namespace (every rid but ``keep``) is swept on the way."""
+    ns_dir = rid_dir.parent
+    rid = rid_dir.name
+
+    def validate(meta: bytes, sizes: dict[tuple[int, int], int] | None) -> Dump:
+        return validate_dump(
+            rid_dir,
+            meta,
+            rid=rid,
+            num_tokens=sample.num_tokens,
+            hidden_size=cfg.model.hidden_size,
+            aux_layers=cfg.model.aux_layers,
+            row_bytes=cfg.model.row_bytes,
+            sizes=sizes,
+        )
+
+    def look() -> Dump | None:
+        found = read_dump(rid_dir)
+        return None if found is None else validate(*found)
+
+    # The hook commits before it responds, so the first look nearly always finds
+    # meta.json; the poll (on the event loop, backing off) is for late commits.
+    dump: Dump | None
+    if on_tmpfs:
+        # No call here waits for a device: on the loop they cost less than a thread
+        # hop (a wake-up and a GIL hand-over each way). Debris, rare, goes in a thread.
+        dump = look()
+        if dump is None:
+            dump = validate(await _wait_for_meta(rid_dir, cfg.dump.timeout), None)
+        if has_debris(ns_dir, keep):
+            await to_thread(sweep_namespace, ns_dir, keep)
+        return dump
+
+    def look_and_sweep(meta: bytes | None) -> Dump | None:
+        dump = look() if meta is None else validate(meta, None)
+        if dump is not None:
+            sweep_namespace(ns_dir, keep)  # debris since the last look: same thread hop
+        return dump
+
+    dump = await to_thread(look_and_sweep, None)
+    if dump is None:
+        meta = await _wait_for_meta(rid_dir, cfg.dump.timeout)
+        dump = await to_thread(look_and_sweep, meta)
+    assert dump is not None
+    return dump

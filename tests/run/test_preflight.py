@@ -1,0 +1,123 @@
+"""``hsx check``: each check on its own, against real files, a real tmpfs and the fake
+server; and the mount table it reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hsx_async.run.mounts import fs_type, read_mounts
+from hsx_async.run.preflight import (
+    Report,
+    check_dump_root,
+    check_input,
+    check_output,
+    check_servers,
+)
+from hsx_async.server.fake.server import running_fake_server
+from tests.crash_driver import fake_options
+from tests.e2e import make_config, shm_leftovers, write_samples
+
+
+def _levels(report: Report, check: str) -> list[str]:
+    return [level for level, name, _ in report.lines if name == check]
+
+
+def test_input_counts_tokens_and_the_lines_that_would_be_quarantined(tmp_path: Path) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 12, max_len=16, bad_every=4)
+    config = make_config(tmp_path, samples.path, ["http://127.0.0.1:1"], tmp_path / "shm")
+    report = Report()
+    tokens = check_input(config, report)
+    want = sum(len(s["input_ids"]) for s in samples.good.values())
+    assert tokens == want
+    ((level, _, detail),) = report.lines
+    assert level == "WARN"
+    assert f"{len(samples.good)} samples, {want:,} tokens; {len(samples.bad_lines)} lines" in detail
+
+
+def test_missing_input_fails_the_check(tmp_path: Path) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    config = make_config(tmp_path, samples.path, ["http://127.0.0.1:1"], tmp_path / "shm")
+    samples.path.unlink()
+    report = Report()
+    assert check_input(config, report) == 0
+    assert report.failed and _levels(report, "input") == ["FAIL"]
+
+
+def test_output_reports_free_space_against_the_job(tmp_path: Path) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    config = make_config(tmp_path, samples.path, ["http://127.0.0.1:1"], tmp_path / "shm")
+    report = Report()
+    assert check_output(config, report, need=1) > 0  # a measured write rate
+    assert _levels(report, "output") == ["OK"]
+    assert not list(config.output.dir.iterdir()), "the probe file is gone"
+    too_big = Report()
+    check_output(config, too_big, need=1 << 62)
+    assert _levels(too_big, "output") == ["FAIL"]
+
+
+def test_output_that_is_not_a_directory_fails(tmp_path: Path) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    config = make_config(tmp_path, samples.path, ["http://127.0.0.1:1"], tmp_path / "shm")
+    config.output.dir.write_text("a file where the dataset should go")
+    report = Report()
+    assert check_output(config, report, need=1) == 0.0
+    ((level, _, detail),) = report.lines
+    assert level == "FAIL" and "is not writable" in detail
+
+
+def test_dump_root_on_tmpfs_passes_and_elsewhere_warns(tmp_path: Path, shm_root: Path) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    on_shm = make_config(tmp_path, samples.path, ["http://127.0.0.1:1"], shm_root)
+    report = Report()
+    check_dump_root(on_shm, report)
+    if fs_type(shm_root) == "tmpfs":
+        assert _levels(report, "dump root") == ["OK"]
+        assert "on tmpfs (RAM)" in report.lines[0][2]
+    on_disk = make_config(tmp_path, samples.path, ["http://127.0.0.1:1"], tmp_path / "dumps")
+    report = Report()
+    check_dump_root(on_disk, report)
+    if fs_type(tmp_path) != "tmpfs":
+        assert _levels(report, "dump root")[0] == "WARN"
+        assert "not RAM: slow" in report.lines[0][2]
+
+
+def test_a_budget_larger_than_the_dump_root_fails(tmp_path: Path, shm_root: Path) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    config = make_config(
+        tmp_path, samples.path, ["http://127.0.0.1:1"], shm_root, dump={"shm_budget": 1 << 60}
+    )
+    report = Report()
+    check_dump_root(config, report)
+    assert report.failed
+    assert "dump.shm_budget exceeds the free space" in report.lines[-1][2]
+
+
+async def test_servers_pass_through_the_whole_dump_path(tmp_path: Path, shm_root: Path) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    async with running_fake_server(fake_options(shm_root)) as fake:
+        config = make_config(
+            tmp_path, samples.path, [fake.url, "http://127.0.0.1:1"], shm_root,
+            server={"request_timeout": 5.0},
+        )  # fmt: skip
+        report = Report()
+        await check_servers(config, report)
+    ok, down = report.lines
+    assert ok[0] == "OK" and "healthy" in ok[2] and "dump path OK" in ok[2]
+    assert down[0] == "FAIL" and down[2].startswith("http://127.0.0.1:1: ")
+    assert shm_leftovers(shm_root) == [], "the check request leaves nothing in /dev/shm"
+
+
+def test_mount_points_are_unescaped(tmp_path: Path) -> None:
+    table = tmp_path / "mounts"
+    table.write_text(
+        "/dev/vda1 / ext4 rw,relatime 0 0\n"
+        "tmpfs /mnt/with\\040space tmpfs rw,size=1g,huge=always 0 0\n"
+        "tmpfs /mnt/with\\040space/deeper ramfs rw 0 0\n"
+    )
+    mounts = read_mounts(table)
+    assert [str(m.point) for m in mounts] == ["/", "/mnt/with space", "/mnt/with space/deeper"]
+    assert mounts[1].options == ("rw", "size=1g", "huge=always")
+    assert fs_type(Path("/mnt/with space/x"), table) == "tmpfs"
+    assert fs_type(Path("/mnt/with space/deeper/y"), table) == "ramfs"
+    assert fs_type(Path("/mnt/with/x"), table) == "ext4"
+    assert read_mounts(tmp_path / "no-such-table") == []
