@@ -31,6 +31,7 @@ from hsx_async.config import Config
 from hsx_async.dataset.durable import write_error
 from hsx_async.dataset.layout import build_layout, data_relpath, sample_key
 from hsx_async.dataset.manifest import AppendLog, QuarantineEntry
+from hsx_async.dataset.provenance import FinalStateGuard
 from hsx_async.errors import DiskFullError, DumpError, RequestError, WriteError
 from hsx_async.run.budget import ByteBudget
 from hsx_async.run.client import ServerPool, SGLangClient
@@ -216,6 +217,7 @@ class Pipeline:
         self.copy_executor = ThreadPoolExecutor(
             config.writer.threads, thread_name_prefix="hsx-copy"
         )
+        self.final_states = FinalStateGuard(config.output.dir)
         self.file_writer = FileWriter(
             config.output.dir,
             method=config.writer.method,
@@ -402,7 +404,7 @@ class Pipeline:
         keep = {*self.live_rids[ns], rid}
 
         def validate(meta: bytes, sizes: dict[tuple[int, int], int] | None) -> Dump:
-            return validate_dump(
+            dump = validate_dump(
                 rid_dir,
                 meta,
                 rid=rid,
@@ -412,6 +414,8 @@ class Pipeline:
                 row_bytes=cfg.model.row_bytes,
                 sizes=sizes,
             )
+            self.final_states.accept(dump.meta.final_state)  # one kind per dataset
+            return dump
 
         def look() -> Dump | None:
             found = read_dump(rid_dir)
@@ -450,6 +454,7 @@ class Pipeline:
             hidden_size=self.config.model.hidden_size,
             aux_layers=self.config.model.aux_layers,
             has_loss_mask=sample.loss_mask is not None,
+            final_state=dump.meta.final_state,
         )
         job = WriteJob(
             sample,
