@@ -26,6 +26,30 @@ ACCEPTED_VERSIONS = (1, 2)
 POST_NORM = "post_norm"
 PRE_NORM = "pre_norm"
 FINAL_STATES = (POST_NORM, PRE_NORM)
+# The final norm's kind (provenance.json final_norm): RMSNorm scaling by its stored w
+# (Llama, Qwen2/3, DeepSeek, ...) or by 1 + w (Gemma, Qwen3.5/Qwen3-Next).
+RMS = "rms"
+RMS_ONE_PLUS = "rms_one_plus"
+NORM_KINDS = (RMS, RMS_ONE_PLUS)
+# Hugging Face model_type values (config.json or its text_config) whose norm is 1 + w.
+ONE_PLUS_MODEL_TYPES = frozenset(
+    {
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+    }
+)
+
+
+def final_norm_kind(model_type: object) -> str:
+    return RMS_ONE_PLUS if model_type in ONE_PLUS_MODEL_TYPES else RMS
+
 
 NS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 RID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"

@@ -30,13 +30,10 @@ from hsx_async import __version__
 from hsx_async.config import Config, flatten_public
 from hsx_async.dataset.durable import write_atomic
 from hsx_async.errors import DatasetError, DumpError
-from hsx_async.protocol import POST_NORM, PROTOCOL_VERSION, parse_final_state
+from hsx_async.protocol import NORM_KINDS, POST_NORM, PROTOCOL_VERSION, parse_final_state
 
 PROVENANCE = "provenance.json"
 _CHUNK = 8 << 20
-# Final-norm kinds: RMSNorm scaling by w (Llama, Qwen2/3, DeepSeek, ...) or by 1 + w
-# (Gemma, Qwen3.5/Qwen3-Next).
-NORM_KINDS = ("rms", "rms_one_plus")
 # Keys a later rewrite of provenance.json keeps (learnt during a run, not from the config).
 _LEARNT_KEYS = ("final_state", "final_norm", "input_samples")
 

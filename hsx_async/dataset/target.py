@@ -29,27 +29,11 @@ import orjson
 
 from hsx_async.errors import DatasetError
 from hsx_async.layer_ids import architecture_of, num_layers_of
-from hsx_async.protocol import POST_NORM, PRE_NORM
+from hsx_async.protocol import POST_NORM, PRE_NORM, RMS_ONE_PLUS, final_norm_kind
 
 if TYPE_CHECKING:
     import torch
 
-RMS = "rms"
-RMS_ONE_PLUS = "rms_one_plus"
-# model_type values (config.json, or its text_config) whose RMSNorm scales by 1 + w.
-ONE_PLUS_MODEL_TYPES = frozenset(
-    {
-        "gemma",
-        "gemma2",
-        "gemma3",
-        "gemma3_text",
-        "qwen3_next",
-        "qwen3_5",
-        "qwen3_5_text",
-        "qwen3_5_moe",
-        "qwen3_5_moe_text",
-    }
-)
 # Where checkpoints keep the decoder's final norm, most common first.
 FINAL_NORM_NAMES = (
     "model.norm.weight",
@@ -110,7 +94,7 @@ def describe_target(path: Path, config: Mapping[str, Any]) -> TargetModel:
         architecture=architecture_of(config),
         num_layers=num_layers_of(config),
         hidden_size=hidden if isinstance(hidden, int) else None,
-        norm_kind=RMS_ONE_PLUS if model_type in ONE_PLUS_MODEL_TYPES else RMS,
+        norm_kind=final_norm_kind(model_type),
         norm_eps=float(eps) if isinstance(eps, int | float) else DEFAULT_EPS,
     )
 

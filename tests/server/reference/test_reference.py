@@ -354,6 +354,7 @@ async def test_info_endpoints(shm_root: Path) -> None:
             "hidden_size": TINY_HIDDEN,
             "hsx_aux_layers": list(TINY_AUX_LAYERS),
             "num_hidden_layers": 6,
+            "hsx_final_norm": {"kind": "rms", "eps": 1e-6},
         }
         status, server_info = await client.get("/get_server_info")
         assert status == 200
