@@ -32,7 +32,7 @@ class PassRunner:
         config = HookConfig(
             dump_root=dump_root, aux_layers=engine.aux_layers, model=model_name, server=server_name
         )
-        self._dumper = PrefillDumper(config)
+        self.dumper = PrefillDumper(config)
         # rids of marked requests the scheduler dropped (client gone, pass failed): told to
         # the dumper as aborted at the next pass, as SGLang reports an aborted request.
         # A deque: appended on the event loop, drained in the worker thread.
@@ -49,7 +49,7 @@ class PassRunner:
         ]
         outputs = self._engine.forward(segments)
         views = self._aborted() + [_view(s) for s in slices]
-        report = self._dumper.dump_batch(views, lambda: self._hidden(outputs))
+        report = self.dumper.dump_batch(views, lambda: self._hidden(outputs))
         errors = {r.rid: r.reason for r in report.rejects}
         return [
             SliceResult(kv=out.kv, next_token=out.next_token, error=self._error(s, errors))
