@@ -463,7 +463,7 @@ def plan_conversion(
     Only an explicit ``--model`` is trusted with the norm: the directory provenance names
     may have changed since the run."""
     want = WANTED_FINAL_STATE[fmt]
-    if facts.final_state == want:
+    if facts.final_state == want or facts.aux_layers is None:  # nothing to convert
         return FinalConversion(want)
     if target is None or not model_given:
         raise DatasetError(
@@ -662,9 +662,13 @@ def write_hf_dataset(dest: Path) -> None:
     work = dest / f"{TMP_PREFIX}datasets"
     shutil.rmtree(work, ignore_errors=True)
     try:
-        built = datasets.Dataset.from_json(
-            str(dest / SPECULATORS_ROWS), features=features, cache_dir=str(work / "cache")
-        )
+        rows = dest / SPECULATORS_ROWS
+        if rows.stat().st_size == 0:  # Arrow's JSON reader refuses an empty file
+            built = datasets.Dataset.from_dict({k: [] for k in features}, features=features)
+        else:
+            built = datasets.Dataset.from_json(
+                str(rows), features=features, cache_dir=str(work / "cache")
+            )
         built.set_format("torch")
         built.save_to_disk(str(work / "saved"))
         del built

@@ -422,3 +422,13 @@ def test_one_export_at_a_time_per_destination(tmp_path: Path) -> None:
     (dest / export.EXPORT_INFO).write_bytes(b"{torn")
     with pytest.raises(DatasetError, match="not valid JSON"):
         export_dataset(src, dest, fmt="specforge")
+
+
+def test_an_empty_dataset_exports_to_nothing(tmp_path: Path) -> None:
+    src = tmp_path / "out"
+    src.mkdir()
+    (src / f"{MANIFEST}.jsonl").touch()
+    for fmt in ("specforge", "speculators"):
+        result = export_dataset(src, tmp_path / fmt, fmt=fmt)
+        assert (result.total, result.written) == (0, 0)
+        assert result.ids_line == "the dataset is empty: no aux layers to name"
