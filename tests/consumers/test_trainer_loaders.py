@@ -156,6 +156,7 @@ def test_specforge_loader_and_teacher_give_the_models_logits(exports: dict[str, 
     for sample in report:
         row = by_ids[tuple(sample["input_ids"])]  # alignment: the same tokens, in order
         t = len(row["input_ids"])
+        assert sample["shifted_ids"] == [*row["input_ids"][1:], 0]  # SpecForge's own shift
         assert sample["hidden_state_shape"] == [1, t, 3 * 256]
         assert sample["target_shape"] == [1, t, 256]
         assert sample["dtypes"] == ["torch.bfloat16", "torch.bfloat16"]

@@ -7,8 +7,10 @@ trainer's teacher logits are from the target model's own (a Hugging Face forward
 same directory):
 
 - SpecForge: ``build_offline_reader`` → ``load_feature_file`` → ``normalize_offline_sample``
-  → ``DataCollatorWithPadding``, teacher ``TargetHead.from_pretrained`` (its LM head on the
-  ``target`` tensor, which is the post-norm state);
+  → ``DataCollatorWithPadding``, teacher ``TargetHead.from_pretrained`` applied by the
+  training step's ``_prepare_eagle_target`` (its one-token shift, then the LM head on the
+  ``target`` tensor, which is the post-norm state); its loss (``core/loss.py``) is a Triton
+  kernel and is not run;
 - speculators: ``ArrowDataset`` (``load_from_disk`` + ``FileTransfer``) → ``CollateFn``,
   teacher ``Eagle3DraftModel.from_training_args`` (``verifier_lm_head(verifier_norm(x))``
   on ``verifier_last_hidden_states``, the forward's target computation), and the draft
@@ -53,6 +55,7 @@ def specforge_report(root: Path, model_dir: Path, model: Any) -> list[dict[str, 
     )
     from specforge.modeling.target.target_head import TargetHead
     from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.training.strategies.base import _prepare_eagle_target
 
     refs = build_offline_reader(str(root), run_id="hsx", ttt_length=7, max_len=4096).read()
     normalize = build_offline_normalizer(4096)
@@ -65,17 +68,28 @@ def specforge_report(root: Path, model_dir: Path, model: Any) -> list[dict[str, 
         batch = collate([item])
         ids = batch["input_ids"][0]
         with torch.inference_mode():
-            teacher = head(batch["target"])[0]
+            # The training step's own teacher: TargetHead's shift, then its LM head.
+            shifted_ids, teacher, _ = _prepare_eagle_target(
+                target_head=head,
+                target_repr="hidden_state",
+                input_ids=batch["input_ids"],
+                target=batch["target"],
+                loss_mask=batch["loss_mask"],
+                device=torch.device("cpu"),
+            )
+        # Position i is taught the distribution after token i + 1 (SpecForge shifts itself).
+        want = hf_logits(model, ids)[1:]
         out.append(
             {
                 "file": ref.feature_store_uri,
                 "input_ids": ids.tolist(),
+                "shifted_ids": shifted_ids[0].tolist(),
                 "loss_mask": batch["loss_mask"][0].flatten().tolist(),
                 "raw_loss_mask": raw["loss_mask"].tolist(),
                 "hidden_state_shape": list(batch["hidden_state"].shape),
                 "target_shape": list(batch["target"].shape),
                 "dtypes": [str(batch["hidden_state"].dtype), str(batch["target"].dtype)],
-                "teacher": logit_error(teacher, hf_logits(model, ids)),
+                "teacher": logit_error(teacher[0, :-1], want),
             }
         )
     return out
