@@ -1,4 +1,4 @@
-"""The hsx protocol, version 1 (``PROTOCOL.md``): names, patterns and dump checks.
+"""The hsx protocol, version 2 (``PROTOCOL.md``): names, patterns and dump checks.
 
 Pure functions only: nothing here touches a socket or a file. The client, the built-in
 servers and the SGLang hook all import this module, so a rule lives in exactly one place.
@@ -16,7 +16,40 @@ import orjson
 
 from hsx_async.errors import DumpError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+# Versions a client accepts in meta.json: version 1 differs only in having no final_state.
+ACCEPTED_VERSIONS = (1, 2)
+
+# Which final hidden state the last layer slot holds (PROTOCOL §3): the output of the
+# model's final norm (the LM head's input, what SGLang's logits processor sees), or the
+# residual stream entering it. Version-1 dumps and datasets name none: post-norm.
+POST_NORM = "post_norm"
+PRE_NORM = "pre_norm"
+FINAL_STATES = (POST_NORM, PRE_NORM)
+# The final norm's kind (provenance.json final_norm): RMSNorm scaling by its stored w
+# (Llama, Qwen2/3, DeepSeek, ...) or by 1 + w (Gemma, Qwen3.5/Qwen3-Next).
+RMS = "rms"
+RMS_ONE_PLUS = "rms_one_plus"
+NORM_KINDS = (RMS, RMS_ONE_PLUS)
+# Hugging Face model_type values (config.json or its text_config) whose norm is 1 + w.
+ONE_PLUS_MODEL_TYPES = frozenset(
+    {
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "qwen3_next",
+        "qwen3_5",
+        "qwen3_5_text",
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+    }
+)
+
+
+def final_norm_kind(model_type: object) -> str:
+    return RMS_ONE_PLUS if model_type in ONE_PLUS_MODEL_TYPES else RMS
+
 
 NS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 RID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -101,6 +134,7 @@ class DumpMeta:
     parts: tuple[tuple[int, int], ...]
     model: str
     server: str
+    final_state: str = POST_NORM
 
     def to_json(self) -> bytes:
         return orjson.dumps(
@@ -114,6 +148,7 @@ class DumpMeta:
                 "parts": [list(p) for p in self.parts],
                 "model": self.model,
                 "server": self.server,
+                "final_state": self.final_state,
             }
         )
 
@@ -133,8 +168,10 @@ def parse_meta(data: bytes) -> DumpMeta:
         raise DumpError(f"meta.json is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise DumpError("meta.json is not a JSON object")
-    if type(raw.get("protocol")) is not int or raw.get("protocol") != PROTOCOL_VERSION:
-        raise DumpError(f"meta.json protocol is {raw.get('protocol')!r}, expected 1")
+    if type(raw.get("protocol")) is not int or raw.get("protocol") not in ACCEPTED_VERSIONS:
+        raise DumpError(
+            f"meta.json protocol is {raw.get('protocol')!r}, expected one of {ACCEPTED_VERSIONS}"
+        )
     if raw.get("dtype") != DTYPE:
         raise DumpError(f"meta.json dtype is {raw.get('dtype')!r}, expected {DTYPE!r}")
     layers = raw.get("aux_layers")
@@ -159,7 +196,17 @@ def parse_meta(data: bytes) -> DumpMeta:
         parts=tuple(parts),
         model=str(raw.get("model", "")),
         server=str(raw.get("server", "")),
+        final_state=parse_final_state(raw.get("final_state"), "meta.json final_state"),
     )
+
+
+def parse_final_state(value: object, where: str) -> str:
+    """``post_norm`` or ``pre_norm``; absent (None) means post-norm (version 1)."""
+    if value is None:
+        return POST_NORM
+    if value not in FINAL_STATES:
+        raise DumpError(f"{where} is {value!r}, expected one of {', '.join(FINAL_STATES)}")
+    return str(value)
 
 
 def check_meta(

@@ -226,7 +226,7 @@ def test_meta_json_round_trips(
     parts, n = tiling
     meta = DumpMeta(rid, n, hidden, tuple(layers), tuple(parts), model, "srv")
     raw = orjson.loads(meta.to_json())
-    assert raw["protocol"] == 1
+    assert raw["protocol"] == 2
     assert raw["dtype"] == "bfloat16"
     assert parse_meta(meta.to_json()) == meta
     check_meta(meta, rid=rid, num_tokens=n, hidden_size=hidden, aux_layers=layers)
@@ -237,7 +237,9 @@ def test_meta_json_round_trips(
     [
         (b"{", "not valid JSON"),
         (b"[1, 2]", "not a JSON object"),
-        (_meta_json(protocol=2), "protocol is 2"),
+        (_meta_json(protocol=3), "protocol is 3"),
+        (_meta_json(final_state="prenorm"), "final_state is 'prenorm'"),
+        (_meta_json(final_state=1), "final_state is 1"),
         (_meta_json(protocol=None), "protocol is None"),
         (_meta_json(dtype="float16"), "dtype is 'float16'"),
         (_meta_json(aux_layers=[2, "5"]), "aux_layers"),
@@ -255,6 +257,15 @@ def test_meta_json_round_trips(
 def test_parse_meta_rejects(data: bytes, match: str) -> None:
     with pytest.raises(DumpError, match=match):
         parse_meta(data)
+
+
+def test_version_1_meta_means_post_norm_and_pre_norm_is_kept() -> None:
+    raw = orjson.loads(_meta().to_json())
+    raw["protocol"] = 1
+    del raw["final_state"]
+    assert parse_meta(orjson.dumps(raw)).final_state == "post_norm"
+    raw.update(protocol=2, final_state="pre_norm")
+    assert parse_meta(orjson.dumps(raw)).final_state == "pre_norm"
 
 
 def test_parse_meta_defaults_model_and_server() -> None:

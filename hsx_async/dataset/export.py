@@ -33,15 +33,34 @@ Formats, matched against the trainers' own code (read, not copied):
     (``src/speculators/data_generation/preprocessing.py``: columns ``input_ids``,
     ``loss_mask`` (int64) and ``seq_len``). hsx's ``hidden_states`` is that tensor
     unchanged. Row ``idx`` of ``samples.jsonl`` holds those three columns (plus ``hsx_id``)
-    for ``hs_{idx}``; speculators reads them from a HuggingFace ``datasets`` directory,
-    which ``Dataset.from_json(...)`` + ``save_to_disk`` builds (see the command's output).
+    for ``hs_{idx}``; speculators reads them from a HuggingFace ``datasets`` directory
+    (``load_from_disk(<data>)``), which the export writes into the destination itself
+    (``datasets`` is the ``speculators`` extra), plus ``token_freq.pt`` (``train/cli.py``,
+    ``vocab_mapping.save_token_frequency_distribution``: ``torch.save`` of ``{token id:
+    count}`` over the tokens whose ``loss_mask`` is 1) that ``--draft-vocab-size`` needs.
+
+The final state (the last layer slot). SpecForge takes it as the LM head's input (post-norm)
+and applies only the head; speculators 0.9.0 takes it as the *pre*-norm state and applies
+``lm_head(norm(x))`` with the verifier's own norm (``models/eagle3/core.py``). A dataset
+records which kind it holds (PROTOCOL §4); where it differs from the trainer's, the export
+converts it with the final norm read from ``--model`` (:mod:`.target`), and refuses without
+one rather than hand a trainer a wrong target. ``hsx-export.json`` records the kind written,
+so an old, unconverted speculators export is never silently extended.
+
+Both formats get ``draft-config.json``: the ``eagle_config`` block of the drafter's config
+with ``eagle_aux_hidden_state_layer_ids`` in SGLang's (and SpecForge's) numbering for the
+target's family (:mod:`hsx_async.layer_ids`), so serving captures exactly the dataset's
+layers; SpecForge additionally needs exactly 3 aux layers (``llama3_eagle.py``), so a
+SpecForge export of any other number is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,12 +68,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import orjson
 
-from hsx_async.dataset.durable import exclusive_lock, write_durably
+from hsx_async.dataset.durable import exclusive_lock, fsync_dir, fsync_file, write_durably
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import AppendLog, ManifestEntry, read_log, read_manifest
-from hsx_async.errors import DatasetError
+from hsx_async.dataset.provenance import dataset_final_state, read_provenance
+from hsx_async.dataset.target import (
+    TargetModel,
+    convert_final,
+    final_norm_weight,
+    norm_gain,
+    read_target,
+)
+from hsx_async.errors import DatasetError, DumpError
+from hsx_async.layer_ids import DraftIds, draft_ids
+from hsx_async.protocol import POST_NORM, PRE_NORM, parse_final_state
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +96,11 @@ SPECFORGE_GROUP_SIZE = 2000  # SpecForge's --file-group-size default
 EXPORT_LOG = "hsx-export.jsonl"
 EXPORT_INFO = "hsx-export.json"
 SPECULATORS_ROWS = "samples.jsonl"
+TOKEN_FREQ = "token_freq.pt"
+DRAFT_CONFIG = "draft-config.json"
+# The final-state kind each trainer reads from the last layer slot (module docstring).
+WANTED_FINAL_STATE = {SPECFORGE: POST_NORM, SPECULATORS: PRE_NORM}
+SPECFORGE_AUX_LAYERS = 3
 TMP_PREFIX = ".hsx-tmp-"
 LOCK_NAME = ".hsx-export.lock"
 
@@ -121,6 +156,8 @@ class ExportResult:
     skipped: int
     bytes_written: int
     seconds: float
+    ids_line: str = ""  # the draft-config ids for the target's family (DraftIds.describe)
+    converted: bool = False  # the final state was converted with the model's final norm
 
 
 def _record(raw: Any, where: str) -> ExportRecord:
@@ -155,8 +192,15 @@ def assign_indices(ids: Sequence[str], done: dict[str, ExportRecord]) -> dict[st
 
 
 def _claim(dest: Path, fmt: str, group_size: int, out_dir: Path) -> None:
-    """Record what this directory is an export of; refuse to mix formats in one directory."""
-    info = {"format": fmt, "file_group_size": group_size, "source": str(out_dir.resolve())}
+    """Record what this directory is an export of; refuse to mix formats, or final-state
+    kinds, in one directory."""
+    want = WANTED_FINAL_STATE[fmt]
+    info = {
+        "format": fmt,
+        "file_group_size": group_size,
+        "source": str(out_dir.resolve()),
+        "final_state": want,
+    }
     path = dest / EXPORT_INFO
     if path.exists():
         try:
@@ -167,6 +211,13 @@ def _claim(dest: Path, fmt: str, group_size: int, out_dir: Path) -> None:
             raise DatasetError(
                 f"{dest} holds a {old.get('format')} export (file_group_size "
                 f"{old.get('file_group_size')}); export to another --to directory"
+            )
+        # Exports before hsx recorded the kind wrote the stored (post-norm) state as is.
+        if old.get("final_state", POST_NORM) != want:
+            raise DatasetError(
+                f"{dest} holds a {fmt} export with the {old.get('final_state', POST_NORM)} "
+                f"final state, but {fmt} reads the {want} one (an export made before hsx "
+                "converted it trains on wrong teacher logits); export into a new --to directory"
             )
         return
     _write_durably(path, lambda tmp: tmp.write_bytes(orjson.dumps(info) + b"\n"))
@@ -179,17 +230,36 @@ def _write_durably(final: Path, write: Callable[[Path], object]) -> int:
     return final.stat().st_size
 
 
-def _specforge_record(sample_path: Path, entry: ManifestEntry) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class FinalConversion:
+    """How to turn each sample's final state into the kind the trainer reads."""
+
+    want: str
+    gain: torch.Tensor | None = None  # the final norm's per-channel factor, when known
+    eps: float = 0.0
+
+    def apply(self, header_meta: dict[str, str], final: torch.Tensor) -> torch.Tensor:
+        try:
+            have = parse_final_state(header_meta.get("final_state"), "sample final_state")
+        except DumpError as exc:
+            raise DatasetError(str(exc)) from None
+        return convert_final(final, have, self.want, self.gain, self.eps)
+
+
+def _specforge_record(
+    sample_path: Path, entry: ManifestEntry, conv: FinalConversion
+) -> dict[str, torch.Tensor]:
     import torch  # noqa: PLC0415 - torch stays out of hsx --help
 
     from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
 
-    _, stored = dataset.read_tensors(
+    header, stored = dataset.read_tensors(
         sample_path,
         (dataset.INPUT_IDS, dataset.HIDDEN_STATES, dataset.LOSS_MASK),
         num_tokens=entry.num_tokens,
     )
     final, aux = dataset.split_layers(stored[dataset.HIDDEN_STATES])
+    final = conv.apply(header.metadata, final)
     mask = stored.get(dataset.LOSS_MASK)
     # clone(): torch.save writes a tensor's whole storage, and these views share the
     # mapping of the entire sample file.
@@ -206,15 +276,19 @@ def _specforge_record(sample_path: Path, entry: ManifestEntry) -> dict[str, torc
     }
 
 
-def _write_specforge(sample_path: Path, entry: ManifestEntry, tmp: Path) -> None:
+def _write_specforge(
+    sample_path: Path, entry: ManifestEntry, conv: FinalConversion, tmp: Path
+) -> None:
     import torch  # noqa: PLC0415 - torch stays out of hsx --help
 
-    record = _specforge_record(sample_path, entry)
+    record = _specforge_record(sample_path, entry, conv)
     with tmp.open("wb") as fh:
         torch.save(record, fh)
 
 
-def _write_speculators(sample_path: Path, entry: ManifestEntry, tmp: Path) -> None:
+def _write_speculators(
+    sample_path: Path, entry: ManifestEntry, conv: FinalConversion, tmp: Path
+) -> None:
     from safetensors.torch import save_file  # noqa: PLC0415 - torch stays out of hsx --help
 
     from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
@@ -222,11 +296,17 @@ def _write_speculators(sample_path: Path, entry: ManifestEntry, tmp: Path) -> No
     header, stored = dataset.read_tensors(
         sample_path, (dataset.INPUT_IDS, dataset.HIDDEN_STATES), num_tokens=entry.num_tokens
     )
-    tensors = {
-        "hidden_states": stored[dataset.HIDDEN_STATES],  # [T, L, H] as stored, no copy
-        "token_ids": stored[dataset.INPUT_IDS].clone(),
+    hidden = stored[dataset.HIDDEN_STATES]  # [T, L, H] as stored, no copy
+    final = conv.apply(header.metadata, hidden[:, -1])
+    if final.data_ptr() != hidden[:, -1].data_ptr():  # converted: a new tensor
+        hidden = hidden.clone()
+        hidden[:, -1] = final
+    tensors = {"hidden_states": hidden, "token_ids": stored[dataset.INPUT_IDS].clone()}
+    meta = {
+        "hsx_id": canonical_id(entry.id),
+        "aux_layers": header.metadata.get("aux_layers", ""),
+        "final_state": conv.want,
     }
-    meta = {"hsx_id": canonical_id(entry.id), "aux_layers": header.metadata.get("aux_layers", "")}
     save_file(tensors, str(tmp), metadata=meta)
 
 
@@ -281,6 +361,7 @@ class _Run:
     group_size: int
     done: dict[str, ExportRecord]
     indices: dict[str, int]
+    conv: FinalConversion
     written: int = 0
     skipped: int = 0
     nbytes: int = 0
@@ -292,12 +373,145 @@ class _Run:
             return
         write = _write_specforge if self.fmt == SPECFORGE else _write_speculators
         source = self.out_dir / entry.path
-        size = _write_durably(self.dest / rel, functools.partial(write, source, entry))
+        size = _write_durably(self.dest / rel, functools.partial(write, source, entry, self.conv))
         log.append(
             [ExportRecord(self.indices[sample_id], sample_id, rel, size, entry.xxh3_64).to_line()]
         )
         self.written += 1
         self.nbytes += size
+
+
+@dataclass(frozen=True)
+class DatasetFacts:
+    """What the export must know of the dataset before writing anything."""
+
+    aux_layers: tuple[int, ...] | None
+    hidden_size: int | None
+    final_state: str  # the kind the samples hold (post-norm for version-1 datasets)
+    provenance: dict[str, Any] | None
+
+
+def dataset_facts(out_dir: Path, entries: Sequence[ManifestEntry]) -> DatasetFacts:
+    """Aux layers, hidden size and final-state kind, from provenance.json or else the first
+    sample's header (a dataset merged from parts may have no provenance)."""
+    from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
+
+    prov = read_provenance(out_dir)
+    kind = dataset_final_state(prov)
+    aux = prov.get("aux_layers") if prov else None
+    hidden = prov.get("hidden_size") if prov else None
+    if entries and (kind is None or aux is None or hidden is None):
+        header = dataset.read_header(out_dir / entries[0].path, num_tokens=entries[0].num_tokens)
+        aux = aux if aux is not None else list(header.aux_layers)
+        hidden = hidden if hidden is not None else header.hidden_size
+        if kind is None:
+            try:
+                kind = parse_final_state(header.metadata.get("final_state"), "final_state")
+            except DumpError as exc:
+                raise DatasetError(f"{header.path}: {exc}") from None
+    return DatasetFacts(
+        aux_layers=tuple(aux) if isinstance(aux, list) else None,
+        hidden_size=hidden if isinstance(hidden, int) else None,
+        final_state=kind or POST_NORM,
+        provenance=prov,
+    )
+
+
+def find_target(model: Path | None, facts: DatasetFacts) -> TargetModel | None:
+    """``--model``, else the model directory provenance.json names, when it is one here."""
+    if model is not None:
+        return read_target(model)
+    served = (facts.provenance or {}).get("model")
+    if isinstance(served, str) and served and (Path(served) / "config.json").is_file():
+        try:
+            return read_target(Path(served))
+        except DatasetError:
+            return None
+    return None
+
+
+def plan_conversion(
+    fmt: str, facts: DatasetFacts, target: TargetModel | None, model_given: bool
+) -> FinalConversion:
+    """The final-state conversion ``fmt`` needs; refuses when the norm is not known.
+
+    Only an explicit ``--model`` is trusted with the norm: the directory provenance names
+    may have changed since the run."""
+    want = WANTED_FINAL_STATE[fmt]
+    if facts.final_state == want or facts.aux_layers is None:  # nothing to convert
+        return FinalConversion(want)
+    if target is None or not model_given:
+        raise DatasetError(
+            f"--format {fmt} reads the {want} final state but the dataset holds the "
+            f"{facts.final_state} one: give --model PATH (the target model's local Hugging "
+            "Face directory) so hsx can convert it with the model's final norm"
+        )
+    weight = final_norm_weight(target)
+    if facts.hidden_size is not None and weight.shape[0] != facts.hidden_size:
+        raise DatasetError(
+            f"--model {target.path} has hidden size {weight.shape[0]}, the dataset "
+            f"{facts.hidden_size}: give the model the dataset was made from"
+        )
+    return FinalConversion(want, norm_gain(weight, target.norm_kind), target.norm_eps)
+
+
+def check_aux_count(fmt: str, facts: DatasetFacts) -> None:
+    """SpecForge's EAGLE-3 drafter takes exactly 3 aux layers; refuse before writing."""
+    if fmt != SPECFORGE or facts.aux_layers is None:
+        return
+    if len(facts.aux_layers) != SPECFORGE_AUX_LAYERS:
+        raise DatasetError(
+            f"SpecForge 0.2.0 trains EAGLE-3 on exactly {SPECFORGE_AUX_LAYERS} aux layers, "
+            f"the dataset has {len(facts.aux_layers)} ({list(facts.aux_layers)}): extract "
+            "again with 3 [model].aux_layers, or use --format speculators"
+        )
+
+
+def draft_ids_for(target: TargetModel | None, facts: DatasetFacts) -> DraftIds | None:
+    if facts.aux_layers is None:
+        return None
+    if target is None or target.architecture is None or target.num_layers is None:
+        return None
+    return draft_ids(target.architecture, facts.aux_layers, target.num_layers)
+
+
+def describe_ids(ids: DraftIds | None, facts: DatasetFacts) -> str:
+    """The ids line ``hsx export`` prints (and ``draft-config.json`` keeps)."""
+    if facts.aux_layers is None:
+        return "the dataset is empty: no aux layers to name"
+    if ids is None:
+        return (
+            "draft-config ids unknown: give --model PATH (the target's Hugging Face "
+            "directory) so hsx knows the model family"
+        )
+    return ids.describe(facts.aux_layers)
+
+
+def draft_config(fmt: str, ids: DraftIds | None, facts: DatasetFacts) -> dict[str, Any]:
+    """``draft-config.json``: the drafter config's ``eagle_config`` block (SGLang and
+    SpecForge read ``eagle_config.eagle_aux_hidden_state_layer_ids``) and what it means."""
+    aux = list(facts.aux_layers or ())
+    expressible = ids is not None and ids.ids is not None
+    about: dict[str, Any] = {
+        "aux_layers": aux,
+        "numbering": "hsx aux layer k is the residual stream entering decoder layer k "
+        "(Hugging Face hidden_states[k]); eagle_aux_hidden_state_layer_ids are in SGLang "
+        "0.5.23's draft-config numbering for the target's family, which SpecForge uses too",
+        "architecture": None if ids is None else ids.architecture,
+        "rule": None if ids is None else ids.rule,
+        "ids_line": describe_ids(ids, facts),
+        "final_state": WANTED_FINAL_STATE[fmt],
+    }
+    if fmt == SPECULATORS:
+        # speculators' --target-layer-ids (and vLLM's ids) count like hsx: hidden_states[k].
+        about["speculators_target_layer_ids"] = aux
+    return {
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(ids.ids) if expressible else None,  # type: ignore[union-attr, arg-type]
+            "use_aux_hidden_state": True,
+        },
+        "hsx": about,
+    }
 
 
 def export_dataset(
@@ -306,6 +520,7 @@ def export_dataset(
     *,
     fmt: str,
     file_group_size: int = SPECFORGE_GROUP_SIZE,
+    model: Path | None = None,
     progress: Progress | None = None,
 ) -> ExportResult:
     """Export every sample of ``out_dir`` (all shards) into ``dest`` in format ``fmt``."""
@@ -314,17 +529,25 @@ def export_dataset(
     _check_args(out_dir, dest, fmt, file_group_size)
     started = time.monotonic()
     entries = select_entries(read_manifest(out_dir))
-    ids = [canonical_id(e.id) for e in entries]
+    facts = dataset_facts(out_dir, entries)
+    check_aux_count(fmt, facts)
+    target = find_target(model, facts)
+    conv = plan_conversion(fmt, facts, target, model is not None)
+    ids_answer = draft_ids_for(target, facts)
+    sample_ids = [canonical_id(e.id) for e in entries]
     dest.mkdir(parents=True, exist_ok=True)
     with _exclusive(dest):
         _claim(dest, fmt, file_group_size, out_dir)
         _remove_stale_temps(dest)
         done = read_export_log(dest)
-        _check_stale(done, set(ids), dest)
-        run = _Run(out_dir, dest, fmt, file_group_size, done, assign_indices(ids, done))
+        _check_stale(done, set(sample_ids), dest)
+        indices = assign_indices(sample_ids, done)
+        run = _Run(out_dir, dest, fmt, file_group_size, done, indices, conv)
         log = AppendLog(dest / EXPORT_LOG)
         try:
-            for count, (entry, sample_id) in enumerate(zip(entries, ids, strict=True), start=1):
+            for count, (entry, sample_id) in enumerate(
+                zip(entries, sample_ids, strict=True), start=1
+            ):
                 run.sample(entry, sample_id, log)
                 if progress is not None:
                     progress(count, len(entries))
@@ -332,19 +555,35 @@ def export_dataset(
             log.close()
         if fmt == SPECULATORS:
             write_speculators_rows(out_dir, dest, entries, run.indices)
-    seconds = time.monotonic() - started
-    return ExportResult(fmt, dest, len(entries), run.written, run.skipped, run.nbytes, seconds)
+            write_hf_dataset(dest)
+        snippet = orjson.dumps(draft_config(fmt, ids_answer, facts), option=orjson.OPT_INDENT_2)
+        _write_durably(dest / DRAFT_CONFIG, lambda tmp: tmp.write_bytes(snippet + b"\n"))
+    return ExportResult(
+        fmt,
+        dest,
+        len(entries),
+        run.written,
+        run.skipped,
+        run.nbytes,
+        time.monotonic() - started,
+        ids_line=describe_ids(ids_answer, facts),
+        converted=conv.gain is not None,
+    )
 
 
 def write_speculators_rows(
     out_dir: Path, dest: Path, entries: Sequence[ManifestEntry], indices: dict[str, int]
 ) -> None:
-    """``samples.jsonl``: row ``i`` = input_ids, loss_mask, seq_len of ``hs_i``."""
+    """``samples.jsonl`` (row ``i`` = input_ids, loss_mask, seq_len of ``hs_i``) and
+    ``token_freq.pt`` (counts of the tokens under ``loss_mask == 1``), in one pass."""
+    import torch  # noqa: PLC0415 - torch stays out of hsx --help
+
     from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
 
     order = sorted(entries, key=lambda e: indices[canonical_id(e.id)])
     if [indices[canonical_id(e.id)] for e in order] != list(range(len(order))):
         raise DatasetError(f"{dest}: export indices have gaps; export into an empty directory")
+    counts: collections.Counter[int] = collections.Counter()
 
     def rows(tmp: Path) -> None:
         with tmp.open("wb") as fh:
@@ -354,23 +593,85 @@ def write_speculators_rows(
                     (dataset.INPUT_IDS, dataset.LOSS_MASK),
                     num_tokens=entry.num_tokens,
                 )
+                ids, mask = sample[dataset.INPUT_IDS], sample[dataset.LOSS_MASK]
+                tokens, n = np.unique(ids[mask.to(torch.bool)].numpy(), return_counts=True)
+                counts.update(dict(zip(tokens.tolist(), n.tolist(), strict=True)))
                 row = {
-                    "input_ids": sample[dataset.INPUT_IDS].tolist(),
-                    "loss_mask": sample[dataset.LOSS_MASK].tolist(),
+                    "input_ids": ids.tolist(),
+                    "loss_mask": mask.tolist(),
                     "seq_len": entry.num_tokens,
                     "hsx_id": canonical_id(entry.id),
                 }
                 fh.write(orjson.dumps(row) + b"\n")
 
     _write_durably(dest / SPECULATORS_ROWS, rows)
+    freq = dict(counts)
+
+    def save_freq(tmp: Path) -> None:
+        with tmp.open("wb") as fh:
+            torch.save(freq, fh)
+
+    _write_durably(dest / TOKEN_FREQ, save_freq)
+
+
+def write_hf_dataset(dest: Path) -> None:
+    """The Hugging Face ``datasets`` directory speculators loads with ``load_from_disk``:
+    built from ``samples.jsonl`` (streamed by Arrow, not held in memory) in a temporary
+    directory, then its files moved into ``dest`` (fsynced, renamed, directory synced)."""
+    try:
+        import datasets  # noqa: PLC0415 - an optional, slow import
+    except ImportError:
+        raise DatasetError(
+            "--format speculators writes a Hugging Face datasets directory: install the "
+            "extra with pip install 'hsx_async[speculators]'"
+        ) from None
+    datasets.disable_progress_bars()  # hsx export reports its own progress
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int64")),
+            "loss_mask": datasets.Sequence(datasets.Value("int64")),
+            "seq_len": datasets.Value("int64"),
+            "hsx_id": datasets.Value("string"),
+        }
+    )
+    work = dest / f"{TMP_PREFIX}datasets"
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        rows = dest / SPECULATORS_ROWS
+        if rows.stat().st_size == 0:  # Arrow's JSON reader refuses an empty file
+            built = datasets.Dataset.from_dict({k: [] for k in features}, features=features)
+        else:
+            built = datasets.Dataset.from_json(
+                str(rows), features=features, cache_dir=str(work / "cache")
+            )
+        built.set_format("torch")
+        built.save_to_disk(str(work / "saved"))
+        del built
+        _move_into(work / "saved", dest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _move_into(saved: Path, dest: Path) -> None:
+    """Each file of a saved ``datasets`` directory renamed into ``dest``, durably; Arrow
+    shards of an earlier, larger export removed."""
+    names = sorted(p.name for p in saved.iterdir())
+    for old in dest.glob("data-*.arrow"):
+        if old.name not in names:
+            old.unlink()
+    for name in names:
+        fsync_file(saved / name)
+        (saved / name).replace(dest / name)
+    fsync_dir(dest)
 
 
 _SPECULATORS_HINT = """\
-speculators reads input_ids/loss_mask/seq_len from a HuggingFace datasets directory; build it
-next to hidden_states/ with:
-  python -c "import datasets; d = datasets.Dataset.from_json('{rows}'); \
-d.set_format('torch'); d.save_to_disk('{dest}')"
-then train with --data-path {dest}"""
+speculators: train with --data-path {dest} (the datasets directory, hidden_states/ and
+token_freq.pt, so --draft-vocab-size takes effect), --verifier-name-or-path the target model
+and --target-layer-ids {aux} (speculators and vLLM count layers as hsx does)"""
+_SPECFORGE_HINT = """\
+specforge: train offline on {dest} (its hidden-states directory) and copy the eagle_config
+block of {snippet} into the drafter's config.json"""
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -383,6 +684,7 @@ def _run(args: argparse.Namespace) -> int:
         args.dest,
         fmt=args.format,
         file_group_size=args.file_group_size,
+        model=args.model,
         progress=report,
     )
     print(
@@ -390,8 +692,16 @@ def _run(args: argparse.Namespace) -> int:
         f"written ({result.bytes_written / 1e9:.2f} GB), {result.skipped} already there, "
         f"{result.seconds:.1f} s"
     )
+    if result.converted:
+        want = WANTED_FINAL_STATE[result.fmt]
+        print(f"final state converted to {want} with the final norm of --model")
+    print(f"{result.ids_line}\n  (written to {result.dest / DRAFT_CONFIG})")
     if result.fmt == SPECULATORS:
-        print(_SPECULATORS_HINT.format(rows=result.dest / SPECULATORS_ROWS, dest=result.dest))
+        snippet = orjson.loads((result.dest / DRAFT_CONFIG).read_bytes())
+        aux = ",".join(map(str, snippet["hsx"]["speculators_target_layer_ids"]))
+        print(_SPECULATORS_HINT.format(dest=result.dest, aux=aux))
+    else:
+        print(_SPECFORGE_HINT.format(dest=result.dest, snippet=result.dest / DRAFT_CONFIG))
     return 0
 
 
@@ -414,5 +724,14 @@ def register_cli(subparsers: Any) -> None:
         default=SPECFORGE_GROUP_SIZE,
         metavar="N",
         help="specforge: files per rows_* directory (default: %(default)s, as SpecForge)",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="the target model's local Hugging Face directory: its family gives the "
+        "draft-config ids, its final norm converts the final state where the trainer "
+        "reads the other kind (speculators: pre-norm)",
     )
     parser.set_defaults(handler=_run)

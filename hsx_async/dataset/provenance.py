@@ -4,12 +4,19 @@
 and (once a server answered) the model and server version, plus the config. A resume
 against another input or shape is refused — mixing them would make a dataset whose rows
 mean two different things — unless the operator passes ``--allow-provenance-change``.
+
+It also records which final hidden state the dataset holds (``final_state``, PROTOCOL §4:
+one kind per dataset, learnt from the first dump and enforced on every later one by
+:class:`FinalStateGuard`) and, when the server reports it, the model's final norm
+(``final_norm``: ``{"kind": "rms" | "rms_one_plus", "eps": ...}``), which turns one kind
+into the other.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +27,12 @@ from hsx_async import __version__
 from hsx_async.config import Config, flatten_public
 from hsx_async.dataset.durable import exclusive_lock, write_atomic
 from hsx_async.dataset.manifest import hash_file
-from hsx_async.errors import DatasetError
-from hsx_async.protocol import PROTOCOL_VERSION
+from hsx_async.errors import DatasetError, DumpError
+from hsx_async.protocol import NORM_KINDS, POST_NORM, PROTOCOL_VERSION, parse_final_state
 
 PROVENANCE = "provenance.json"
+# Keys a later rewrite of provenance.json keeps (learnt during a run, not from the config).
+_LEARNT_KEYS = ("final_state", "final_norm", "input_samples")
 
 
 def fingerprint(path: Path) -> dict[str, Any]:
@@ -48,25 +57,33 @@ class Provenance:
     config: dict[str, Any]
     model: str = ""
     server: str = ""
+    final_norm: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        raw: dict[str, Any] = {
+            "protocol": PROTOCOL_VERSION,
+            "hsx": __version__,
+            "input": self.input,
+            "hidden_size": self.hidden_size,
+            "aux_layers": self.aux_layers,
+            "model": self.model,
+            "server": self.server,
+            "config": self.config,
+        }
+        if self.final_norm is not None:
+            raw["final_norm"] = self.final_norm
+        return raw
 
     def to_json(self) -> bytes:
-        return orjson.dumps(
-            {
-                "protocol": PROTOCOL_VERSION,
-                "hsx": __version__,
-                "input": self.input,
-                "hidden_size": self.hidden_size,
-                "aux_layers": self.aux_layers,
-                "model": self.model,
-                "server": self.server,
-                "config": self.config,
-            },
-            option=orjson.OPT_INDENT_2,
-        )
+        return orjson.dumps(self.to_dict(), option=orjson.OPT_INDENT_2)
 
 
 def provenance_for(
-    config: Config, input_fp: dict[str, Any], model: str = "", server: str = ""
+    config: Config,
+    input_fp: dict[str, Any],
+    model: str = "",
+    server: str = "",
+    final_norm: dict[str, Any] | None = None,
 ) -> Provenance:
     return Provenance(
         input=input_fp,
@@ -75,7 +92,34 @@ def provenance_for(
         config={k: _json_safe(v) for k, v in flatten_public(config).items()},
         model=model,
         server=server,
+        final_norm=final_norm,
     )
+
+
+def parse_final_norm(raw: object) -> dict[str, Any] | None:
+    """``{"kind": "rms" | "rms_one_plus", "eps": float}`` as a server or provenance gives
+    it; None for anything else (unknown stays unknown rather than guessed)."""
+    if not isinstance(raw, Mapping):
+        return None
+    kind, eps = raw.get("kind"), raw.get("eps")
+    if kind not in NORM_KINDS or isinstance(eps, bool) or not isinstance(eps, int | float):
+        return None
+    return {"kind": kind, "eps": float(eps)}
+
+
+def dataset_final_state(prov: Mapping[str, Any] | None) -> str | None:
+    """The final-state kind a dataset holds, from its provenance: the recorded kind; a
+    version-1 dataset's is post-norm; None while a new dataset has not seen a dump."""
+    if prov is None:
+        return None
+    if "final_state" in prov:
+        try:
+            return parse_final_state(prov["final_state"], f"{PROVENANCE} final_state")
+        except DumpError as exc:
+            raise DatasetError(str(exc)) from None
+    if prov.get("protocol") == 1:
+        return POST_NORM
+    return None
 
 
 def read_provenance(out_dir: Path) -> dict[str, Any] | None:
@@ -130,17 +174,56 @@ def check_and_record(out_dir: Path, record: Provenance, *, allow_change: bool) -
                 f"{out_dir} belongs to another run: " + "; ".join(problems) + ". Use a new "
                 "output.dir, or pass --allow-provenance-change if this is intended"
             )
-        if not problems and (old.get("model") or not record.model):
+        news_norm = record.final_norm is not None and old.get("final_norm") != record.final_norm
+        if not problems and (old.get("model") or not record.model) and not news_norm:
             return  # nothing new to record
-    write_provenance(out_dir, record.to_json())
+    new = record.to_dict()
+    for key in _LEARNT_KEYS:
+        if old is not None and key in old and key not in new:
+            new[key] = old[key]
+    write_provenance(out_dir, orjson.dumps(new, option=orjson.OPT_INDENT_2))
+
+
+class FinalStateGuard:
+    """One final-state kind per dataset (PROTOCOL §4). The first dump of a new dataset
+    sets it, recorded in ``provenance.json`` before that sample can be written; a dump of
+    another kind fails its attempt. Thread-safe: dumps are validated in several threads."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self._out_dir = out_dir
+        self._kind = dataset_final_state(read_provenance(out_dir))
+        self._lock = threading.Lock()
+
+    @property
+    def kind(self) -> str | None:
+        return self._kind
+
+    def accept(self, kind: str) -> None:
+        if self._kind == kind:
+            return
+        with self._lock:
+            if self._kind is None:
+                _record_key(self._out_dir, "final_state", kind)
+                self._kind = kind
+        if self._kind != kind:
+            raise DumpError(
+                f"the dump holds the {kind} final state but this dataset holds {self._kind} "
+                "(provenance.json final_state); one dataset holds one kind: serve it with "
+                "the same hook, or use a new output.dir"
+            )
+
+
+def _record_key(out_dir: Path, key: str, value: Any) -> None:
+    old = read_provenance(out_dir) or {"protocol": PROTOCOL_VERSION, "hsx": __version__}
+    old[key] = value
+    write_provenance(out_dir, orjson.dumps(old, option=orjson.OPT_INDENT_2))
 
 
 def record_input_count(out_dir: Path, samples: int) -> None:
     """Add the number of input samples (for ``hsx status``) once a run has counted them."""
     old = read_provenance(out_dir)
     if old is not None and old.get("input_samples") != samples:
-        old["input_samples"] = samples
-        write_provenance(out_dir, orjson.dumps(old, option=orjson.OPT_INDENT_2))
+        _record_key(out_dir, "input_samples", samples)
 
 
 @contextlib.contextmanager

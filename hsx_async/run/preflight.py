@@ -21,7 +21,9 @@ import numpy as np
 
 from hsx_async.config import Config, load_config
 from hsx_async.dataset.inspection import human_bytes
-from hsx_async.errors import DumpError, HsxError, RequestError
+from hsx_async.dataset.target import read_config
+from hsx_async.errors import DatasetError, DumpError, HsxError, RequestError
+from hsx_async.layer_ids import architecture_of, draft_ids, num_layers_of
 from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.dump import prepare_namespace, remove_tree, validate_dump, wait_for_meta
 from hsx_async.run.guard import free_bytes
@@ -178,6 +180,29 @@ async def check_servers(config: Config, report: Report) -> None:
                     f"{server.display}: healthy, model {model}, dump path OK "
                     f"(hidden {config.model.hidden_size}, layers {list(config.model.aux_layers)})",
                 )
+            report.add(*draft_ids_line(info, config.model.aux_layers))
+
+
+def draft_ids_line(info: object, aux_layers: tuple[int, ...]) -> tuple[str, str, str]:
+    """The drafter-config ids for the served model's family (from its ``config.json``,
+    found through ``/get_model_info``'s ``model_path``), or what is missing to know them."""
+    path = info.get("model_path") if isinstance(info, dict) else None
+    if not isinstance(path, str) or not (Path(path) / "config.json").is_file():
+        return (
+            "INFO",
+            "draft ids",
+            f"model {path!r} has no config.json here: run hsx export with --model PATH to "
+            "get the drafter's eagle_aux_hidden_state_layer_ids",
+        )
+    try:
+        model_config = read_config(Path(path))
+    except DatasetError as exc:
+        return "WARN", "draft ids", str(exc)
+    arch, layers = architecture_of(model_config), num_layers_of(model_config)
+    if arch is None or layers is None:
+        return "WARN", "draft ids", f"{path}/config.json names no architecture or layer count"
+    ids = draft_ids(arch, aux_layers, layers)
+    return ("INFO" if ids.ids is not None else "WARN"), "draft ids", ids.describe(aux_layers)
 
 
 def run_checks(config: Config) -> Report:

@@ -14,6 +14,7 @@ from hsx_async.dataset.manifest import MANIFEST, QUARANTINE, AppendLog, DoneSet,
 from hsx_async.dataset.provenance import (
     check_and_record,
     fingerprint,
+    parse_final_norm,
     provenance_for,
     read_provenance,
 )
@@ -62,9 +63,13 @@ async def record_server(
     """Put the served model and server version into provenance; refuse another model."""
     server = client.pool.healthy()[0]
     model = version = ""
+    final_norm = None
     with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
         info = await client.get_json(server.url, "/get_model_info")
         model = str(info.get("model_path", "")) if isinstance(info, dict) else ""
+        final_norm = parse_final_norm(
+            info.get("hsx_final_norm") if isinstance(info, dict) else None
+        )
     with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
         info = await client.get_json(server.url, "/get_server_info")
         version = str(info.get("version", "")) if isinstance(info, dict) else ""
@@ -72,5 +77,5 @@ async def record_server(
         return
     out = config.output.dir
     old = await asyncio.to_thread(read_provenance, out) or {}
-    record = provenance_for(config, old.get("input", {}), model, version)
+    record = provenance_for(config, old.get("input", {}), model, version, final_norm)
     await asyncio.to_thread(check_and_record, out, record, allow_change=allow_provenance_change)

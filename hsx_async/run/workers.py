@@ -22,6 +22,7 @@ import structlog
 
 from hsx_async.config import Config
 from hsx_async.dataset.layout import build_layout, data_relpath, sample_key
+from hsx_async.dataset.provenance import FinalStateGuard
 from hsx_async.errors import DumpError, RequestError
 from hsx_async.run.budget import ByteBudget
 from hsx_async.run.client import ServerPool, SGLangClient
@@ -92,6 +93,7 @@ class Workers:
         self._quarantine = quarantine
         self.nonce = nonce  # rids stay unique across restarts
         self.budget = ByteBudget(config.dump.shm_budget)
+        self.final_states = FinalStateGuard(config.output.dir)  # one kind per dataset
         self.intake: asyncio.Queue[Sample | _Eof] = asyncio.Queue(
             maxsize=2 * config.workers.concurrency
         )
@@ -288,6 +290,7 @@ class Workers:
             keep,
             on_tmpfs=bool(self.dump_on_tmpfs),
             to_thread=self.to_thread,
+            final_states=self.final_states,
         )
 
     async def _hand_off(self, sample: Sample, dump: Dump, ns: str, need: int) -> None:
@@ -310,6 +313,7 @@ def write_job(config: Config, sample: Sample, dump: Dump, nonce: str) -> WriteJo
         hidden_size=config.model.hidden_size,
         aux_layers=config.model.aux_layers,
         has_loss_mask=sample.loss_mask is not None,
+        final_state=dump.meta.final_state,
     )
     key = sample_key(sample.id)
     return WriteJob(sample, dump, layout, data_relpath(key), f"s{config.shard.index}-{nonce}")
@@ -323,6 +327,7 @@ async def collect_dump(
     *,
     on_tmpfs: bool,
     to_thread: Callable[..., Awaitable[Any]],
+    final_states: FinalStateGuard,
 ) -> Dump:
     """An attempt's dump, read and validated (waiting for a late ``meta.json``); debris
     in its namespace (every rid but ``keep``) is swept on the way."""
@@ -330,7 +335,7 @@ async def collect_dump(
     rid = rid_dir.name
 
     def validate(meta: bytes, sizes: dict[tuple[int, int], int] | None) -> Dump:
-        return validate_dump(
+        dump = validate_dump(
             rid_dir,
             meta,
             rid=rid,
@@ -340,6 +345,8 @@ async def collect_dump(
             row_bytes=cfg.model.row_bytes,
             sizes=sizes,
         )
+        final_states.accept(dump.meta.final_state)  # one kind per dataset
+        return dump
 
     def look() -> Dump | None:
         found = read_dump(rid_dir)

@@ -11,13 +11,15 @@ import orjson
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hsx_async.cli import main
 from hsx_async.dataset import export
 from hsx_async.dataset.export import (
+    DRAFT_CONFIG,
     EXPORT_LOG,
     SPECULATORS_ROWS,
+    TOKEN_FREQ,
     assign_indices,
     export_dataset,
     read_export_log,
@@ -25,8 +27,35 @@ from hsx_async.dataset.export import (
     speculators_relpath,
 )
 from hsx_async.dataset.manifest import MANIFEST
+from hsx_async.dataset.target import post_from_pre, pre_from_post
 from hsx_async.errors import DatasetError
 from tests.dataset_factory import WrittenSample, pipeline_dataset, write_dataset
+
+NUM_LAYERS = 61  # a DeepSeek-V3-sized stack: AUX_LAYERS (2, 30, 58) fit it
+
+
+def model_dir(
+    path: Path,
+    hidden_size: int,
+    *,
+    architecture: str = "LlamaForCausalLM",
+    model_type: str = "llama",
+    seed: int = 0,
+) -> tuple[Path, torch.Tensor]:
+    """A target-model directory as the export reads it: config.json and the final norm's
+    weight (per-channel gains in [0.2, 3], as trained models have), nothing else."""
+    path.mkdir(parents=True)
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "num_hidden_layers": NUM_LAYERS,
+        "hidden_size": hidden_size,
+        "rms_norm_eps": 1e-5,
+    }
+    (path / "config.json").write_bytes(orjson.dumps(config))
+    weight = torch.rand(hidden_size, generator=torch.Generator().manual_seed(seed)) * 2.8 + 0.2
+    save_file({"model.norm.weight": weight.to(torch.bfloat16)}, str(path / "model.safetensors"))
+    return path, weight.to(torch.bfloat16).float()
 
 
 def _by_index(dest: Path) -> dict[int, str]:
@@ -85,8 +114,10 @@ def test_specforge_export_loads_with_torch_load(tmp_path: Path) -> None:
 def test_speculators_export_loads_with_safetensors(tmp_path: Path) -> None:
     src, dest = tmp_path / "out", tmp_path / "spec"
     written = write_dataset(src, num_samples=4, hidden_size=16, loss_mask="alternate")
-    result = export_dataset(src, dest, fmt="speculators")
+    model, weight = model_dir(tmp_path / "model", 16)
+    result = export_dataset(src, dest, fmt="speculators", model=model)
     assert result.written == 4
+    assert result.converted
     by_id = {str(s.id): s for s in written}
     rows = [orjson.loads(line) for line in (dest / SPECULATORS_ROWS).read_bytes().splitlines()]
     assert len(rows) == 4
@@ -98,7 +129,13 @@ def test_speculators_export_loads_with_safetensors(tmp_path: Path) -> None:
         assert loaded["token_ids"].dtype == torch.int64
         assert torch.equal(loaded["token_ids"], sample.input_ids)
         assert loaded["hidden_states"].dtype == torch.bfloat16
-        assert torch.equal(loaded["hidden_states"], sample.hidden)
+        # The aux layers as stored; the final slot pre-norm: the model's norm of it (what
+        # speculators computes) gives back the stored post-norm state within bf16.
+        assert torch.equal(loaded["hidden_states"][:, :-1], sample.hidden[:, :-1])
+        assert torch.allclose(
+            loaded["hidden_states"][:, -1].float(), sample.hidden[:, -1].float() / weight,
+            rtol=1e-2, atol=1e-3,
+        )  # fmt: skip
         # speculators' ArrowDataset: aux = [:, :-1].flatten(1), verifier last = [:, -1].
         t, layers, size = sample.hidden.shape
         assert loaded["hidden_states"][:, :-1].flatten(1).shape == (t, (layers - 1) * size)
@@ -108,13 +145,122 @@ def test_speculators_export_loads_with_safetensors(tmp_path: Path) -> None:
         assert row["input_ids"] == sample.input_ids.tolist()
         assert row["loss_mask"] == _mask(sample).tolist()
         assert (row["seq_len"], row["hsx_id"]) == (t, sample_id)
+    # token_freq.pt as speculators' save_token_frequency_distribution: {id: count} over
+    # the tokens under loss_mask == 1, loadable with weights_only=True.
+    freq = torch.load(dest / TOKEN_FREQ, weights_only=True)
+    want: dict[int, int] = {}
+    for sample in written:
+        for tok, m in zip(sample.input_ids.tolist(), _mask(sample).tolist(), strict=True):
+            if m:
+                want[tok] = want.get(tok, 0) + 1
+    assert freq == want
+    # The Hugging Face datasets directory speculators' ArrowDataset loads.
+    datasets = pytest.importorskip("datasets")
+    hf = datasets.load_from_disk(str(dest))
+    assert len(hf) == 4
+    assert hf[0]["input_ids"].dtype == torch.int64
+    for index, sample_id in _by_index(dest).items():
+        assert torch.equal(hf[index]["input_ids"], by_id[sample_id].input_ids)
+        assert hf[index]["seq_len"] == by_id[sample_id].entry.num_tokens
+    snippet = orjson.loads((dest / DRAFT_CONFIG).read_bytes())
+    assert snippet["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]
+    assert snippet["hsx"]["speculators_target_layer_ids"] == [2, 30, 58]
+
+
+def test_post_over_gain_renormed_is_the_post_norm_state() -> None:
+    """What speculators computes from the exported slot, norm(post / g), is post again:
+    post / g has rms 1 whatever the pre-norm state's scale was."""
+    gen = torch.Generator().manual_seed(3)
+    pre = torch.randn(64, 256, generator=gen) * torch.linspace(0.1, 40, 64)[:, None]
+    gain = torch.rand(256, generator=gen) * 2.8 + 0.2
+    post = post_from_pre(pre.to(torch.bfloat16), gain, 1e-5)
+    exported = pre_from_post(post, gain)
+    again = post_from_pre(exported, gain, 1e-5).float()
+    assert ((again - post.float()).norm(dim=-1) / post.float().norm(dim=-1)).max() < 0.01
+    # Fed unchanged (the old export), the norm is applied twice: far off.
+    twice = post_from_pre(post, gain, 1e-5).float()
+    assert ((twice - post.float()).norm(dim=-1) / post.float().norm(dim=-1)).min() > 0.1
+    # A zero gain carries nothing after the norm: exported as 0, never inf or nan.
+    gain[0] = 0
+    assert torch.isfinite(pre_from_post(post, gain).float()).all()
+
+
+def test_speculators_refuses_a_post_norm_dataset_without_the_model(tmp_path: Path) -> None:
+    """The trap: speculators applies the final norm itself, so the stored post-norm state
+    fed unchanged trains on a target normed twice. Without --model there is no export."""
+    src = tmp_path / "out"
+    write_dataset(src, num_samples=2, hidden_size=8)
+    with pytest.raises(DatasetError, match="give --model PATH"):
+        export_dataset(src, tmp_path / "spec", fmt="speculators")
+    assert not (tmp_path / "spec").exists()
+    # An old (unconverted) speculators export is not extended either.
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / export.EXPORT_INFO).write_bytes(
+        orjson.dumps({"format": "speculators", "file_group_size": 2000, "source": str(src)})
+    )
+    model, _ = model_dir(tmp_path / "model", 8)
+    with pytest.raises(DatasetError, match="post_norm final state"):
+        export_dataset(src, old, fmt="speculators", model=model)
+
+
+def test_specforge_refuses_other_than_three_aux_layers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "out"
+    write_dataset(src, num_samples=2, hidden_size=8, aux_layers=(1, 3, 5, 7))
+    code = main(["export", str(src), "--format", "specforge", "--to", str(tmp_path / "sf")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "exactly 3 aux layers, the dataset has 4 ([1, 3, 5, 7])" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "sf").exists()
+
+
+@pytest.mark.parametrize(
+    ("architecture", "aux", "ids"),
+    [
+        ("LlamaForCausalLM", (2, 30, 58), [1, 29, 57]),
+        ("DeepseekV3ForCausalLM", (2, 30, 58), [1, 29, 57]),
+        ("DeepseekV3ForCausalLM", (3, 31, 59), [3, 31, 59]),
+        ("LlamaForCausalLM", (0, 30, 58), None),
+    ],
+)
+def test_draft_config_ids_follow_the_family_rule(
+    tmp_path: Path, architecture: str, aux: tuple[int, ...], ids: list[int] | None
+) -> None:
+    src = tmp_path / "out"
+    write_dataset(src, num_samples=1, hidden_size=8, aux_layers=aux)
+    model, _ = model_dir(tmp_path / "model", 8, architecture=architecture)
+    result = export_dataset(src, tmp_path / "sf", fmt="specforge", model=model)
+    snippet = orjson.loads((tmp_path / "sf" / DRAFT_CONFIG).read_bytes())
+    assert snippet["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids
+    assert snippet["hsx"]["aux_layers"] == list(aux)
+    assert snippet["hsx"]["ids_line"] == result.ids_line
+    if ids is None:
+        assert "no draft-config ids give layers [0, 30, 58]" in result.ids_line
+    else:
+        assert f"[{', '.join(map(str, ids))}]" in result.ids_line
+    assert not result.converted  # SpecForge reads the post-norm state hsx stores
+
+
+def test_gemma_style_norms_divide_by_one_plus_w(tmp_path: Path) -> None:
+    src = tmp_path / "out"
+    written = write_dataset(src, num_samples=1, hidden_size=8)
+    model, weight = model_dir(
+        tmp_path / "model", 8, architecture="Gemma3ForCausalLM", model_type="gemma3_text"
+    )
+    export_dataset(src, tmp_path / "spec", fmt="speculators", model=model)
+    loaded = load_file(tmp_path / "spec" / speculators_relpath(0))["hidden_states"]
+    want = written[0].hidden[:, -1].float() / (1 + weight)
+    assert torch.allclose(loaded[:, -1].float(), want, rtol=1e-2, atol=1e-3)
 
 
 def _state(dest: Path) -> dict[str, tuple[int, int]]:
     return {
         str(p.relative_to(dest)): (p.stat().st_ino, p.stat().st_mtime_ns)
         for p in dest.rglob("*")
-        if p.is_file() and p.name not in (EXPORT_LOG, SPECULATORS_ROWS)
+        if p.is_file() and p.name not in (EXPORT_LOG, SPECULATORS_ROWS, DRAFT_CONFIG)
     }
 
 
@@ -152,17 +298,17 @@ def test_rerun_skips_complete_outputs_and_redoes_the_rest(tmp_path: Path) -> Non
 
 def test_changed_source_samples_are_exported_again(tmp_path: Path) -> None:
     src, dest = tmp_path / "out", tmp_path / "spec"
+    model, _ = model_dir(tmp_path / "model", 8)
     write_dataset(src, num_samples=3, hidden_size=8, seed=0)
-    export_dataset(src, dest, fmt="speculators")
+    export_dataset(src, dest, fmt="speculators", model=model)
     shutil.rmtree(src)
     fresh = write_dataset(src, num_samples=3, hidden_size=8, seed=7)
-    result = export_dataset(src, dest, fmt="speculators")
+    result = export_dataset(src, dest, fmt="speculators", model=model)
     assert result.written == 3
     for index, sample_id in _by_index(dest).items():
         sample = next(s for s in fresh if s.id == sample_id)
-        assert torch.equal(
-            load_file(dest / speculators_relpath(index))["hidden_states"], sample.hidden
-        )
+        got = load_file(dest / speculators_relpath(index))["hidden_states"]
+        assert torch.equal(got[:, :-1], sample.hidden[:, :-1])
 
 
 def test_a_failed_write_leaves_no_output_and_no_record(
@@ -173,13 +319,13 @@ def test_a_failed_write_leaves_no_output_and_no_record(
     real = export._write_specforge
     calls = 0
 
-    def flaky(sample_path: Path, entry: object, tmp: Path) -> None:
+    def flaky(sample_path: Path, entry: object, conv: object, tmp: Path) -> None:
         nonlocal calls
         calls += 1
         if calls == 3:
             tmp.write_bytes(b"half a file")
             raise OSError(28, "No space left on device")
-        real(sample_path, entry, tmp)  # type: ignore[arg-type]
+        real(sample_path, entry, conv, tmp)  # type: ignore[arg-type]
 
     monkeypatch.setattr(export, "_write_specforge", flaky)
     with pytest.raises(OSError, match="No space"):
@@ -196,8 +342,9 @@ def test_refuses_mixing_formats_and_stale_exports(tmp_path: Path) -> None:
     src, dest = tmp_path / "out", tmp_path / "x"
     write_dataset(src, num_samples=3, hidden_size=8)
     export_dataset(src, dest, fmt="specforge")
+    model, _ = model_dir(tmp_path / "model", 8)
     with pytest.raises(DatasetError, match="holds a specforge export"):
-        export_dataset(src, dest, fmt="speculators")
+        export_dataset(src, dest, fmt="speculators", model=model)
     with pytest.raises(DatasetError, match="holds a specforge export"):
         export_dataset(src, dest, fmt="specforge", file_group_size=10)
     manifest = src / f"{MANIFEST}.jsonl"
@@ -221,18 +368,27 @@ def test_assign_indices_keeps_old_and_appends_new() -> None:
 def test_cli_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src, dest = tmp_path / "out", tmp_path / "spec"
     write_dataset(src, num_samples=2, hidden_size=8)
-    assert main(["export", str(src), "--format", "speculators", "--to", str(dest)]) == 0
+    model, _ = model_dir(tmp_path / "model", 8)
+    argv = ["export", str(src), "--format", "speculators", "--to", str(dest)]
+    assert main([*argv, "--model", str(model)]) == 0
     out = capsys.readouterr()
     assert "exported 2 samples" in out.out
-    assert "save_to_disk" in out.out
+    assert "final state converted to pre_norm" in out.out
+    assert (
+        'LlamaForCausalLM: put "eagle_aux_hidden_state_layer_ids": [1, 29, 57] in the '
+        "drafter's config" in out.out
+    )
+    assert f"--data-path {dest}" in out.out
+    assert "--target-layer-ids 2,30,58" in out.out
     assert "2/2 samples" in out.err
     assert len(list((dest / "hidden_states").glob("hs_*.safetensors"))) == 2
 
 
 async def test_exports_a_pipeline_dataset(tmp_path: Path, shm_root: Path) -> None:
     written = await pipeline_dataset(tmp_path, shm_root, num_samples=6, seed=8)
+    model, _ = model_dir(tmp_path / "model", written.hidden_size)
     export_dataset(written.out_dir, tmp_path / "sf", fmt="specforge")
-    export_dataset(written.out_dir, tmp_path / "spec", fmt="speculators")
+    export_dataset(written.out_dir, tmp_path / "spec", fmt="speculators", model=model)
     rows = (tmp_path / "spec" / SPECULATORS_ROWS).read_bytes().splitlines()
     for index, sample_id in _by_index(tmp_path / "sf").items():
         ids, hidden, mask = written.expected(sample_id)
@@ -247,7 +403,7 @@ async def test_exports_a_pipeline_dataset(tmp_path: Path, shm_root: Path) -> Non
         ids, hidden, mask = written.expected(sample_id)
         loaded = load_file(tmp_path / "spec" / speculators_relpath(index))
         assert torch.equal(loaded["token_ids"], ids)
-        assert torch.equal(loaded["hidden_states"], hidden)
+        assert torch.equal(loaded["hidden_states"][:, :-1], hidden[:, :-1])
         assert orjson.loads(rows[index])["input_ids"] == ids.tolist()
 
 
@@ -266,3 +422,13 @@ def test_one_export_at_a_time_per_destination(tmp_path: Path) -> None:
     (dest / export.EXPORT_INFO).write_bytes(b"{torn")
     with pytest.raises(DatasetError, match="not valid JSON"):
         export_dataset(src, dest, fmt="specforge")
+
+
+def test_an_empty_dataset_exports_to_nothing(tmp_path: Path) -> None:
+    src = tmp_path / "out"
+    src.mkdir()
+    (src / f"{MANIFEST}.jsonl").touch()
+    for fmt in ("specforge", "speculators"):
+        result = export_dataset(src, tmp_path / fmt, fmt=fmt)
+        assert (result.total, result.written) == (0, 0)
+        assert result.ids_line == "the dataset is empty: no aux layers to name"

@@ -164,7 +164,8 @@ def test_layout_offsets(sid: int | str, t: int, hidden: int, aux: list[int], mas
     assert header["__metadata__"] == {
         "id": canonical_id(sid),
         "aux_layers": ",".join(map(str, aux)),
-        "protocol": "1",
+        "protocol": "2",
+        "final_state": "post_norm",
     }
     assert header["input_ids"] == {"dtype": "I64", "shape": [t], "data_offsets": [0, 8 * t]}
     end = 8 * t + lay.hidden_bytes
@@ -213,7 +214,12 @@ def test_file_loads_with_safetensors(
     path = tmp_path_factory.getbasetemp() / "hypothesis-sample.safetensors"
     path.write_bytes(data)  # one file, rewritten per example
     tensors, meta = load_sample(path)
-    assert meta == {"id": canonical_id(sid), "aux_layers": ",".join(map(str, aux)), "protocol": "1"}
+    assert meta == {
+        "id": canonical_id(sid),
+        "aux_layers": ",".join(map(str, aux)),
+        "protocol": "2",
+        "final_state": "post_norm",
+    }
     np.testing.assert_array_equal(tensors["input_ids"], ids)
     np.testing.assert_array_equal(tensors["hidden_states"], hid)
     if mask is None:

@@ -63,7 +63,12 @@ def test_factory_files_are_plain_safetensors(tmp_path: Path) -> None:
     assert sample.loss_mask is not None
     assert torch.equal(loaded["loss_mask"], sample.loss_mask)
     header = read_header(sample.path)
-    assert header.metadata == {"id": "s0000", "aux_layers": "2,30,58", "protocol": "1"}
+    assert header.metadata == {
+        "id": "s0000",
+        "aux_layers": "2,30,58",
+        "protocol": "2",
+        "final_state": "post_norm",
+    }
     assert (header.num_tokens, header.num_layers, header.hidden_size) == (5, 4, 64)
 
 

@@ -30,6 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hsx_async.errors import ConfigError
+from hsx_async.protocol import final_norm_kind
 
 # The built-in model: small enough that a 300-token forward takes ~70 ms on one core, big
 # enough (GQA, 6 layers, RoPE) to exercise what real checkpoints do.
@@ -270,6 +271,10 @@ class PackedEngine:
         self.num_hidden_layers: int = config.num_hidden_layers
         self.vocab_size: int = config.vocab_size
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        self.final_norm = {  # PROTOCOL §4's final_norm, for /get_model_info
+            "kind": final_norm_kind(getattr(config, "model_type", None)),
+            "eps": float(getattr(config, "rms_norm_eps", 1e-6)),
+        }
         check_aux_layers(self.aux_layers, self.num_hidden_layers)
         params = inspect.signature(model.base_model.forward).parameters
         # transformers 5 renamed past_key_values to cache (the old name warns).

@@ -1,20 +1,24 @@
 """One pass of the reference server, run in a worker thread: the packed forward of the
-scheduled slices, then each hsx request's part (and, after its last part, its meta.json).
+scheduled slices, then the hook's own core writes the hsx requests' parts and commits.
 
-Imports torch (through :mod:`.reference_model`); :mod:`.reference` imports it lazily.
+Each slice is described to :class:`hook_core.PrefillDumper` as a :class:`ReqView`, exactly
+as the SGLang glue describes a request of a prefill batch, so planning, chunk continuity,
+refusals and aborts run the code that runs inside SGLang, on a real model's rows.
+
+Imports torch (through :mod:`.model`); :mod:`.server` imports it lazily.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from hsx_async.errors import DumpError
-from hsx_async.server.dumpwrite import request_dir_fd, write_meta, write_part
-from hsx_async.server.reference.model import PackedEngine, Segment, bf16_bytes
-from hsx_async.server.reference.sched import Slice, SliceResult
+from hsx_async.server.hook_core import BatchHidden, HookConfig, PrefillDumper, ReqView
+from hsx_async.server.reference.model import PackedEngine, Segment, SegmentOutput
+from hsx_async.server.reference.sched import Job, Slice, SliceResult
 
 
 class PassRunner:
@@ -25,39 +29,62 @@ class PassRunner:
     ) -> None:
         self._engine = engine
         self._root = dump_root
-        self._model_name = model_name
-        self._server_name = server_name
+        config = HookConfig(
+            dump_root=dump_root, aux_layers=engine.aux_layers, model=model_name, server=server_name
+        )
+        self.dumper = PrefillDumper(config)
+        # rids of marked requests the scheduler dropped (client gone, pass failed): told to
+        # the dumper as aborted at the next pass, as SGLang reports an aborted request.
+        # A deque: appended on the event loop, drained in the worker thread.
+        self._dropped: collections.deque[str] = collections.deque()
+
+    def drop(self, job: Job) -> None:
+        """The scheduler removed ``job``: its dump, if unfinished, must never commit."""
+        if job.ns is not None:
+            self._dropped.append(job.rid)
 
     def __call__(self, slices: Sequence[Slice]) -> list[SliceResult]:
         segments = [
             Segment(s.job.tokens[s.start : s.end], s.start, s.job.kv, s.want_next) for s in slices
         ]
         outputs = self._engine.forward(segments)
+        views = self._aborted() + [_view(s) for s in slices]
+        report = self.dumper.dump_batch(views, lambda: self._hidden(outputs))
+        errors = {r.rid: r.reason for r in report.rejects}
         return [
-            SliceResult(kv=out.kv, next_token=out.next_token, error=self._dump(s, out.hidden))
+            SliceResult(kv=out.kv, next_token=out.next_token, error=self._error(s, errors))
             for s, out in zip(slices, outputs, strict=True)
         ]
 
-    def _dump(self, s: Slice, hidden: torch.Tensor) -> str | None:
-        """Write this pass's part of an hsx request; commit meta.json after its last one.
+    def _aborted(self) -> list[ReqView]:
+        views = []
+        while self._dropped:
+            rid = self._dropped.popleft()
+            views.append(ReqView(rid, "dropped", 0, 0, 0, 0, aborted=True))
+        return views
 
-        A failure fails this request only: the others of the pass are written.
-        """
-        dump = s.job.dump
-        if dump is None:
+    def _hidden(self, outputs: Sequence[SegmentOutput]) -> BatchHidden:
+        """The pass's rows in batch order: aux ``[T, K, H]`` and final ``[T, H]`` bits."""
+        rows = torch.cat([out.hidden for out in outputs]).view(torch.int16).numpy()
+        k = len(self._engine.aux_layers)
+        return BatchHidden(aux=rows[:, :k], final=rows[:, k], aux_layers=self._engine.aux_layers)
+
+    def _error(self, s: Slice, errors: dict[str, str]) -> str | None:
+        """A refused or failed dump fails that request only; the others of the pass stand."""
+        reason = errors.get(s.job.rid) if s.job.ns is not None else None
+        if reason is None:
             return None
-        try:
-            with request_dir_fd(self._root, dump.ns, dump.rid) as fd:
-                write_part(fd, s.start, s.end, bf16_bytes(hidden))
-                dump.add_part(s.start, s.end)
-                if dump.complete:
-                    meta = dump.meta(
-                        hidden_size=self._engine.hidden_size,
-                        aux_layers=list(self._engine.aux_layers),
-                        model=self._model_name,
-                        server=self._server_name,
-                    )
-                    write_meta(fd, meta)
-        except (OSError, DumpError) as exc:
-            return f"cannot write the dump of rid {dump.rid} under {self._root}: {exc}"
-        return None
+        return f"cannot write the dump of rid {s.job.rid} under {self._root}: {reason}"
+
+
+def _view(s: Slice) -> ReqView:
+    job = s.job
+    return ReqView(
+        rid=job.rid,
+        ns=job.ns,
+        num_tokens=job.prompt_len,
+        max_new_tokens=job.max_new_tokens,
+        start=s.start,
+        rows=s.end - s.start,
+        last_chunk=s.end >= job.prompt_len,
+    )

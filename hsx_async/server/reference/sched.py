@@ -17,8 +17,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hsx_async.server.dumpwrite import RequestDump
-
 
 class ServerClosing(Exception):
     """The server is shutting down; the request was not (fully) served."""
@@ -45,7 +43,7 @@ class Job:
     rid: str
     tokens: list[int]
     max_new_tokens: int
-    dump: RequestDump | None  # None: ordinary traffic, nothing is written
+    ns: str | None  # the hsx_ns of a request to dump; None: ordinary traffic
     prompt_len: int = 0
     rows_done: int = 0
     kv: Any = None  # the engine's cache of rows [0, rows_done)
@@ -144,8 +142,16 @@ class ReferenceStats:
 class Scheduler:
     """Owns the waiting requests and runs their passes, one at a time, through ``step``."""
 
-    def __init__(self, step: Step, *, chunk_size: int, max_batch_tokens: int) -> None:
+    def __init__(
+        self,
+        step: Step,
+        *,
+        chunk_size: int,
+        max_batch_tokens: int,
+        on_drop: Callable[[Job], None] | None = None,
+    ) -> None:
         self._step = step
+        self._on_drop = on_drop  # told of every job leaving the queue (done or not)
         self._chunk_size = chunk_size
         self._max_batch_tokens = max_batch_tokens
         self._active: list[Job] = []
@@ -258,6 +264,8 @@ class Scheduler:
             job.future.set_exception(exc)
 
     def _remove(self, job: Job) -> None:
+        if self._on_drop is not None and job in self._active:
+            self._on_drop(job)
         job.kv = None
         with contextlib.suppress(ValueError):
             self._active.remove(job)

@@ -32,7 +32,6 @@ from aiohttp import web
 from hsx_async import __version__
 from hsx_async.errors import ConfigError
 from hsx_async.protocol import DEFAULT_DUMP_ROOT
-from hsx_async.server.dumpwrite import RequestDump
 from hsx_async.server.reference.http import (
     BadRequest,
     error_body,
@@ -143,10 +142,12 @@ def build_app(options: ReferenceOptions) -> web.Application:
     if aux is None:
         aux = default_aux_layers(text_config(model).num_hidden_layers)
     engine = PackedEngine(model, aux)
+    runner = PassRunner(engine, options.dump_root, model_name, SERVER_NAME)
     scheduler = Scheduler(
-        PassRunner(engine, options.dump_root, model_name, SERVER_NAME),
+        runner,
         chunk_size=options.chunk_size,
         max_batch_tokens=options.max_batch_tokens,
+        on_drop=runner.drop,
     )
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[_STATE] = _State(engine, scheduler, options, model_name)
@@ -186,8 +187,7 @@ async def _generate(request: web.Request) -> web.Response:
         return _json(error_body(f"the request body is not JSON: {exc}"), 400)
     except BadRequest as exc:
         return _json(error_body(str(exc)), 400)
-    dump = None if req.ns is None else RequestDump(req.rid, req.ns, len(req.input_ids))
-    job = Job(req.rid, list(req.input_ids), req.max_new_tokens, dump)
+    job = Job(req.rid, list(req.input_ids), req.max_new_tokens, req.ns)
     try:
         done = await state.scheduler.submit(job)
     except DuplicateRid as exc:
@@ -214,6 +214,8 @@ async def _model_info(request: web.Request) -> web.Response:
             "hidden_size": state.engine.hidden_size,
             "hsx_aux_layers": list(state.engine.aux_layers),
             "num_hidden_layers": state.engine.num_hidden_layers,
+            # What provenance.json records as the dataset's final norm (PROTOCOL §4).
+            "hsx_final_norm": state.engine.final_norm,
         }
     )
 

@@ -354,6 +354,7 @@ async def test_info_endpoints(shm_root: Path) -> None:
             "hidden_size": TINY_HIDDEN,
             "hsx_aux_layers": list(TINY_AUX_LAYERS),
             "num_hidden_layers": 6,
+            "hsx_final_norm": {"kind": "rms", "eps": 1e-6},
         }
         status, server_info = await client.get("/get_server_info")
         assert status == 200
@@ -504,3 +505,30 @@ def test_demo_samples_are_current_and_fit_the_tiny_model() -> None:
     masked = [s for s in samples if "loss_mask" in s]
     assert masked
     assert all(len(s["loss_mask"]) == len(s["input_ids"]) for s in masked)
+
+
+async def test_passes_go_through_the_hooks_core_and_drops_abort(shm_root: Path) -> None:
+    """The reference server's passes are written by hook_core.PrefillDumper: a request the
+    scheduler drops between chunks (its client went away) is reported as aborted, so its
+    dump never commits and the dumper keeps no state for it."""
+    from hsx_async.protocol import parse_meta
+    from hsx_async.server.reference.model import PackedEngine, build_default_model
+    from hsx_async.server.reference.passes import PassRunner
+    from hsx_async.server.reference.sched import Slice
+
+    engine = PackedEngine(build_default_model(0), TINY_AUX_LAYERS)
+    runner = PassRunner(engine, shm_root, "tiny", "srv")
+    gone = Job("gone", list(range(3, 43)), 0, "ns0")
+    kept = Job("kept", list(range(5, 15)), 0, "ns0")
+    first = runner([Slice(gone, 0, 16), Slice(kept, 0, 10)])
+    assert [r.error for r in first] == [None, None]
+    assert "gone" in runner.dumper.registry
+    assert (shm_root / "ns0" / "kept" / "meta.json").exists()
+    assert parse_meta((shm_root / "ns0" / "kept" / "meta.json").read_bytes()).parts == ((0, 10),)
+    runner.drop(gone)
+    later = Job("later", list(range(7, 15)), 0, "ns0")
+    runner([Slice(later, 0, 8)])
+    assert "gone" not in runner.dumper.registry
+    assert sorted(p.name for p in (shm_root / "ns0" / "gone").iterdir()) == [
+        "part-0000000000-0000000016.bin"
+    ]

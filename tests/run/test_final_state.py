@@ -1,0 +1,46 @@
+"""One final-state kind per dataset, enforced by the client on every dump (PROTOCOL §3-4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+
+from hsx_async.dataset.manifest import read_manifest
+from hsx_async.dataset.provenance import PROVENANCE, read_provenance
+from hsx_async.dataset.reader import read_header
+from hsx_async.run.daemon import Daemon
+from hsx_async.server.fake.server import FakeOptions, running_fake_server
+from tests.e2e import make_config, write_samples
+
+
+async def test_the_first_dump_sets_the_kind_and_other_kinds_are_quarantined(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 4, max_len=12, seed=1)
+    options = FakeOptions(hidden_size=16, aux_layers=(1, 3, 5), dump_root=shm_root)
+    async with running_fake_server(options) as fake:
+        config = make_config(tmp_path, samples.path, [fake.url], shm_root, hidden_size=16,
+                             workers={"max_attempts": 2})  # fmt: skip
+        first = await Daemon(config).run()
+        out = config.output.dir
+        prov = read_provenance(out)
+        assert prov is not None
+        assert prov["final_state"] == "post_norm"
+        for entry in read_manifest(out):
+            assert read_header(out / entry.path).metadata["final_state"] == "post_norm"
+        # The same dataset said to hold pre-norm states (as if another hook had made it):
+        # every post-norm dump now fails its attempts and is quarantined, never written.
+        prov["final_state"] = "pre_norm"
+        (out / PROVENANCE).write_bytes(orjson.dumps(prov))
+        more = write_samples(tmp_path / "in.jsonl", 6, max_len=12, seed=1)
+        assert more.path == samples.path
+        second = await Daemon(config, allow_provenance_change=True).run()
+    assert first.done == 4
+    assert (second.done, second.quarantined) == (0, 2)
+    lines = (out / "quarantine.jsonl").read_bytes().splitlines()
+    reasons = [orjson.loads(line)["reason"] for line in lines]
+    assert all(
+        "holds the post_norm final state but this dataset holds pre_norm" in r for r in reasons
+    )
+    assert read_provenance(out)["final_state"] == "pre_norm"  # type: ignore[index]
