@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from hsx_async.dataset.provenance import (
 )
 from hsx_async.errors import ConfigError, ForcedExit, HsxError
 from hsx_async.logs import configure_logging
+from hsx_async.run.autotune import ConcurrencyController, Reading, TuneSettings, shm_ceiling
 from hsx_async.run.client import ServerPool, SGLangClient
 from hsx_async.run.guard import DiskGuard, FreeFn, free_bytes
 from hsx_async.run.metrics import Metrics
@@ -49,6 +51,8 @@ from hsx_async.run.retry import RetryPolicy
 from hsx_async.run.source import BadLine, SampleReader, count_pending, shard_of
 
 log = structlog.get_logger("hsx.daemon")
+
+AUTOTUNE_TICK_S = 0.5  # how often concurrency = "auto" looks at the counters
 
 
 class _Finished(Exception):
@@ -89,8 +93,12 @@ class Daemon:
         free_fn: FreeFn = free_bytes,
         notifier: Notifier | None = None,
         progress_stream: TextIO | None = None,
+        autotune: TuneSettings | None = None,
     ) -> None:
         self.config = config
+        # concurrency = "auto": the controller's settings (start and maximum come from
+        # the config).
+        self.autotune = autotune or TuneSettings()
         self.allow_provenance_change = allow_provenance_change
         self.metrics = Metrics()
         self.notifier = notifier or Notifier.from_env()
@@ -215,7 +223,7 @@ class Daemon:
             async with asyncio.TaskGroup() as tg:
                 self._install_signals()
                 tg.create_task(self._feed(pipeline, done), name="hsx-feeder")
-                for _ in range(cfg.workers.concurrency):
+                for _ in range(cfg.workers.start_concurrency):
                     pipeline.spawn_worker(tg)
                 writers = [
                     tg.create_task(pipeline.writer(), name=f"hsx-writer-{i}")
@@ -228,7 +236,8 @@ class Daemon:
                 self.notifier.ready()
                 log.info(
                     "run_started",
-                    workers=cfg.workers.concurrency,
+                    workers=cfg.workers.start_concurrency,
+                    concurrency=cfg.workers.concurrency,
                     servers=len(cfg.server.urls),
                     already_done=len(done.ids),
                     shard=f"{cfg.shard.index}/{cfg.shard.count}",
@@ -256,6 +265,7 @@ class Daemon:
         tg.create_task(self.guard.run(), name="hsx-disk-guard")
         tg.create_task(self._count_input(done), name="hsx-count")
         tg.create_task(self._reload_loop(pipeline, tg), name="hsx-reload")
+        tg.create_task(self._autotune_loop(pipeline, tg), name="hsx-autotune")
         tg.create_task(
             progress_loop(self.status, cfg.daemon.progress_interval, stream=self.progress_stream),
             name="hsx-progress",
@@ -400,6 +410,47 @@ class Daemon:
         for server in snap["servers"]:
             m.server_up.labels(server["url"]).set(1 if server["healthy"] else 0)
 
+    # -- concurrency = "auto" -----------------------------------------------------------
+
+    async def _autotune_loop(self, pipeline: Pipeline, tg: asyncio.TaskGroup) -> None:
+        """Feed the controller the run's counters; apply and log each change. Idle while
+        the (possibly reloaded) config has a fixed concurrency."""
+        controller: ConcurrencyController | None = None
+        while True:
+            await asyncio.sleep(AUTOTUNE_TICK_S)
+            w = self.config.workers
+            if not w.auto:
+                controller = None
+                continue
+            if controller is None or controller.settings.maximum != w.max_concurrency:
+                start = max(1, min(pipeline.target_workers, w.max_concurrency))
+                settings = dataclasses.replace(
+                    self.autotune, start=start, maximum=w.max_concurrency
+                )
+                controller = ConcurrencyController(settings)
+            t = self.metrics.totals
+            shm = shm_ceiling(
+                pipeline.budget.capacity,
+                t.tokens_done,
+                t.samples_done,
+                self.config.model.row_bytes,
+                w.max_concurrency,
+            )
+            change = controller.observe(
+                Reading(time.monotonic(), t.samples_done, t.tokens_done, shm)
+            )
+            if change is None:
+                continue
+            if change.new != pipeline.target_workers:
+                pipeline.resize(change.new, tg)
+            log.info(
+                "concurrency_changed",
+                old=change.old,
+                new=change.new,
+                reason=change.reason,
+                tokens_per_s=None if change.tokens_per_s is None else round(change.tokens_per_s),
+            )
+
     # -- reload -------------------------------------------------------------------------
 
     def request_reload(self) -> None:
@@ -442,8 +493,8 @@ class Daemon:
     ) -> None:
         old, self.config = self.config, new
         pipeline.config = new
-        if "workers.concurrency" in diff.live:
-            pipeline.resize(new.workers.concurrency, tg)
+        if "workers.concurrency" in diff.live and not new.workers.auto:
+            pipeline.resize(new.workers.start_concurrency, tg)
         if "dump.shm_budget" in diff.live:
             pipeline.budget.resize(new.dump.shm_budget)
             self.metrics.shm_capacity.set(new.dump.shm_budget)

@@ -204,7 +204,7 @@ class Pipeline:
         self.nonce = secrets.token_hex(6)  # rids stay unique across restarts
         self.budget = ByteBudget(config.dump.shm_budget)
         self.intake: asyncio.Queue[Sample | _Eof] = asyncio.Queue(
-            maxsize=2 * config.workers.concurrency
+            maxsize=2 * config.workers.start_concurrency
         )
         self.requeued: collections.deque[Sample] = collections.deque()
         self.write_queue: asyncio.Queue[_Handoff | _Eof] = asyncio.Queue(
@@ -231,7 +231,7 @@ class Pipeline:
         self.retry = RetryPolicy(
             config.workers.max_attempts, config.workers.backoff_base, config.workers.backoff_max
         )
-        self.target_workers = config.workers.concurrency
+        self.target_workers = config.workers.start_concurrency
         self.stopping = False
         self.live_rids: dict[str, set[str]] = collections.defaultdict(set)  # ns → rids
         self.workers_running = 0
