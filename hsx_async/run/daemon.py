@@ -403,6 +403,7 @@ class Daemon:
             )
         )
         m.free_disk.set(max(snap["free_disk"], 0))
+        m.disk_reserve.set(self.guard.reserve)
         m.paused.set(1 if snap["paused"] else 0)
         m.shm_used.set(snap["shm_used"])
         m.shm_capacity.set(snap["shm_budget"])

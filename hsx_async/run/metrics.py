@@ -57,6 +57,11 @@ class Metrics:
             "hsx_server_up", "1 if the server is in rotation", ["server"], registry=r
         )
         self.free_disk = Gauge("hsx_output_free_bytes", "Free bytes on the output disk", registry=r)
+        self.disk_reserve = Gauge(
+            "hsx_output_disk_reserve_bytes",
+            "output.disk_reserve: intake pauses when free bytes fall under it",
+            registry=r,
+        )
         self.paused = Gauge(
             "hsx_intake_paused", "1 while intake is paused (disk guard)", registry=r
         )
