@@ -179,7 +179,7 @@ class Daemon:
                     urls=[redact_url(u) for u in cfg.server.urls],
                     timeout_s=cfg.server.unreachable_timeout,
                 )
-            await pool.wait_healthy()
+                await self._wait_for_first_server(client)
             await self._record_server(client)
             pipeline = Pipeline(
                 cfg,
@@ -195,6 +195,18 @@ class Daemon:
             finally:
                 await asyncio.to_thread(pipeline.close)
                 self.notifier.close()
+
+    @staticmethod
+    async def _wait_for_first_server(client: SGLangClient) -> None:
+        """Probe until a server answers (a server still loading its model, a Slurm task's
+        own server starting beside hsx), or NoServerError after unreachable_timeout."""
+        prober = asyncio.create_task(client.probe_forever(), name="hsx-first-probe")
+        try:
+            await client.pool.wait_healthy()
+        finally:
+            prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await prober
 
     async def _record_server(self, client: SGLangClient) -> None:
         """Put the served model and server version into provenance; refuse another model."""
