@@ -36,6 +36,7 @@ from typing import Any
 import orjson
 from common import (
     PYTHON,
+    ClientRun,
     Model,
     Scratch,
     ServerProcess,
@@ -128,9 +129,10 @@ def server_row(srv: ServerProcess, poller: StatsPoller, lat: Latency) -> dict[st
     }
 
 
-def hsx_point(ctx: Ctx, concurrency: int) -> dict[str, Any]:
-    name = f"hsx-c{concurrency}"
-    samples, _ = workload(ctx, concurrency, name)
+def measured_run(
+    ctx: Ctx, name: str, samples: Path, workers: dict[str, Any]
+) -> tuple[dict[str, Any], StatsPoller, ClientRun]:
+    """One ``hsx run`` against a fresh server: its row, the server's counters over time."""
     out = ctx.s.fresh(f"{name}-out")
     drop_caches()
     with server(ctx, name) as srv:
@@ -142,14 +144,23 @@ def hsx_point(ctx: Ctx, concurrency: int) -> dict[str, Any]:
             out_dir=out,
             dump_root=ctx.dump_root,
             model=ctx.model,
-            workers={"concurrency": concurrency},
+            workers=workers,
         )
         run = run_hsx(raw, ctx.s.work, name)
         row = server_row(srv, poller, ctx.lat)
     remove(out)
-    return row | {
-        "name": f"hsx, concurrency {concurrency}",
-        "concurrency": concurrency,
+    return row | client_row(run), poller, run
+
+
+def hsx_point(ctx: Ctx, concurrency: int) -> dict[str, Any]:
+    name = f"hsx-c{concurrency}"
+    samples, _ = workload(ctx, concurrency, name)
+    row, _, _ = measured_run(ctx, name, samples, {"concurrency": concurrency})
+    return row | {"name": f"hsx, concurrency {concurrency}", "concurrency": concurrency}
+
+
+def client_row(run: ClientRun) -> dict[str, Any]:
+    return {
         "samples": run.done,
         "tokens": run.tokens,
         "run_tokens_per_s": run.tokens / run.run_s,
@@ -165,36 +176,15 @@ def auto_point(ctx: Ctx) -> dict[str, Any]:
     "settled" rate is the steady rate over the second half of the tokens."""
     top = max(ctx.args.concurrency)
     samples, _ = workload(ctx, top, "hsx-auto", ctx.args.auto_seconds)
-    out = ctx.s.fresh("hsx-auto-out")
-    drop_caches()
-    with server(ctx, "hsx-auto") as srv:
-        poller = StatsPoller(srv)
-        poller.start()
-        raw = client_config(
-            url=srv.url,
-            samples=samples,
-            out_dir=out,
-            dump_root=ctx.dump_root,
-            model=ctx.model,
-            workers={"concurrency": "auto", "max_concurrency": top},
-        )
-        run = run_hsx(raw, ctx.s.work, "hsx-auto")
-        row = server_row(srv, poller, ctx.lat)
-        settled = poller.steady_rate(0.5, 0.9)
-    remove(out)
+    workers = {"concurrency": "auto", "max_concurrency": top}
+    row, poller, _ = measured_run(ctx, "hsx-auto", samples, workers)
     changes = concurrency_changes(ctx.s.work / "hsx-auto.log")
     final = changes[-1]["new"] if changes else 4
     return row | {
         "name": f"hsx, concurrency auto (≤ {top}; ended at {final})",
         "concurrency": "auto",
-        "settled_tokens_per_s": settled,
+        "settled_tokens_per_s": poller.steady_rate(0.5, 0.9),
         "changes": changes,
-        "samples": run.done,
-        "tokens": run.tokens,
-        "run_tokens_per_s": run.tokens / run.run_s,
-        "client_cpu_s": run.usage.cpu_s,
-        "client_peak_rss_mb": run.usage.peak_rss / 1e6,
-        "usage": usage_dict(run.usage),
     }
 
 

@@ -4,12 +4,10 @@ and one real run against the fake server."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import structlog
 from structlog.testing import capture_logs
 
 from hsx_async.config import load_config
@@ -121,19 +119,8 @@ def test_settings_are_checked() -> None:
         TuneSettings(start=9, maximum=8)
 
 
-@pytest.fixture
-def info_logs() -> Iterator[None]:
-    """structlog's defaults (info events reach capture_logs); the suite's config after."""
-    saved = structlog.get_config()
-    structlog.reset_defaults()
-    try:
-        yield
-    finally:
-        structlog.configure(**saved)
-
-
 async def test_auto_run_raises_concurrency_and_loses_nothing(
-    tmp_path: Path, shm_root: Path, info_logs: None
+    tmp_path: Path, shm_root: Path, fresh_structlog: None
 ) -> None:
     """Against a batching fake server (50 ms a pass, whatever its rows) a run starts at
     4 workers and slow start raises it, each change logged; the dataset is complete."""
