@@ -435,6 +435,8 @@ class Daemon:
             if not w.auto:
                 controller = None
                 continue
+            if pipeline.stopping or pipeline.workers_done.is_set():
+                continue  # draining, or the input is done: no more workers
             if controller is None or controller.settings.maximum != w.max_concurrency:
                 start = max(1, min(pipeline.target_workers, w.max_concurrency))
                 settings = dataclasses.replace(

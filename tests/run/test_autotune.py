@@ -20,7 +20,14 @@ from hsx_async.run.autotune import (
 )
 from hsx_async.run.daemon import Daemon
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
-from tests.e2e import check_dataset, config_raw, shm_leftovers, write_config, write_samples
+from tests.e2e import (
+    after_done,
+    check_dataset,
+    config_raw,
+    shm_leftovers,
+    write_config,
+    write_samples,
+)
 
 MEAN_LEN = 1000  # tokens a sample in the modelled runs
 
@@ -151,3 +158,30 @@ async def test_auto_run_raises_concurrency_and_loses_nothing(
     assert summary.done == len(samples.good)
     check_dataset(config.output.dir, samples, hidden_size=64, num_layers=4)
     assert shm_leftovers(shm_root) == []
+
+
+async def test_sighup_switches_a_fixed_run_to_auto(
+    tmp_path: Path, shm_root: Path, fresh_structlog: None
+) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 400, max_len=24)
+    options = FakeOptions(
+        hidden_size=64, aux_layers=(1, 3, 5), dump_root=shm_root, latency_base_ms=50.0
+    )
+    async with running_fake_server(options) as srv:
+        raw = config_raw(tmp_path, samples.path, [srv.url], shm_root, workers={"concurrency": 2})
+        path = write_config(tmp_path, raw)
+        daemon = Daemon(load_config(path), autotune=TuneSettings(window_s=0.5))
+
+        def to_auto() -> None:
+            raw["workers"] = {"concurrency": "auto", "max_concurrency": 6}
+            write_config(tmp_path, raw)
+            daemon.request_reload()
+
+        after_done(daemon, 20, to_auto)
+        with capture_logs() as logs:
+            summary = await asyncio.wait_for(daemon.run(), 120)
+    assert daemon.last_reload == "applied"
+    changes = [e for e in logs if e["event"] == "concurrency_changed"]
+    assert changes and changes[0]["old"] == 2, changes
+    assert max(e["new"] for e in changes) <= 6
+    assert summary.done == len(samples.good)
