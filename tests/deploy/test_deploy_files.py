@@ -35,7 +35,12 @@ UNIT = DEPLOY / "systemd" / "hsx.service"
 SBATCH = DEPLOY / "slurm" / "hsx-array.sbatch"
 EXAMPLES = sorted((DEPLOY / "examples").glob("*.toml"))
 SHELL_SCRIPTS = sorted(
-    [*DEPLOY.rglob("*.sh"), *DEPLOY.rglob("*.sbatch"), REPO / ".ci" / "check-deploy"]
+    [
+        *DEPLOY.rglob("*.sh"),
+        *DEPLOY.rglob("*.sbatch"),
+        REPO / ".ci" / "check-deploy",
+        REPO / ".ci" / "ops-env",
+    ]
 )
 # [daemon].drain_timeout's default, when hsx_async.config is not there to say it.
 DEFAULT_DRAIN_TIMEOUT = 120.0

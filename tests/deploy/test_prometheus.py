@@ -274,6 +274,7 @@ def _every_series_has_data(live: Live, names: list[str]) -> bool | None:
     return True if ok and both == {"done", "quarantined"} and rated else None
 
 
+@pytest.mark.timeout(240)
 def test_live_prometheus_sees_every_metric_dashboard_query_and_rule(live: Live) -> None:
     names = sorted(_exposed_series())
     wait_for("every hsx series in Prometheus", lambda: _every_series_has_data(live, names), 90)

@@ -154,6 +154,7 @@ def _hsx_wrapper(tmp: Path) -> Path:
     return path
 
 
+@pytest.mark.timeout(300)  # sbatch --wait polls: ~10 s a step at least
 def test_two_task_array_equals_one_unsharded_run(cluster: Cluster, shm_root: Path) -> None:
     tmp = cluster.tmp
     samples = write_samples(tmp / "in.jsonl", 60, max_len=24, bad_every=9, with_duplicates=True)
