@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import pytest
 
-HOW = "install it with `bash .ci/ops-env` (root, apt-get)"
+HOW = "install with `bash .ci/ops-env` (root, apt-get)"
 T = TypeVar("T")
 
 
