@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
-from tests.deploy.realenv import HOW, free_port, process, require_tools, wait_for
+from tests.deploy.realenv import free_port, process, require_tools, wait_for
 from tests.e2e import check_dataset, config_raw, config_toml, shm_leftovers, write_samples
 
 pytestmark = pytest.mark.slurm
@@ -53,7 +53,7 @@ class Cluster:
 
 def _root_or_skip() -> None:
     if os.geteuid() != 0:
-        message = f"a single-node Slurm needs root here (slurmd, munge as its user); {HOW}"
+        message = "a single-node Slurm needs root (slurmd runs jobs, munged runs as munge)"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
