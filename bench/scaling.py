@@ -1,6 +1,6 @@
 """Scaling: hsx against a GPU-like fake server, concurrency 1 to 64, and the serial baseline.
 
-    python bench/scaling.py             # ~4 minutes
+    python bench/scaling.py             # ~6 minutes
     python bench/scaling.py --smoke     # tiny, checks the script runs (CI)
 
 The fake server models a forward pass as ``base + per_token × rows`` and batches the
@@ -17,6 +17,11 @@ that deletes dumps without copying them, at the highest concurrency ("measured
 ceiling"). Each point is a fresh server and a fresh ``hsx run``; its rate is the steady
 rate between 10% and 90% of the tokens (from the server's counters), next to the whole
 run's rate.
+
+A last point runs ``workers.concurrency = "auto"`` (``run/autotune.py``) for
+``--auto-seconds`` against the same server: it starts at 4 and must find the rate of the
+best fixed concurrency by itself; its row shows the rate over the second half of its
+tokens, and its ``concurrency_changed`` events are kept in the JSON.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 import orjson
 from common import (
     PYTHON,
+    ClientRun,
     Model,
     Scratch,
     ServerProcess,
@@ -85,11 +91,13 @@ class Ctx:
     dump_root: Path
 
 
-def workload(ctx: Ctx, concurrency: int, name: str) -> tuple[Path, list[int]]:
+def workload(
+    ctx: Ctx, concurrency: int, name: str, seconds: float | None = None
+) -> tuple[Path, list[int]]:
     """Enough samples for ``--seconds`` at the expected rate, and at least 3 per worker."""
     a, lat = ctx.args, ctx.lat
     expected = min(lat.capacity, concurrency * lat.serial_rate(a.mean_len))
-    tokens = max(a.seconds * expected, 3 * concurrency * a.mean_len)
+    tokens = max((seconds or a.seconds) * expected, 3 * concurrency * a.mean_len)
     lengths = lognormal_lengths(
         tokens, 1, mean=a.mean_len, max_len=min(a.max_len, lat.max_batch_tokens), seed=concurrency
     )
@@ -121,9 +129,10 @@ def server_row(srv: ServerProcess, poller: StatsPoller, lat: Latency) -> dict[st
     }
 
 
-def hsx_point(ctx: Ctx, concurrency: int) -> dict[str, Any]:
-    name = f"hsx-c{concurrency}"
-    samples, _ = workload(ctx, concurrency, name)
+def measured_run(
+    ctx: Ctx, name: str, samples: Path, workers: dict[str, Any]
+) -> tuple[dict[str, Any], StatsPoller, ClientRun]:
+    """One ``hsx run`` against a fresh server: its row, the server's counters over time."""
     out = ctx.s.fresh(f"{name}-out")
     drop_caches()
     with server(ctx, name) as srv:
@@ -135,14 +144,23 @@ def hsx_point(ctx: Ctx, concurrency: int) -> dict[str, Any]:
             out_dir=out,
             dump_root=ctx.dump_root,
             model=ctx.model,
-            workers={"concurrency": concurrency},
+            workers=workers,
         )
         run = run_hsx(raw, ctx.s.work, name)
         row = server_row(srv, poller, ctx.lat)
     remove(out)
-    return row | {
-        "name": f"hsx, concurrency {concurrency}",
-        "concurrency": concurrency,
+    return row | client_row(run), poller, run
+
+
+def hsx_point(ctx: Ctx, concurrency: int) -> dict[str, Any]:
+    name = f"hsx-c{concurrency}"
+    samples, _ = workload(ctx, concurrency, name)
+    row, _, _ = measured_run(ctx, name, samples, {"concurrency": concurrency})
+    return row | {"name": f"hsx, concurrency {concurrency}", "concurrency": concurrency}
+
+
+def client_row(run: ClientRun) -> dict[str, Any]:
+    return {
         "samples": run.done,
         "tokens": run.tokens,
         "run_tokens_per_s": run.tokens / run.run_s,
@@ -150,6 +168,34 @@ def hsx_point(ctx: Ctx, concurrency: int) -> dict[str, Any]:
         "client_peak_rss_mb": run.usage.peak_rss / 1e6,
         "usage": usage_dict(run.usage),
     }
+
+
+def auto_point(ctx: Ctx) -> dict[str, Any]:
+    """``concurrency = "auto"`` from its start (4) up to the largest fixed level: a longer
+    run (``--auto-seconds``) so that the controller's search is a small part of it. Its
+    "settled" rate is the steady rate over the second half of the tokens."""
+    top = max(ctx.args.concurrency)
+    samples, _ = workload(ctx, top, "hsx-auto", ctx.args.auto_seconds)
+    workers = {"concurrency": "auto", "max_concurrency": top}
+    row, poller, _ = measured_run(ctx, "hsx-auto", samples, workers)
+    changes = concurrency_changes(ctx.s.work / "hsx-auto.log")
+    final = changes[-1]["new"] if changes else 4
+    return row | {
+        "name": f"hsx, concurrency auto (≤ {top}; ended at {final})",
+        "concurrency": "auto",
+        "settled_tokens_per_s": poller.steady_rate(0.5, 0.9),
+        "changes": changes,
+    }
+
+
+def concurrency_changes(log: Path) -> list[dict[str, Any]]:
+    """The ``concurrency_changed`` events of a JSON log, in order."""
+    out = []
+    for line in log.read_bytes().splitlines():
+        if line.startswith(b"{") and b"concurrency_changed" in line:
+            event = orjson.loads(line)
+            out.append({k: event.get(k) for k in ("old", "new", "reason", "tokens_per_s")})
+    return out
 
 
 def baseline_point(ctx: Ctx) -> dict[str, Any]:
@@ -213,11 +259,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     add("--mean-len", type=float, default=2350.0)
     add("--max-len", type=int, default=32768)
     add("--seconds", type=float, default=15.0, help="target length of each point")
+    add("--auto-seconds", type=float, default=90.0, help='length of the "auto" point (0: none)')
     args = p.parse_args(argv)
     if args.smoke:
         args.concurrency = [1, 4]
         args.latency_base_ms, args.latency_per_token_us, args.max_batch_tokens = 50.0, 5.0, 4096
         args.hidden_size, args.mean_len, args.max_len, args.seconds = 512, 200.0, 1024, 0.5
+        args.auto_seconds = 1.0
     return args
 
 
@@ -231,7 +279,11 @@ def run_all(ctx: Ctx) -> dict[str, Any]:
     for c in sorted(ctx.args.concurrency):
         points.append(hsx_point(ctx, c))
         _progress(points[-1])
-    return {"ceiling": ceiling, "baseline": baseline, "points": points}
+    out: dict[str, Any] = {"ceiling": ceiling, "baseline": baseline, "points": points}
+    if ctx.args.auto_seconds > 0:
+        out["auto"] = auto_point(ctx)
+        _progress(out["auto"])
+    return out
 
 
 def _progress(row: dict[str, Any]) -> None:
@@ -250,6 +302,13 @@ def report(data: dict[str, Any]) -> list[str]:
         rate = r["steady_tokens_per_s"]
         rows.append([r["name"], rate, r["run_tokens_per_s"], rate / cap, rate / ceil, rate / base,
                      r["mean_pass_fill"], r["client_cpu_s"], r["client_peak_rss_mb"]])  # fmt: skip
+    best = max(data["points"], key=lambda r: r["steady_tokens_per_s"])
+    auto = data.get("auto")
+    if auto is not None:
+        rate = auto["settled_tokens_per_s"]
+        rows.append([auto["name"] + ", second half", rate, auto["run_tokens_per_s"], rate / cap,
+                     rate / ceil, rate / base, auto["mean_pass_fill"], auto["client_cpu_s"],
+                     auto["client_peak_rss_mb"]])  # fmt: skip
     c = data["ceiling"]
     rows.append([c["name"], ceil, c["run_tokens_per_s"], ceil / cap, 1.0, ceil / base,
                  c["mean_pass_fill"], "", ""])  # fmt: skip
@@ -262,7 +321,6 @@ def report(data: dict[str, Any]) -> list[str]:
     headers = ["client", "tokens/s (steady)", "tokens/s (whole run)", "of modelled capacity",
                "of measured ceiling", "× baseline", "pass fill", "client CPU s",
                "client peak RSS MB"]  # fmt: skip
-    best = max(data["points"], key=lambda r: r["steady_tokens_per_s"])
     data["summary"] = {
         "best_concurrency": best["concurrency"],
         "best_of_capacity": best["steady_tokens_per_s"] / cap,
@@ -273,6 +331,13 @@ def report(data: dict[str, Any]) -> list[str]:
             None,
         ),
     }
+    if auto is not None:
+        data["summary"]["auto_settled_vs_best_fixed"] = (
+            auto["settled_tokens_per_s"] / best["steady_tokens_per_s"]
+        )
+        data["summary"]["auto_final_concurrency"] = (
+            auto["changes"][-1]["new"] if auto["changes"] else None
+        )
     return [print_table(title, headers, rows)]
 
 
@@ -290,6 +355,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax.axhline(ceil, color="green", linestyle="--", label=f"measured ceiling {ceil:,.0f}")
     base = data["baseline"]["steady_tokens_per_s"]
     ax.axhline(base, color="red", linestyle="--", label=f"one at a time {base:,.0f}")
+    if "auto" in data:
+        auto = data["auto"]["settled_tokens_per_s"]
+        ax.axhline(auto, color="purple", linestyle="-.", label=f'concurrency "auto" {auto:,.0f}')
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("workers.concurrency")

@@ -8,11 +8,13 @@ becomes a default in a 70-hour job. Relative paths are relative to the config fi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
 import re
 import tomllib
+import types
 import typing
 import urllib.parse
 from dataclasses import dataclass, field
@@ -90,10 +92,26 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class WorkersConfig:
-    concurrency: int = 8
+    # "auto": tuned at run time (run/autotune.py), from AUTO_START up to max_concurrency.
+    concurrency: int | Literal["auto"] = 8
+    max_concurrency: int = 64
     max_attempts: int = 5
     backoff_base: float = 0.5
     backoff_max: float = 30.0
+
+    @property
+    def auto(self) -> bool:
+        return self.concurrency == "auto"
+
+    @property
+    def start_concurrency(self) -> int:
+        """The workers a run starts with."""
+        if isinstance(self.concurrency, int):
+            return self.concurrency
+        return min(AUTO_START, self.max_concurrency)
+
+
+AUTO_START = 4  # workers.concurrency = "auto" starts here
 
 
 @dataclass(frozen=True)
@@ -142,6 +160,12 @@ class Config:
 _TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
+def _hint_words(hint: Any) -> str:
+    if get_origin(hint) is Literal:
+        return " or ".join(repr(c) for c in get_args(hint))
+    return _TYPE_WORDS.get(hint, str(hint))
+
+
 def _nearest(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     return f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(sorted(valid))}"
@@ -161,6 +185,12 @@ def _convert(value: Any, hint: Any, key: str, base: Path) -> Any:
                 key, f"{value!r}: cannot expand '~'; write an absolute path"
             ) from None
         return path if path.is_absolute() else base / path
+    if origin in (typing.Union, types.UnionType):  # int | Literal["auto"]: the first arm that fits
+        for arm in get_args(hint):
+            with contextlib.suppress(ConfigError):
+                return _convert(value, arm, key, base)
+        words = " or ".join(_hint_words(arm) for arm in get_args(hint))
+        raise ConfigError(key, f"{value!r} is not {words}")
     if origin is Literal:
         if value not in get_args(hint):
             choices = " | ".join(repr(c) for c in get_args(hint))
@@ -302,7 +332,12 @@ def validate(c: Config) -> None:
         "dump.namespace_prefix",
         f"must make names matching {NS_PATTERN} (letters, digits, '._-', ≤ 40 chars)",
     )
-    _check(c.workers.concurrency >= 1, "workers.concurrency", "must be at least 1")
+    _check(
+        c.workers.auto or c.workers.start_concurrency >= 1,
+        "workers.concurrency",
+        'must be at least 1, or "auto"',
+    )
+    _check(c.workers.max_concurrency >= 1, "workers.max_concurrency", "must be at least 1")
     _check(c.workers.max_attempts >= 1, "workers.max_attempts", "must be at least 1")
     _check(
         0 <= c.workers.backoff_base <= c.workers.backoff_max,
@@ -366,6 +401,7 @@ LIVE_KEYS = frozenset(
         "dump.timeout",
         "dump.shm_budget",
         "workers.concurrency",
+        "workers.max_concurrency",
         "workers.max_attempts",
         "workers.backoff_base",
         "workers.backoff_max",

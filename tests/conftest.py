@@ -36,3 +36,17 @@ def _quiet_logs() -> Iterator[None]:
     configure_logging("json", "warning")
     yield
     structlog.reset_defaults()
+
+
+@pytest.fixture
+def fresh_structlog() -> Iterator[None]:
+    """structlog defaults for the test (info events reach ``capture_logs``), whatever
+    another test configured; restored after."""
+    import structlog
+
+    saved = structlog.get_config()
+    structlog.reset_defaults()
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)

@@ -116,6 +116,10 @@ def test_scaling_smoke(tmp_path: Path, shm_root: Path) -> None:
         assert 0 < row["mean_pass_fill"] <= 1
     assert data["baseline"]["samples"] >= 1
     assert data["summary"]["best_concurrency"] in (1, 4)
+    auto = data["auto"]
+    assert auto["concurrency"] == "auto" and positive(auto["tokens"])
+    assert auto["settled_tokens_per_s"] >= 0
+    assert all(c["reason"] for c in auto["changes"])
 
 
 def test_overhead_smoke(tmp_path: Path, shm_root: Path) -> None:

@@ -219,6 +219,7 @@ def test_required_key(section: str, key: str) -> None:
         ("workers", "concurrency", "8", "workers.concurrency", "not an integer"),
         ("workers", "concurrency", True, "workers.concurrency", "not an integer"),
         ("workers", "concurrency", 8.0, "workers.concurrency", "not an integer"),
+        ("workers", "concurrency", "Auto", "workers.concurrency", "not an integer or 'auto'"),
         ("model", "hidden_size", 1.5, "model.hidden_size", "not an integer"),
         ("model", "aux_layers", "2,30", "model.aux_layers", "not a list"),
         ("model", "aux_layers", [2, "30"], "model.aux_layers[1]", "not an integer"),
@@ -289,6 +290,7 @@ def test_timeouts_must_be_positive(section: str, key: str, value: float) -> None
         ("dump", "namespace_prefix", "", "dump.namespace_prefix"),
         ("dump", "namespace_prefix", "x" * 62, "dump.namespace_prefix"),
         ("workers", "concurrency", 0, "workers.concurrency"),
+        ("workers", "max_concurrency", 0, "workers.max_concurrency"),
         ("workers", "max_attempts", 0, "workers.max_attempts"),
         ("workers", "backoff_base", -0.5, "workers.backoff_base"),
         ("workers", "backoff_base", 60.0, "workers.backoff_base"),
@@ -338,7 +340,18 @@ def test_namespace_prefix_leaves_room_for_shard_and_worker() -> None:
         assert exc.key == "dump.namespace_prefix"
         return
     prefix, shard = c.dump.namespace_prefix, c.shard.index
-    assert valid_ns(f"{prefix}-s{shard}-w{c.workers.concurrency - 1}")
+    assert valid_ns(f"{prefix}-s{shard}-w{c.workers.start_concurrency - 1}")
+
+
+def test_concurrency_auto_starts_low_and_is_bounded_by_max_concurrency() -> None:
+    raw = _raw()
+    raw["workers"] = {"concurrency": "auto", "max_concurrency": 2}
+    c = config_from_dict(raw, base=BASE)
+    assert c.workers.auto and c.workers.concurrency == "auto"
+    assert c.workers.start_concurrency == 2  # AUTO_START, capped by max_concurrency
+    raw["workers"] = {"concurrency": 3}
+    fixed = config_from_dict(raw, base=BASE).workers
+    assert not fixed.auto and fixed.start_concurrency == 3
 
 
 def test_shm_budget_must_hold_one_max_sample() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from hsx_async.dataset.manifest import AppendLog
 from hsx_async.dataset.provenance import shard_lock
 from hsx_async.errors import HsxError
 from hsx_async.logs import configure_logging
+from hsx_async.run.autotune import ConcurrencyController, Reading, TuneSettings, shm_ceiling
 from hsx_async.run.client import ServerPool, SGLangClient
 from hsx_async.run.feed import Feeder
 from hsx_async.run.guard import DiskGuard, FreeFn, free_bytes
@@ -42,8 +44,11 @@ from hsx_async.run.reload import reload_config
 from hsx_async.run.signals import DrainExpired, Stopper
 from hsx_async.run.startup import open_logs, prepare_output, record_server, wait_for_server
 from hsx_async.run.status import RunStatus, StatusCollector, take_status
+from hsx_async.run.workers import Workers
 
 log = structlog.get_logger("hsx.daemon")
+
+AUTOTUNE_TICK_S = 0.5  # how often concurrency = "auto" looks at the counters
 
 
 class _Finished(Exception):
@@ -80,8 +85,12 @@ class Daemon:
         free_fn: FreeFn = free_bytes,
         notifier: Notifier | None = None,
         progress_stream: TextIO | None = None,
+        autotune: TuneSettings | None = None,
     ) -> None:
         self.config = config
+        # concurrency = "auto": the controller's settings (start and maximum come from
+        # the config).
+        self.autotune = autotune or TuneSettings()
         self.allow_provenance_change = allow_provenance_change
         self.metrics = Metrics()
         self.notifier = notifier or Notifier.from_env()
@@ -169,7 +178,8 @@ class Daemon:
                 self.notifier.ready()
                 log.info(
                     "run_started",
-                    workers=cfg.workers.concurrency,
+                    workers=cfg.workers.start_concurrency,
+                    concurrency=cfg.workers.concurrency,
                     servers=len(cfg.server.urls),
                     already_done=len(feeder.done.ids),
                     shard=f"{cfg.shard.index}/{cfg.shard.count}",
@@ -195,6 +205,8 @@ class Daemon:
         tg.create_task(self.guard.run(), name="hsx-disk-guard")
         tg.create_task(feeder.count(self.guard), name="hsx-count")
         tg.create_task(self._reload_loop(), name="hsx-reload")
+        if self.pipeline is not None:
+            tg.create_task(self._autotune_loop(self.pipeline.workers), name="hsx-autotune")
         tg.create_task(
             progress_loop(self.status, self.progress_interval, stream=self.progress_stream),
             name="hsx-progress",
@@ -234,6 +246,49 @@ class Daemon:
     async def _finish(self, pipeline: Pipeline) -> None:
         await pipeline.drained()
         raise _Finished
+
+    # -- concurrency = "auto" -----------------------------------------------------------
+
+    async def _autotune_loop(self, workers: Workers) -> None:
+        """Feed the controller the run's counters; apply and log each change. Idle while
+        the (possibly reloaded) config has a fixed concurrency."""
+        controller: ConcurrencyController | None = None
+        while True:
+            await asyncio.sleep(AUTOTUNE_TICK_S)
+            w = self.config.workers
+            if not w.auto:
+                controller = None
+                continue
+            if workers.stopping or workers.workers_done.is_set():
+                continue  # draining, or the input is done: no more workers
+            if controller is None or controller.settings.maximum != w.max_concurrency:
+                start = max(1, min(workers.target_workers, w.max_concurrency))
+                settings = dataclasses.replace(
+                    self.autotune, start=start, maximum=w.max_concurrency
+                )
+                controller = ConcurrencyController(settings)
+            t = self.metrics.totals
+            shm = shm_ceiling(
+                workers.budget.capacity,
+                t.tokens_done,
+                t.samples_done,
+                self.config.model.row_bytes,
+                w.max_concurrency,
+            )
+            change = controller.observe(
+                Reading(time.monotonic(), t.samples_done, t.tokens_done, shm)
+            )
+            if change is None:
+                continue
+            if change.new != workers.target_workers:
+                workers.set_concurrency(change.new)
+            log.info(
+                "concurrency_changed",
+                old=change.old,
+                new=change.new,
+                reason=change.reason,
+                tokens_per_s=None if change.tokens_per_s is None else round(change.tokens_per_s),
+            )
 
     # -- status -------------------------------------------------------------------------
 

@@ -54,7 +54,15 @@ async def wait_for_server(client: SGLangClient, config: Config, notifier: Notifi
         urls = [redact_url(u) for u in config.server.urls]
         notifier.status("waiting for a server: " + ", ".join(urls))
         log.warning("waiting_for_server", urls=urls, timeout_s=config.server.unreachable_timeout)
-    await pool.wait_healthy()
+    # Probe while waiting: a server still loading its model (a Slurm task's own server
+    # starting beside hsx) comes into rotation as soon as /health answers.
+    prober = asyncio.create_task(client.probe_forever(), name="hsx-first-probe")
+    try:
+        await pool.wait_healthy()
+    finally:
+        prober.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await prober
 
 
 async def record_server(

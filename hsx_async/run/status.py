@@ -50,6 +50,7 @@ class RunStatus:
     writer_queue: int
     paused: bool
     free_disk: int  # -1 until first measured
+    disk_reserve: int  # output.disk_reserve
     stopping: bool
     servers: tuple[ServerStatus, ...]  # those in the config (retired ones left out)
 
@@ -106,6 +107,7 @@ def take_status(
         writer_queue=pipeline.writers.queue.qsize() if pipeline else 0,
         paused=guard.paused,
         free_disk=guard.free,
+        disk_reserve=guard.reserve,
         stopping=stopping,
         servers=tuple(
             ServerStatus(s.display, s.healthy, s.in_flight, s.requests, s.last_error)
@@ -124,6 +126,10 @@ _GAUGES: dict[str, tuple[str, Callable[[RunStatus], float]]] = {
     "hsx_writer_queue_depth": ("Dumps waiting for the writer", lambda s: s.writer_queue),
     "hsx_workers": ("Worker tasks running", lambda s: s.workers),
     "hsx_output_free_bytes": ("Free bytes on the output disk", lambda s: max(s.free_disk, 0)),
+    "hsx_output_disk_reserve_bytes": (
+        "output.disk_reserve: intake pauses when free bytes fall under it",
+        lambda s: s.disk_reserve,
+    ),
     "hsx_intake_paused": ("1 while intake is paused (disk guard)", lambda s: int(s.paused)),
     "hsx_samples_remaining": ("Samples not yet done", lambda s: s.remaining_samples),
     "hsx_eta_seconds": (

@@ -95,11 +95,11 @@ class Workers:
         self.budget = ByteBudget(config.dump.shm_budget)
         self.final_states = FinalStateGuard(config.output.dir)  # one kind per dataset
         self.intake: asyncio.Queue[Sample | _Eof] = asyncio.Queue(
-            maxsize=2 * config.workers.concurrency
+            maxsize=2 * config.workers.start_concurrency
         )
         self.requeued: collections.deque[Sample] = collections.deque()
         self.retry = retry_policy(config)
-        self.target_workers = config.workers.concurrency
+        self.target_workers = config.workers.start_concurrency
         self.stopping = False
         self.live_rids: dict[str, set[str]] = collections.defaultdict(set)  # ns → rids
         self.workers_running = 0
@@ -116,9 +116,10 @@ class Workers:
     # -- life cycle and live changes -----------------------------------------------------
 
     def start(self, tg: asyncio.TaskGroup) -> None:
-        """Spawn ``workers.concurrency`` workers in the run's task group."""
+        """Spawn the run's first workers (``workers.concurrency``, or where ``"auto"``
+        starts) in the run's task group."""
         self._tg = tg
-        self.set_concurrency(self.config.workers.concurrency)
+        self.set_concurrency(self.config.workers.start_concurrency)
 
     def set_concurrency(self, n: int) -> None:
         """Live resize: spawn workers, or let the surplus retire after their sample."""
@@ -134,8 +135,9 @@ class Workers:
         """A reloaded config: concurrency, /dev/shm budget and retry policy change now;
         timeouts are read at each attempt."""
         self.config = config
-        if config.workers.concurrency != self.target_workers:
-            self.set_concurrency(config.workers.concurrency)
+        # Under "auto" the controller owns the count (the daemon's autotune loop).
+        if not config.workers.auto and config.workers.start_concurrency != self.target_workers:
+            self.set_concurrency(config.workers.start_concurrency)
         if config.dump.shm_budget != self.budget.capacity:
             self.budget.resize(config.dump.shm_budget)
         self.retry = retry_policy(config)

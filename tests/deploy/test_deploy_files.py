@@ -35,7 +35,12 @@ UNIT = DEPLOY / "systemd" / "hsx.service"
 SBATCH = DEPLOY / "slurm" / "hsx-array.sbatch"
 EXAMPLES = sorted((DEPLOY / "examples").glob("*.toml"))
 SHELL_SCRIPTS = sorted(
-    [*DEPLOY.rglob("*.sh"), *DEPLOY.rglob("*.sbatch"), REPO / ".ci" / "check-deploy"]
+    [
+        *DEPLOY.rglob("*.sh"),
+        *DEPLOY.rglob("*.sbatch"),
+        REPO / ".ci" / "check-deploy",
+        REPO / ".ci" / "ops-env",
+    ]
 )
 # [daemon].drain_timeout's default, when hsx_async.config is not there to say it.
 DEFAULT_DRAIN_TIMEOUT = 120.0
@@ -853,3 +858,20 @@ def test_hadolint() -> None:
         [hadolint, str(_DOCKERFILE)], capture_output=True, text=True, timeout=60, check=False
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_sbatch_rejects_an_unknown_server_kind(run_sbatch: StartSbatch) -> None:
+    run = run_sbatch(HSX_SERVER="vllm")
+    code, err = run.finish()
+    assert code == 2
+    assert "HSX_SERVER=vllm: use sglang or fake" in err
+
+
+def test_sbatch_resources_default_to_the_gpu_node() -> None:
+    """The #SBATCH lines describe the 8-GPU node; the README says how to override them
+    (tests/deploy/test_slurm.py runs the script with them overridden on a real Slurm)."""
+    directives = re.findall(r"(?m)^#SBATCH\s+(\S+)", SBATCH.read_text())
+    assert {"--gpus-per-node=8", "--cpus-per-task=32", "--mem=0"} <= set(directives)
+    readme = (SBATCH.parent / "README.md").read_text()
+    for flag in ("--gpus-per-node", "--cpus-per-task", "--mem", "HSX_SERVER"):
+        assert flag in readme, f"deploy/slurm/README.md does not explain {flag}"

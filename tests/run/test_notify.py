@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import structlog
 from structlog.testing import capture_logs
 
 from hsx_async.run.notify import (
@@ -64,17 +63,6 @@ def receiver(sock_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[socke
         yield sock
     finally:
         sock.close()
-
-
-@pytest.fixture
-def fresh_structlog() -> Iterator[None]:
-    """structlog defaults for the test, whatever another test configured; restored after."""
-    saved = structlog.get_config()
-    structlog.reset_defaults()
-    try:
-        yield
-    finally:
-        structlog.configure(**saved)
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,8 @@ PROBES: dict[str, Probe] = {
     "server.unreachable_timeout": lambda d: _servers(d).unreachable_timeout,
     "dump.shm_budget": lambda d: (_workers(d).budget.capacity, d.snapshot().shm_budget),
     "workers.concurrency": lambda d: _workers(d).target_workers,
+    # The autotune loop reads it at every tick.
+    "workers.max_concurrency": lambda d: d.config.workers.max_concurrency,
     "workers.max_attempts": lambda d: _workers(d).retry.max_attempts,
     "workers.backoff_base": lambda d: _workers(d).retry.base,
     "workers.backoff_max": lambda d: _workers(d).retry.cap,
@@ -88,7 +90,9 @@ def _changed(raw: dict[str, Any], second_url: str) -> tuple[dict[str, Any], dict
         unreachable_timeout=21.0,
     )
     new["dump"].update(timeout=6.0, shm_budget=32 << 20)
-    new["workers"].update(concurrency=2, max_attempts=9, backoff_base=0.002, backoff_max=0.02)
+    new["workers"].update(
+        concurrency=2, max_concurrency=33, max_attempts=9, backoff_base=0.002, backoff_max=0.02
+    )
     new["daemon"].update(log_level="debug", progress_interval=7.0, drain_timeout=12.0)
     new["output"].update(disk_reserve=4096)
     expected = {
@@ -99,6 +103,7 @@ def _changed(raw: dict[str, Any], second_url: str) -> tuple[dict[str, Any], dict
         "server.unreachable_timeout": 21.0,
         "dump.shm_budget": (32 << 20, 32 << 20),
         "workers.concurrency": 2,
+        "workers.max_concurrency": 33,
         "workers.max_attempts": 9,
         "workers.backoff_base": 0.002,
         "workers.backoff_max": 0.02,
