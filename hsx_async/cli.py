@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "hsx_async.dataset.inspection",
     "hsx_async.dataset.merge",
     "hsx_async.run.demo",
+    "hsx_async.samples",
     "hsx_async.dataset.export",
     "hsx_async.dataset.audit",
     "hsx_async.server.fake.server",

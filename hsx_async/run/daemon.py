@@ -171,7 +171,7 @@ class Daemon:
                     urls=[redact_url(u) for u in cfg.server.urls],
                     timeout_s=cfg.server.unreachable_timeout,
                 )
-            await pool.wait_healthy()
+            await _wait_for_a_server(client)
             await self._record_server(client)
             pipeline = Pipeline(
                 cfg,
@@ -499,6 +499,20 @@ class Daemon:
         except TimeoutError:
             raise _DrainExpired from None
         raise ForcedExit("second stop signal: exiting at once; run again to resume")
+
+
+async def _wait_for_a_server(client: SGLangClient) -> None:
+    """Wait for a healthy server, probing ``/health`` meanwhile: a server started just
+    after ``hsx run`` (``hsx fake-server &``) joins as soon as it answers."""
+    if client.pool.healthy():
+        return
+    prober = asyncio.create_task(client.probe_forever(), name="hsx-start-prober")
+    try:
+        await client.pool.wait_healthy()
+    finally:
+        prober.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await prober
 
 
 def _shown(key: str, value: Any) -> str:

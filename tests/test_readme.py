@@ -1,0 +1,152 @@
+"""The README's commands, run as written, so the docs cannot drift from the code.
+
+- "Try it without a GPU": the fenced block is run by bash, line for line, in private
+  network, mount and PID namespaces (``unshare``): its fixed port 30000, metrics port 9464,
+  ``/tmp/hsx-small`` and ``/dev/shm/hsx-small`` are then this test's own, whatever else
+  runs on the machine, and every process it starts dies with the namespace. ``hsx`` is
+  found on ``PATH`` as after the quickstart's ``. .venv/bin/activate``.
+- "A real job": the ``deploy/sglang/launch.sh`` line is run with a stand-in Python whose
+  ``sglang.launch_server`` records its argv (as the launch.sh tests do).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+BIN = Path(sys.executable).parent
+
+
+def fenced_block(heading: str) -> str:
+    """The first ```bash block after the Markdown heading ``heading``."""
+    text = README.read_text()
+    at = text.find(f"\n{heading}\n")
+    assert at >= 0, f"README has no heading {heading!r}"
+    match = re.search(r"```bash\n(.*?)```", text[at:], re.S)
+    assert match, f"no bash block after {heading!r}"
+    return match.group(1)
+
+
+def _isolation() -> list[str] | None:
+    """The unshare prefix that gives the block its own 127.0.0.1, /tmp and /dev/shm."""
+    unshare = shutil.which("unshare")
+    if unshare is None or str(REPO).startswith("/tmp/") or str(BIN).startswith("/tmp/"):
+        return None
+    prefix = [unshare, "--user", "--map-root-user", "--net", "--mount", "--pid", "--fork"]
+    probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30, check=False)
+    return prefix if probe.returncode == 0 else None
+
+
+def _unavailable(why: str) -> None:
+    message = f"{why}: the README tryout test needs util-linux `unshare` with user namespaces"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+# What runs before and after the README's lines: a private loopback and scratch mounts;
+# then the block exactly as written, stopping at the first failing command.
+PROLOGUE = textwrap.dedent(
+    """\
+    set -euo pipefail
+    python3 - <<'PY' || ip link set lo up
+    import fcntl, socket, struct
+    s = socket.socket()
+    req = struct.pack("16sH", b"lo", 0)
+    flags = struct.unpack("16sH", fcntl.ioctl(s, 0x8913, req))[1]
+    fcntl.ioctl(s, 0x8914, struct.pack("16sH", b"lo", flags | 1))
+    PY
+    mount -t tmpfs -o size=2g tmpfs /tmp
+    mount -t tmpfs -o size=512m tmpfs /dev/shm
+    cd {repo}
+    """
+)
+
+
+@pytest.mark.timeout(240)
+def test_readme_tryout_runs_as_written() -> None:
+    block = fenced_block("### Try it without a GPU")
+    assert "hsx samples" in block and "hsx run" in block
+    prefix = _isolation()
+    if prefix is None:
+        _unavailable("no private namespaces here")
+    assert prefix is not None
+    if not (BIN / "hsx").exists():
+        pytest.fail(f"{BIN}/hsx is missing: install the package (pip install -e .)")
+    script = PROLOGUE.format(repo=REPO) + block + "echo TRYOUT-DONE\n"
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("HSX_FAILPOINT", None)
+    proc = subprocess.run(
+        [*prefix, "bash", "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=200,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "TRYOUT-DONE" in proc.stdout, out[-4000:]
+    assert "wrote 500 samples" in proc.stdout
+    assert re.search(r"^500 samples written, 0 quarantined", proc.stdout, re.M), out[-4000:]
+    assert re.search(r"^done:\s+500 samples", proc.stdout, re.M), out[-4000:]
+    assert re.search(r"^remaining:\s+0\b", proc.stdout, re.M), out[-4000:]
+    assert "Traceback" not in out
+
+
+# -- the GPU launch line -------------------------------------------------------------------
+
+FAKE_LAUNCHER = textwrap.dedent(
+    """
+    import json, os, sys
+    with open(os.environ["HSX_TEST_CAPTURE"], "w") as fh:
+        json.dump({"argv": sys.argv[1:],
+                   "env": {k: v for k, v in os.environ.items() if k.startswith("HSX_")}}, fh)
+    """
+)
+
+
+def test_readme_launch_line_matches_launch_sh(tmp_path: Path) -> None:
+    block = fenced_block("## A real job")
+    lines = [ln for ln in block.splitlines() if "deploy/sglang/launch.sh" in ln]
+    assert len(lines) == 1, block
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "launch_server.py").write_text(FAKE_LAUNCHER)
+    capture = tmp_path / "capture.json"
+    env = {
+        "PATH": os.environ["PATH"],
+        "HSX_PYTHON": sys.executable,
+        "PYTHONPATH": os.pathsep.join([str(fake.parent), str(REPO)]),
+        "HSX_TEST_CAPTURE": str(capture),
+    }
+    proc = subprocess.run(
+        ["bash", "-c", lines[0]],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(capture.read_text())["argv"]
+    assert argv.count("--model-path") == 1, argv
+    model = argv[argv.index("--model-path") + 1]
+    assert not model.startswith("-") and model.startswith("/models/"), argv
+    assert argv.count("--tp-size") == 1 and argv[argv.index("--tp-size") + 1] == "8", argv
+    # The README's server must match the example job it points to.
+    assert "HSX_AUX_LAYERS=2,30,58" in lines[0]
+    job = (REPO / "deploy" / "examples" / "kimi-k2.5.toml").read_text()
+    assert re.search(r"aux_layers\s*=\s*\[2,\s*30,\s*58\]", job)
