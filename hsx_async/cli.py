@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "hsx_async.run.daemon",
     "hsx_async.run.preflight",
     "hsx_async.dataset.inspection",
+    "hsx_async.run.report",
     "hsx_async.dataset.merge",
     "hsx_async.run.demo",
     "hsx_async.samples",

@@ -39,11 +39,16 @@ _HEADER_MAX = 100 << 20
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"
+    """Binary units, as sizes are written in the config (``"1GiB"`` shows as 1.0 GiB)."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    units = ("KiB", "MiB", "GiB", "TiB")
+    i = 0
+    n /= 1024
+    while abs(n) >= 1024 and i < len(units) - 1:
+        n /= 1024
+        i += 1
+    return f"{n:.1f} {units[i]}"
 
 
 # -- status --------------------------------------------------------------------------------

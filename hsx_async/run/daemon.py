@@ -27,6 +27,7 @@ import aiohttp
 import structlog
 
 from hsx_async.config import Config, ConfigDiff, diff_config, load_config, redact_url
+from hsx_async.dataset.inspection import human_bytes
 from hsx_async.dataset.manifest import MANIFEST, QUARANTINE, AppendLog, DoneSet, load_done, log_name
 from hsx_async.dataset.provenance import (
     check_and_record,
@@ -44,6 +45,7 @@ from hsx_async.run.metrics import Metrics
 from hsx_async.run.notify import Notifier, watchdog_loop
 from hsx_async.run.observe import progress_line, progress_loop, serve_http
 from hsx_async.run.pool import EOF, Pipeline
+from hsx_async.run.report import RunRecorder, Tick
 from hsx_async.run.resume import check_entries, clean_orphans
 from hsx_async.run.retry import RetryPolicy
 from hsx_async.run.source import BadLine, SampleReader, count_pending, shard_of
@@ -69,15 +71,24 @@ class RunSummary:
     seconds: float
     stopped: bool  # by a signal
     unfinished: int  # samples read but neither done nor quarantined
+    remaining: int | None = None  # samples of the input (this shard) still to do; None: not counted
 
     def line(self) -> str:
-        rate = self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+        rate = self.bytes / self.seconds if self.seconds else 0.0
         tok = self.tokens / self.seconds if self.seconds else 0.0
         return (
-            f"{self.done} samples written, {self.quarantined} quarantined, {self.skipped} "
-            f"already done; {self.tokens} tokens, {self.bytes / 1e9:.2f} GB in "
-            f"{self.seconds:.1f} s ({tok:,.0f} tokens/s, {rate:.2f} GB/s)"
+            f"{self.done:,} samples written, {self.quarantined:,} quarantined, "
+            f"{self.skipped:,} already done; {self.tokens:,} tokens, {human_bytes(self.bytes)} "
+            f"in {self.seconds:.1f} s ({tok:,.0f} tokens/s, {human_bytes(rate)}/s)"
         )
+
+    def next_step(self, config_path: Path | None) -> str:
+        """What is left and how to finish it ('' when nothing is)."""
+        left = self.remaining if self.remaining is not None else self.unfinished
+        if not left:
+            return ""
+        again = f"hsx run --config {config_path}" if config_path else "hsx run"
+        return f"{left:,} samples remaining: run `{again}` again to finish (it resumes)"
 
 
 class Daemon:
@@ -107,6 +118,9 @@ class Daemon:
         self.pending: tuple[int, int] | None = None  # (samples, tokens) to do, once counted
         self.http_url: str | None = None
         self.pipeline: Pipeline | None = None
+        self.recorder = RunRecorder(
+            config.output.dir, config.shard.index, config.shard.count, self._tick
+        )
 
     # -- start --------------------------------------------------------------------------
 
@@ -136,7 +150,10 @@ class Daemon:
             manifest, quarantine = await asyncio.to_thread(self._open_logs)
             stack.callback(manifest.close)
             stack.callback(quarantine.close)
-            await self._connect_and_serve(done, manifest, quarantine)
+            try:
+                await self._connect_and_serve(done, manifest, quarantine)
+            finally:
+                await asyncio.to_thread(self._finish_events)
         t = self.metrics.totals
         return RunSummary(
             done=t.samples_done,
@@ -147,7 +164,15 @@ class Daemon:
             seconds=time.monotonic() - started,
             stopped=self.stop_requested.is_set(),
             unfinished=self.fed - self.settled,
+            remaining=self._remaining(),
         )
+
+    def _remaining(self) -> int | None:
+        """Samples of this shard's input neither written nor quarantined, once counted."""
+        if self.pending is None:
+            return None
+        t = self.metrics.totals
+        return max(0, self.pending[0] - t.samples_done - t.samples_quarantined)
 
     async def _connect_and_serve(
         self, done: DoneSet, manifest: AppendLog, quarantine: AppendLog
@@ -182,6 +207,7 @@ class Daemon:
                 guard=self.guard,
             )
             self.pipeline = pipeline
+            await self.recorder.start()
             try:
                 await self._serve(pipeline, client, done)
             finally:
@@ -234,7 +260,8 @@ class Daemon:
                     shard=f"{cfg.shard.index}/{cfg.shard.count}",
                 )
         except* _Finished:
-            log.info("run_finished", **vars(self.metrics.totals))
+            totals = {k: v for k, v in vars(self.metrics.totals).items() if k != "started"}
+            log.info("run_finished", **totals, seconds=round(self.metrics.elapsed(), 3))
         except* _DrainExpired:
             log.warning(
                 "drain_deadline_passed",
@@ -256,6 +283,7 @@ class Daemon:
         tg.create_task(self.guard.run(), name="hsx-disk-guard")
         tg.create_task(self._count_input(done), name="hsx-count")
         tg.create_task(self._reload_loop(pipeline, tg), name="hsx-reload")
+        tg.create_task(self.recorder.run(), name="hsx-events")
         tg.create_task(
             progress_loop(self.status, cfg.daemon.progress_interval, stream=self.progress_stream),
             name="hsx-progress",
@@ -333,6 +361,27 @@ class Daemon:
             )
         if cfg.shard.count == 1:  # a shard's count is not the whole input's
             await asyncio.to_thread(record_input_count, cfg.output.dir, len(done.ids) + samples)
+
+    # -- the events log (job report) ----------------------------------------------------
+
+    def _tick(self) -> Tick:
+        t, pipe = self.metrics.totals, self.pipeline
+        servers = {s.display: s.requests for s in pipe.servers.servers} if pipe else {}
+        return Tick(
+            samples=t.samples_done,
+            tokens=t.tokens_done,
+            bytes=t.bytes_written,
+            quarantined=t.samples_quarantined,
+            retries=dict(self.metrics.failure_reasons),
+            servers=servers,
+        )
+
+    def _finish_events(self) -> None:
+        if self.pipeline is None:
+            return  # never started: no run to record
+        self.recorder.finish(
+            stopped=self.stop_requested.is_set(), unfinished=self.fed - self.settled
+        )
 
     # -- status -------------------------------------------------------------------------
 
@@ -541,10 +590,26 @@ def run_command(args: argparse.Namespace) -> int:
     daemon = Daemon(config, allow_provenance_change=args.allow_provenance_change)
     summary = uvloop.run(daemon.run())
     print(summary.line())
+    step = summary.next_step(config.path)
+    if step:
+        print(f"hsx: {step}")
+    if not args.no_report:
+        _print_report(config.output.dir)
     if summary.unfinished and not summary.stopped:
-        print(f"hsx: {summary.unfinished} samples were not finished; run again to resume")
         return 1
     return 0
+
+
+def _print_report(out: Path) -> None:
+    """The job report after each run; a failure to draw it never fails the run."""
+    from hsx_async.run.report import write_report  # noqa: PLC0415 - matplotlib, lazily
+
+    try:
+        json_path, png_path, hint = write_report(out)
+    except (HsxError, OSError, ValueError) as exc:
+        print(f"hsx: no job report: {exc}")
+        return
+    print(f"report: {png_path or json_path}" + (f" ({hint})" if hint else ""))
 
 
 def register_cli(sub: Any) -> None:
@@ -554,5 +619,10 @@ def register_cli(sub: Any) -> None:
         "--allow-provenance-change",
         action="store_true",
         help="resume even though the input or model differs from the dataset's",
+    )
+    p.add_argument(
+        "--no-report",
+        action="store_true",
+        help="do not write OUT/report.png and report.json at the end (see `hsx report`)",
     )
     p.set_defaults(handler=run_command)

@@ -6,6 +6,7 @@ kind), never per sample.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.totals = Totals()
+        self.failure_reasons: collections.Counter[str] = collections.Counter()
         # Called after each sample is durable (tests and the progress reporter listen).
         self.on_sample_done: list[Callable[[Totals], None]] = []
         r = self.registry
@@ -89,9 +91,16 @@ class Metrics:
         self.totals.samples_quarantined += 1
         self.samples.labels("quarantined").inc()
 
-    def attempt_failed(self, kind: str) -> None:
+    def attempt_failed(self, kind: str, reason: str = "") -> None:
+        """``kind`` labels the Prometheus series; ``reason`` (what failed, without its
+        particulars) is counted for the job report."""
         self.totals.attempts_failed += 1
         self.retries.labels(kind).inc()
+        self.failure_reasons[reason or kind] += 1
+
+    def elapsed(self) -> float:
+        """Seconds since this run started (the monotonic start never leaves the process)."""
+        return time.monotonic() - self.totals.started
 
     def rates(self) -> tuple[float, float]:
         """(tokens/s, bytes/s) since the start of this run."""

@@ -48,6 +48,7 @@ from hsx_async.run.dump import wait_for_meta as _wait_for_meta
 from hsx_async.run.failpoints import failpoint
 from hsx_async.run.guard import DiskGuard
 from hsx_async.run.metrics import Metrics
+from hsx_async.run.report import reason_kind
 from hsx_async.run.retry import RetryPolicy
 from hsx_async.run.source import BadLine, Sample
 from hsx_async.run.writer import FileWriter, Staged, WriteJob
@@ -369,7 +370,7 @@ class Pipeline:
                 # attempts): everything but the dumps the writers hold.
                 await self.to_thread(sweep_namespace, ns_dir, set(self.live_rids[ns]))
                 kind = "request" if isinstance(exc, RequestError) else "dump"
-                self.metrics.attempt_failed(kind)
+                self.metrics.attempt_failed(kind, reason_kind(str(exc)))
                 log.info("attempt_failed", id=sample.id, rid=rid, attempt=attempt, error=str(exc))
                 if self.retry.exhausted(attempt):
                     reason = f"{attempt} attempts failed; last: {exc}"
