@@ -310,14 +310,17 @@ class Daemon:
     async def _feed(self, pipeline: Pipeline, done: DoneSet) -> None:
         cfg = self.config
         reader = SampleReader(cfg.input.path, cfg.input.max_tokens)
+        lines = 0  # of this shard: each ends in the manifest or the quarantine
         async for item in reader.items():
             if pipeline.stopping:
                 break
             if cfg.shard.count > 1 and shard_of(item, cfg.shard.count) != cfg.shard.index:
                 continue
+            lines += 1
             if isinstance(item, BadLine):
+                own = item.own_id
                 if item.line not in done.lines and not (
-                    item.id is not None and done.is_done(item.id, item.line)
+                    own is not None and done.is_done(own, item.line)
                 ):
                     await pipeline.quarantine_bad_line(item)
                 continue
@@ -326,6 +329,8 @@ class Daemon:
                 continue
             self.fed += 1
             await pipeline.intake.put(item)
+        else:
+            await self.recorder.input_read(lines)
         await pipeline.intake.put(EOF)
 
     async def _finish(

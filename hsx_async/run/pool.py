@@ -265,14 +265,17 @@ class Pipeline:
         shard = self.config.shard
         return f"{prefix}-s{shard.index}-w{index}" if shard.count > 1 else f"{prefix}-w{index}"
 
-    async def quarantine(self, line: int, sample_id: Any, reason: str) -> None:
-        entry = QuarantineEntry(sample_id, line, reason)
+    async def quarantine(
+        self, line: int, sample_id: Any, reason: str, duplicate_of: int | None = None
+    ) -> None:
+        entry = QuarantineEntry(sample_id, line, reason, duplicate_of)
         await asyncio.shield(self.committer.commit(self.committer.quarantine, entry.to_line()))
         self.metrics.sample_quarantined()
-        log.warning("sample_quarantined", id=sample_id, line=line, reason=reason)
+        # input_line: the number editors and grep -n show (the record keeps 0-based line)
+        log.warning("sample_quarantined", id=sample_id, input_line=line + 1, reason=reason)
 
     async def quarantine_bad_line(self, bad: BadLine) -> None:
-        await self.quarantine(bad.line, bad.id, bad.reason)
+        await self.quarantine(bad.line, bad.id, bad.reason, bad.duplicate_of)
 
     # -- workers ------------------------------------------------------------------------
 

@@ -35,11 +35,10 @@ from typing import Any
 import orjson
 
 from hsx_async.dataset.durable import write_atomic
-from hsx_async.dataset.manifest import AppendLog, log_name, read_log, read_manifest, read_quarantine
+from hsx_async.dataset.events import EVENTS, event_files, read_events
+from hsx_async.dataset.manifest import AppendLog, log_name, read_manifest, read_quarantine
 from hsx_async.errors import DatasetError
 
-EVENTS = "events"
-_EVENTS_FILE = re.compile(r"events(?:\.shard-[0-9]{5}-of-[0-9]{5})?\.jsonl")
 REPORT_JSON = "report.json"
 REPORT_PNG = "report.png"
 _FAST_TICKS_S = 60.0  # tick every second this long, then every _SLOW_TICK_S
@@ -107,6 +106,11 @@ class RunRecorder:
             await asyncio.sleep(1.0 if elapsed < _FAST_TICKS_S else _SLOW_TICK_S)
             await asyncio.to_thread(self._append, self._record("tick"))
 
+    async def input_read(self, lines: int) -> None:
+        """The feeder read the whole input: ``lines`` of it belong to this shard."""
+        record = {"event": "input", "time": round(time.time(), 3), "shard": self.shard}
+        await asyncio.to_thread(self._append, {**record, "lines": lines})
+
     def finish(self, *, stopped: bool, unfinished: int) -> None:
         """The ``end`` line (blocking; called once the run is over)."""
         try:
@@ -133,19 +137,13 @@ def reason_kind(reason: str) -> str:
     return f"retries exhausted: {text}" if exhausted else text
 
 
-def event_files(out_dir: Path) -> list[Path]:
-    if not out_dir.is_dir():
-        return []
-    return sorted(p for p in out_dir.iterdir() if _EVENTS_FILE.fullmatch(p.name) and p.is_file())
-
-
 def _read_runs(out_dir: Path) -> list[list[dict[str, Any]]]:
     """Each run's records in time order (a run: a ``start`` line and what follows it)."""
     runs: list[list[dict[str, Any]]] = []
     for path in event_files(out_dir):
         current: list[dict[str, Any]] | None = None
-        for _, rec in read_log(path)[0]:
-            if not isinstance(rec, dict) or "time" not in rec:
+        for rec in read_events(path):
+            if rec.get("event") == "input":
                 continue
             if rec.get("event") == "start" or current is None:
                 current = []
