@@ -618,5 +618,7 @@ def register_cli(subparsers: Any) -> None:
             "per-layer row-norm statistics and any NaN/Inf, zero rows or duplicated layers."
         ),
     )
-    parser.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    parser.add_argument(
+        "files", nargs="+", type=Path, metavar="FILE", help="sample files (data/…/*.safetensors)"
+    )
     parser.set_defaults(handler=_run_inspect)
