@@ -150,3 +150,39 @@ def test_readme_launch_line_matches_launch_sh(tmp_path: Path) -> None:
     assert "HSX_AUX_LAYERS=2,30,58" in lines[0]
     job = (REPO / "deploy" / "examples" / "kimi-k2.5.toml").read_text()
     assert re.search(r"aux_layers\s*=\s*\[2,\s*30,\s*58\]", job)
+
+
+# -- the training example ------------------------------------------------------------------
+
+
+def python_block(heading: str) -> str:
+    text = README.read_text()
+    at = text.find(f"\n{heading}\n")
+    assert at >= 0, f"README has no heading {heading!r}"
+    match = re.search(r"```python\n(.*?)```", text[at:], re.S)
+    assert match, f"no python block after {heading!r}"
+    return match.group(1)
+
+
+def test_readme_dataloader_example_runs(tmp_path: Path) -> None:
+    """The README's DataLoader loop, over a small dataset in place of the tryout's."""
+    import torch
+
+    from tests.dataset_factory import AUX_LAYERS, write_dataset
+
+    code = python_block("### Reading the dataset in PyTorch")
+    assert '"/tmp/hsx-small/out"' in code
+    out = tmp_path / "out"
+    write_dataset(out, num_samples=40, hidden_size=64)
+    seen: list[dict[str, torch.Tensor]] = []
+    code = code.replace('"/tmp/hsx-small/out"', repr(str(out)))
+    code = code.replace("num_workers=2", "num_workers=0")  # the same loop, in this process
+    code = code.replace("...  # the drafter", "seen.append(batch)  # the drafter")
+    exec(compile(code, "README.md", "exec"), {"seen": seen})
+    assert seen, "the loop saw no batch"
+    first = seen[0]
+    final, aux = first["hidden_states"], first["aux_hidden_states"]
+    assert final.dtype == torch.bfloat16 and final.shape[-1] == 64
+    assert aux.shape[-1] == 64 * len(AUX_LAYERS)
+    per_epoch = sum(len(b["lengths"]) for b in seen) / 2
+    assert 0 < per_epoch < 40  # the validation share is held out
