@@ -27,13 +27,13 @@ README = REPO / "README.md"
 BIN = Path(sys.executable).parent
 
 
-def fenced_block(heading: str) -> str:
-    """The first ```bash block after the Markdown heading ``heading``."""
+def fenced_block(heading: str, language: str = "bash") -> str:
+    """The first fenced ``language`` block after the Markdown heading ``heading``."""
     text = README.read_text()
     at = text.find(f"\n{heading}\n")
     assert at >= 0, f"README has no heading {heading!r}"
-    match = re.search(r"```bash\n(.*?)```", text[at:], re.S)
-    assert match, f"no bash block after {heading!r}"
+    match = re.search(rf"```{language}\n(.*?)```", text[at:], re.S)
+    assert match, f"no {language} block after {heading!r}"
     return match.group(1)
 
 
@@ -155,22 +155,13 @@ def test_readme_launch_line_matches_launch_sh(tmp_path: Path) -> None:
 # -- the training example ------------------------------------------------------------------
 
 
-def python_block(heading: str) -> str:
-    text = README.read_text()
-    at = text.find(f"\n{heading}\n")
-    assert at >= 0, f"README has no heading {heading!r}"
-    match = re.search(r"```python\n(.*?)```", text[at:], re.S)
-    assert match, f"no python block after {heading!r}"
-    return match.group(1)
-
-
 def test_readme_dataloader_example_runs(tmp_path: Path) -> None:
     """The README's DataLoader loop, over a small dataset in place of the tryout's."""
     import torch
 
     from tests.dataset_factory import AUX_LAYERS, write_dataset
 
-    code = python_block("### Reading the dataset in PyTorch")
+    code = fenced_block("### Reading the dataset in PyTorch", "python")
     assert '"/tmp/hsx-small/out"' in code
     out = tmp_path / "out"
     write_dataset(out, num_samples=40, hidden_size=64)

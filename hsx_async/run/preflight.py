@@ -169,26 +169,32 @@ def check_dump_root(config: Config, report: Report) -> None:
         )
 
 
-async def _tiny_request(client: SGLangClient, server: Server, config: Config) -> str:
-    """One request through the whole dump path; '' on success, else the problem."""
-    ns = f"{config.dump.namespace_prefix}-check"
+async def _dump_once(
+    client: SGLangClient, server: Server, config: Config, ns_dir: Path, ids: npt.NDArray[np.int64]
+) -> None:
+    """One request through the whole dump path, its dump validated against the config."""
     rid = f"check-{secrets.token_hex(6)}"
+    await client.generate(
+        server, rid=rid, ns=ns_dir.name, input_ids=ids, timeout=config.server.request_timeout
+    )
+    meta = await wait_for_meta(ns_dir / rid, config.dump.timeout)
+    validate_dump(
+        ns_dir / rid,
+        meta,
+        rid=rid,
+        num_tokens=len(ids),
+        hidden_size=config.model.hidden_size,
+        aux_layers=config.model.aux_layers,
+        row_bytes=config.model.row_bytes,
+    )
+
+
+async def _tiny_request(client: SGLangClient, server: Server, config: Config) -> str:
+    """One 4-token request through the dump path; '' on success, else the problem."""
+    ns = f"{config.dump.namespace_prefix}-check"
     ns_dir = await asyncio.to_thread(prepare_namespace, config.dump.root, ns)
-    ids = np.array([1, 2, 3, 4], dtype=np.int64)
     try:
-        await client.generate(
-            server, rid=rid, ns=ns, input_ids=ids, timeout=config.server.request_timeout
-        )
-        meta = await wait_for_meta(ns_dir / rid, config.dump.timeout)
-        validate_dump(
-            ns_dir / rid,
-            meta,
-            rid=rid,
-            num_tokens=4,
-            hidden_size=config.model.hidden_size,
-            aux_layers=config.model.aux_layers,
-            row_bytes=config.model.row_bytes,
-        )
+        await _dump_once(client, server, config, ns_dir, np.array([1, 2, 3, 4], dtype=np.int64))
     except (RequestError, DumpError) as exc:
         return str(exc)
     finally:
@@ -202,26 +208,9 @@ async def _probe_prefill(
     """Tokens/s of ``server`` for a few real samples sent at once (send → validated dump)."""
     ns = f"{config.dump.namespace_prefix}-check"
     ns_dir = await asyncio.to_thread(prepare_namespace, config.dump.root, ns)
-
-    async def one(ids: npt.NDArray[np.int64]) -> None:
-        rid = f"check-{secrets.token_hex(6)}"
-        await client.generate(
-            server, rid=rid, ns=ns, input_ids=ids, timeout=config.server.request_timeout
-        )
-        meta = await wait_for_meta(ns_dir / rid, config.dump.timeout)
-        validate_dump(
-            ns_dir / rid,
-            meta,
-            rid=rid,
-            num_tokens=len(ids),
-            hidden_size=config.model.hidden_size,
-            aux_layers=config.model.aux_layers,
-            row_bytes=config.model.row_bytes,
-        )
-
     started = time.monotonic()
     try:
-        await asyncio.gather(*(one(ids) for ids in probe))
+        await asyncio.gather(*(_dump_once(client, server, config, ns_dir, ids) for ids in probe))
     finally:
         await asyncio.to_thread(remove_tree, ns_dir)
     return sum(len(ids) for ids in probe) / max(time.monotonic() - started, 1e-6)
