@@ -115,7 +115,7 @@ def _bars(ax: Axes, title: str, counts: dict[str, int], color: str, empty: str,
     ax.set_ylim(-0.5, base + len(items) - 0.2)
     ax.xaxis.set_major_formatter(lambda v, _: _human(v))
     for i, (name, v) in enumerate(items):
-        label = name if len(name) <= 52 else name[:51] + "…"
+        label = name if len(name) <= 44 else name[:43] + "…"
         ax.text(0, base + i + 0.26, label, va="bottom", fontsize=8, color=_INK)
         text = f" {v:,}" + (f" ({100 * v / total:.0f}%)" if share else "")
         ax.text(v, base + i, text, va="center", fontsize=8, color=_INK, fontweight="bold")
