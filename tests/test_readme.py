@@ -207,3 +207,10 @@ def test_readme_dataloader_example_runs(tmp_path: Path) -> None:
     assert aux.shape[-1] == 64 * len(AUX_LAYERS)
     per_epoch = sum(len(b["lengths"]) for b in seen) / 2
     assert 0 < per_epoch < 40  # the validation share is held out
+
+
+def test_quickstart_puts_hsx_on_path_before_using_it() -> None:
+    """Every later README command calls a bare ``hsx``: the quickstart must activate."""
+    line = fenced_block("## Quickstart").strip().splitlines()[0]
+    assert ". .venv/bin/activate" in line, line
+    assert line.index(". .venv/bin/activate") < line.index("hsx demo"), line
