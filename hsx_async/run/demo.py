@@ -104,8 +104,9 @@ def describe(summary: RunSummary, config: Config) -> str:
         lines.append(f"look:      {hsx_invocation()} inspect {first}")
     hsx = hsx_invocation()
     lines.append(f"next:      {hsx} status {out}  ·  {hsx} verify {out} --deep")
-    if hsx != "hsx":
-        lines.append("           (`. .venv/bin/activate` puts hsx on your PATH)")
+    activate = Path(hsx).parent / "activate"
+    if hsx != "hsx" and activate.is_file():
+        lines.append(f"           (`. {activate}` puts hsx on your PATH)")
     return "\n".join(lines)
 
 
@@ -136,6 +137,10 @@ def demo_command(args: argparse.Namespace) -> int:
     print(f"hsx demo: reference server (tiny Llama on CPU) → {samples.name} → {out}")
     summary, config = uvloop.run(run_demo(out, samples, say=_say))
     print(describe(summary, config))
+    from hsx_async.run.report import write_report  # noqa: PLC0415 - matplotlib, lazily
+
+    json_path, png_path, hint = write_report(out)
+    print(f"report:    {png_path or json_path}" + (f" ({hint})" if hint else ""))
     return 0 if verify_dataset(out).ok else 1
 
 

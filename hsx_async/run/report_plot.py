@@ -53,6 +53,8 @@ def _empty(ax: Axes, title: str, text: str) -> None:
     ax.set_xticks([])
     ax.set_yticks([])
     ax.grid(False)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
     ax.text(0.5, 0.5, text, ha="center", va="center", color=_MUTED, fontsize=11,
             transform=ax.transAxes)  # fmt: skip
 
@@ -63,8 +65,8 @@ def _rate_panel(ax: Axes, report: dict[str, Any]) -> None:
         _empty(ax, "Rate over time", "no run events yet (written by hsx run)")
         return
     _style(ax, "Rate over time (tokens/s)")
-    hours = max(p["t"] for p in rate) > 3 * 3600
-    scale, unit = (3600.0, "h") if hours else (60.0, "min")
+    span = max(p["t"] for p in rate)
+    scale, unit = (1.0, "s") if span < 120 else (60.0, "min") if span < 3 * 3600 else (3600.0, "h")
     t = [p["t"] / scale for p in rate]
     y = [p["tokens_per_s"] for p in rate]
     ax.fill_between(t, y, step="pre", color=_ACCENT, alpha=0.18, linewidth=0)
