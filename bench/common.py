@@ -45,8 +45,8 @@ MB = 1e6
 _START_TIMEOUT = 60.0
 _LISTENING = re.compile(rb"listening on (http://\S+)")
 _SUMMARY = re.compile(
-    r"(?P<done>\d+) samples written, (?P<quarantined>\d+) quarantined.*?"
-    r"(?P<tokens>\d+) tokens, [\d.]+ GB in (?P<seconds>[\d.]+) s"
+    r"(?P<done>[\d,]+) samples written, (?P<quarantined>[\d,]+) quarantined.*?"
+    r"(?P<tokens>[\d,]+) tokens, [\d.]+ \S+ in (?P<seconds>[\d.]+) s"
 )
 
 
@@ -485,7 +485,7 @@ def run_hsx(raw_config: dict[str, dict[str, Any]], work: Path, name: str) -> Cli
     config = work / f"{name}.toml"
     config.write_text(tomli_w.dumps(raw_config))
     log = work / f"{name}.log"
-    argv = [PYTHON, "-m", "hsx_async", "run", "--config", str(config)]
+    argv = [PYTHON, "-m", "hsx_async", "run", "--config", str(config), "--no-report"]
     if PROFILE["dir"] is not None:
         PROFILE["dir"].mkdir(parents=True, exist_ok=True)
         spy = Path(PYTHON).parent / "py-spy"
@@ -500,9 +500,9 @@ def run_hsx(raw_config: dict[str, dict[str, Any]], work: Path, name: str) -> Cli
     out = Path(raw_config["output"]["dir"])
     return ClientRun(
         usage=usage,
-        done=int(m["done"]),
-        quarantined=int(m["quarantined"]),
-        tokens=int(m["tokens"]),
+        done=int(m["done"].replace(",", "")),
+        quarantined=int(m["quarantined"].replace(",", "")),
+        tokens=int(m["tokens"].replace(",", "")),
         run_s=_pipeline_seconds(log) or float(m["seconds"]),
         bytes_on_disk=dataset_bytes(out),
     )

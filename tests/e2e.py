@@ -150,7 +150,7 @@ def check_dataset(
     quarantine = read_quarantine(out)
     ids = [canonical_id(e.id) for e in manifest]
     assert len(ids) == len(set(ids)), "a sample is in the manifest twice"
-    q_ids = [canonical_id(q.id) for q in quarantine if q.id is not None]
+    q_ids = [canonical_id(q.own_id) for q in quarantine if q.own_id is not None]
     assert not set(ids) & set(q_ids), "a sample is both written and quarantined"
     assert len(q_ids) == len(set(q_ids)), "an id is quarantined twice"
     if expect_all:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import xxhash
 
-from hsx_async.dataset.layout import canonical_id, read_header
+from hsx_async.dataset.layout import FILE_SUFFIX, canonical_id, read_header
 from hsx_async.dataset.manifest import ManifestEntry, read_manifest
 from hsx_async.errors import DatasetError
 
@@ -583,9 +583,28 @@ def _sample_table(stats: SampleStats) -> str:
     return "\n".join([head, *rows])
 
 
+def _inspectable(path: Path) -> Path:
+    """``path`` if it is a sample file; otherwise a DatasetError saying what to give."""
+    if path.is_dir():
+        first = next(iter(sorted(path.rglob(f"*{FILE_SUFFIX}"))), None)
+        hint = f", e.g. hsx inspect {first}" if first is not None else ""
+        raise DatasetError(
+            f"{path} is a directory; give sample files (data/…/*{FILE_SUFFIX}){hint}, "
+            "or use hsx status / hsx verify for a whole dataset"
+        )
+    if not path.exists():
+        raise DatasetError(f"{path}: no such file")
+    if not path.is_file():
+        raise DatasetError(f"{path} is not a regular file")
+    return path
+
+
 def _run_inspect(args: argparse.Namespace) -> int:
     for path in args.files:
-        print(inspect_file(path))
+        try:
+            print(inspect_file(_inspectable(path)))
+        except OSError as exc:
+            raise DatasetError(f"{path}: cannot read it ({exc.strerror})") from None
     return 0
 
 
@@ -598,5 +617,7 @@ def register_cli(subparsers: Any) -> None:
             "per-layer row-norm statistics and any NaN/Inf, zero rows or duplicated layers."
         ),
     )
-    parser.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    parser.add_argument(
+        "files", nargs="+", type=Path, metavar="FILE", help="sample files (data/…/*.safetensors)"
+    )
     parser.set_defaults(handler=_run_inspect)

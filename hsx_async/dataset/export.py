@@ -717,7 +717,9 @@ def register_cli(subparsers: Any) -> None:
     )
     parser.add_argument("out_dir", type=Path, metavar="OUT", help="hsx output directory")
     parser.add_argument("--format", required=True, choices=FORMATS, help="target format")
-    parser.add_argument("--to", required=True, type=Path, dest="dest", metavar="DIR")
+    parser.add_argument(
+        "--to", required=True, type=Path, dest="dest", metavar="DIR", help="directory to write"
+    )
     parser.add_argument(
         "--file-group-size",
         type=int,

@@ -19,9 +19,11 @@ from typing import Any
 import orjson
 
 from hsx_async.dataset.durable import write_atomic
+from hsx_async.dataset.events import input_lines
 from hsx_async.dataset.layout import DATA_DIR, FILE_SUFFIX, canonical_id, read_header
 from hsx_async.dataset.manifest import (
     MANIFEST,
+    QUARANTINE,
     ManifestEntry,
     hash_file,
     log_files,
@@ -35,11 +37,16 @@ from hsx_async.errors import DatasetError
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"
+    """Binary units, as sizes are written in the config (``"1GiB"`` shows as 1.0 GiB)."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    units = ("KiB", "MiB", "GiB", "TiB")
+    i = 0
+    n /= 1024
+    while abs(n) >= 1024 and i < len(units) - 1:
+        n /= 1024
+        i += 1
+    return f"{n:.1f} {units[i]}"
 
 
 # -- status --------------------------------------------------------------------------------
@@ -51,27 +58,38 @@ class Status:
     quarantined: int
     tokens: int
     bytes: int
-    input_samples: int | None  # from provenance, when a run recorded it
+    input_samples: int | None  # from provenance, when a run recorded it (older runs)
     shards: int
+    # Input lines per shard ("index/count"), once a run has read its whole shard: every
+    # line ends in the manifest or the quarantine, so these give "remaining" exactly.
+    input_lines: dict[str, int] = field(default_factory=dict)
 
     @property
     def remaining(self) -> int | None:
+        if self.input_lines:
+            return max(0, sum(self.input_lines.values()) - self.done - self.quarantined)
         if self.input_samples is None:
             return None
         return max(0, self.input_samples - self.done - self.quarantined)
 
+    def _remaining_text(self) -> str:
+        rem = self.remaining
+        if rem is None:
+            return "unknown (no run has read the whole input yet)"
+        if not self.input_lines:
+            return f"{rem:,}"
+        total = sum(self.input_lines.values())
+        counted = sorted(self.input_lines, key=lambda k: [int(x) for x in k.split("/")])
+        where = "" if counted == ["0/1"] else f", shards {', '.join(counted)}"
+        return f"{rem:,} (of {total:,} input lines{where})"
+
     def format(self) -> str:
-        rem = (
-            "unknown (no run has counted the input yet)"
-            if self.remaining is None
-            else str(self.remaining)
-        )
         return "\n".join(
             [
-                f"done:        {self.done} samples, {self.tokens:,} tokens, "
+                f"done:        {self.done:,} samples, {self.tokens:,} tokens, "
                 f"{human_bytes(self.bytes)}",
-                f"quarantined: {self.quarantined}",
-                f"remaining:   {rem}",
+                f"quarantined: {self.quarantined:,}",
+                f"remaining:   {self._remaining_text()}",
                 f"manifests:   {self.shards}",
             ]
         )
@@ -79,9 +97,15 @@ class Status:
 
 def dataset_status(out_dir: Path) -> Status:
     if not out_dir.is_dir():
-        raise DatasetError(f"{out_dir} is not a directory")
+        raise DatasetError(f"{out_dir} is not a directory; give an output directory ([output].dir)")
     manifest = read_manifest(out_dir)
-    prov = read_provenance(out_dir) or {}
+    prov = read_provenance(out_dir)
+    if prov is None and not log_files(out_dir, MANIFEST) and not log_files(out_dir, QUARANTINE):
+        raise DatasetError(
+            f"{out_dir} is not an hsx dataset (no manifest.jsonl, quarantine.jsonl or "
+            "provenance.json); give the [output].dir of a run"
+        )
+    prov = prov or {}
     counted = prov.get("input_samples")
     return Status(
         done=len(manifest),
@@ -90,6 +114,7 @@ def dataset_status(out_dir: Path) -> Status:
         bytes=sum(e.size for e in manifest),
         input_samples=counted if isinstance(counted, int) else None,
         shards=len(log_files(out_dir, MANIFEST)),
+        input_lines=input_lines(out_dir, prov.get("input_lines")),
     )
 
 
@@ -180,7 +205,7 @@ def verify_dataset(out_dir: Path, *, threads: int = 2) -> VerifyReport:
         if key in seen:
             report.duplicates.append(f"id {key!r} appears twice ({seen[key]}, {e.path})")
         seen[key] = e.path
-    quarantined = {canonical_id(q.id) for q in read_quarantine(out_dir) if q.id is not None}
+    quarantined = {canonical_id(q.own_id) for q in read_quarantine(out_dir) if q.own_id is not None}
     report.duplicates.extend(
         f"id {k!r} is both written and quarantined" for k in sorted(quarantined & set(seen))
     )

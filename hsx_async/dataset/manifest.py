@@ -80,14 +80,24 @@ class ManifestEntry:
 
 @dataclass(frozen=True, slots=True)
 class QuarantineEntry:
-    """``id`` is None when the line has no usable id of its own (bad JSON, duplicate id)."""
+    """``id`` is None when the line has no usable id (bad JSON). A repeated id keeps its
+    id and names the line holding it first in ``duplicate_of``: that line, not this one,
+    owns the id. ``line`` is 0-based (PROTOCOL §4); messages say ``line + 1``."""
 
     id: SampleId | None
     line: int
     reason: str
+    duplicate_of: int | None = None
+
+    @property
+    def own_id(self) -> SampleId | None:
+        return None if self.duplicate_of is not None else self.id
 
     def to_line(self) -> bytes:
-        return orjson.dumps({"id": self.id, "line": self.line, "reason": self.reason}) + b"\n"
+        record: dict[str, Any] = {"id": self.id, "line": self.line, "reason": self.reason}
+        if self.duplicate_of is not None:
+            record["duplicate_of"] = self.duplicate_of
+        return orjson.dumps(record) + b"\n"
 
 
 def _split_lines(data: bytes, path: Path) -> tuple[list[tuple[int, Any]], int]:
@@ -132,10 +142,12 @@ def _manifest_entry(rec: Any, where: str) -> ManifestEntry:
 def _quarantine_entry(rec: Any, where: str) -> QuarantineEntry:
     try:
         raw_id = rec["id"]
+        dup = rec.get("duplicate_of")
         return QuarantineEntry(
             id=None if raw_id is None else _id_of(raw_id, where),
             line=int(rec["line"]),
             reason=str(rec["reason"]),
+            duplicate_of=None if dup is None else int(dup),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise DatasetError(f"{where}: quarantine line is missing or mistypes {exc}") from None
@@ -184,7 +196,7 @@ def load_done(out_dir: Path) -> DoneSet:
     manifest = read_manifest(out_dir)
     quarantine = read_quarantine(out_dir)
     ids = {canonical_id(e.id) for e in manifest}
-    ids.update(canonical_id(q.id) for q in quarantine if q.id is not None)
+    ids.update(canonical_id(q.own_id) for q in quarantine if q.own_id is not None)
     return DoneSet(frozenset(ids), frozenset(q.line for q in quarantine), tuple(manifest))
 
 

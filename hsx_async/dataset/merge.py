@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx_async.dataset.durable import write_durably
+from hsx_async.dataset.events import input_lines
 from hsx_async.dataset.inspection import human_bytes
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import (
@@ -100,12 +101,27 @@ def merge(sources: list[Path], dest: Path) -> MergeResult:
         finally:
             manifest.close()
             quarantine.close()
-        if prov is not None and not (dest / PROVENANCE).exists():
-            prov["merged_from"] = [str(s) for s in sources]
-            import orjson  # noqa: PLC0415
-
-            write_provenance(dest, orjson.dumps(prov, option=orjson.OPT_INDENT_2))
+        _record_provenance(dest, prov, sources)
     return result
+
+
+def _record_provenance(dest: Path, prov: dict[str, Any] | None, sources: list[Path]) -> None:
+    """The sources' provenance, with their input line counts per shard (``hsx status``
+    needs them for "remaining": the events logs they come from stay in the sources)."""
+    import orjson  # noqa: PLC0415
+
+    counts: dict[str, int] = {}
+    for src in sources:
+        counts.update(input_lines(src, (read_provenance(src) or {}).get("input_lines")))
+    old = read_provenance(dest) if (dest / PROVENANCE).exists() else None
+    if old is None:
+        if prov is None:
+            return
+        old = {**prov, "merged_from": [str(s) for s in sources]}
+    merged = {**old.get("input_lines", {}), **counts}
+    if merged:
+        old["input_lines"] = merged
+    write_provenance(dest, orjson.dumps(old, option=orjson.OPT_INDENT_2))
 
 
 def _merge_entry(
@@ -152,5 +168,10 @@ def merge_command(args: argparse.Namespace) -> int:
 def register_cli(sub: Any) -> None:
     p = sub.add_parser("merge", help="combine shard outputs into one dataset")
     p.add_argument("sources", nargs="+", help="output directories of the shards")
-    p.add_argument("--to", required=True, help="destination directory")
+    p.add_argument(
+        "--to",
+        required=True,
+        metavar="DIR",
+        help="destination directory (created; run again to resume an interrupted merge)",
+    )
     p.set_defaults(handler=merge_command)

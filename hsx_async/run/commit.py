@@ -217,11 +217,14 @@ class Writers:
         """No more dumps: the writers finish the queue and stop."""
         await self.queue.put(EOF)
 
-    async def quarantine(self, line: int, sample_id: Any, reason: str) -> None:
-        entry = QuarantineEntry(sample_id, line, reason)
+    async def quarantine(
+        self, line: int, sample_id: Any, reason: str, duplicate_of: int | None = None
+    ) -> None:
+        entry = QuarantineEntry(sample_id, line, reason, duplicate_of)
         await asyncio.shield(self.committer.commit(self.committer.quarantine, entry.to_line()))
         self.metrics.sample_quarantined()
-        log.warning("sample_quarantined", id=sample_id, line=line, reason=reason)
+        # input_line: the number editors and grep -n show (the record keeps 0-based line)
+        log.warning("sample_quarantined", id=sample_id, input_line=line + 1, reason=reason)
 
     async def writer(self) -> None:
         while True:

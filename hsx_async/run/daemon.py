@@ -28,6 +28,7 @@ import aiohttp
 import structlog
 
 from hsx_async.config import Config, load_config
+from hsx_async.dataset.inspection import human_bytes
 from hsx_async.dataset.manifest import AppendLog
 from hsx_async.dataset.provenance import shard_lock
 from hsx_async.errors import HsxError
@@ -41,6 +42,7 @@ from hsx_async.run.notify import Notifier, watchdog_loop
 from hsx_async.run.observe import progress_line, progress_loop, serve_http
 from hsx_async.run.pool import Pipeline
 from hsx_async.run.reload import reload_config
+from hsx_async.run.report import RunRecorder, Tick
 from hsx_async.run.signals import DrainExpired, Stopper
 from hsx_async.run.startup import open_logs, prepare_output, record_server, wait_for_server
 from hsx_async.run.status import RunStatus, StatusCollector, take_status
@@ -65,15 +67,24 @@ class RunSummary:
     seconds: float
     stopped: bool  # by a signal
     unfinished: int  # samples read but neither done nor quarantined
+    remaining: int | None = None  # samples of the input (this shard) still to do; None: not counted
 
     def line(self) -> str:
-        rate = self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+        rate = self.bytes / self.seconds if self.seconds else 0.0
         tok = self.tokens / self.seconds if self.seconds else 0.0
         return (
-            f"{self.done} samples written, {self.quarantined} quarantined, {self.skipped} "
-            f"already done; {self.tokens} tokens, {self.bytes / 1e9:.2f} GB in "
-            f"{self.seconds:.1f} s ({tok:,.0f} tokens/s, {rate:.2f} GB/s)"
+            f"{self.done:,} samples written, {self.quarantined:,} quarantined, "
+            f"{self.skipped:,} already done; {self.tokens:,} tokens, {human_bytes(self.bytes)} "
+            f"in {self.seconds:.1f} s ({tok:,.0f} tokens/s, {human_bytes(rate)}/s)"
         )
+
+    def next_step(self, config_path: Path | None) -> str:
+        """What is left and how to finish it ('' when nothing is)."""
+        left = self.remaining if self.remaining is not None else self.unfinished
+        if not left:
+            return ""
+        again = f"hsx run --config {config_path}" if config_path else "hsx run"
+        return f"{left:,} samples remaining: run `{again}` again to finish (it resumes)"
 
 
 class Daemon:
@@ -106,6 +117,9 @@ class Daemon:
         self.servers: ServerPool | None = None
         self.metrics.registry.register(StatusCollector(self.snapshot))
         self.guard.on_change.append(self._intake_changed)
+        self.recorder = RunRecorder(
+            config.output.dir, config.shard.index, config.shard.count, self._tick
+        )
 
     # -- start --------------------------------------------------------------------------
 
@@ -117,11 +131,16 @@ class Daemon:
             done = await asyncio.to_thread(
                 prepare_output, self.config, allow_provenance_change=self.allow_provenance_change
             )
-            self.feeder = Feeder(self.config, done, self.metrics)
+            self.feeder = Feeder(
+                self.config, done, self.metrics, on_input_read=self.recorder.input_read
+            )
             manifest, quarantine = await asyncio.to_thread(open_logs, self.config)
             stack.callback(manifest.close)
             stack.callback(quarantine.close)
-            await self._connect_and_serve(self.feeder, manifest, quarantine)
+            try:
+                await self._connect_and_serve(self.feeder, manifest, quarantine)
+            finally:
+                await asyncio.to_thread(self._finish_events)
         t = self.metrics.totals
         return RunSummary(
             done=t.samples_done,
@@ -131,8 +150,20 @@ class Daemon:
             bytes=t.bytes_written,
             seconds=time.monotonic() - started,
             stopped=self.stop_requested.is_set(),
-            unfinished=(self.feeder.fed if self.feeder else 0) - self.settled,
+            unfinished=self._fed() - self.settled,
+            remaining=self._remaining(),
         )
+
+    def _fed(self) -> int:
+        return self.feeder.fed if self.feeder else 0
+
+    def _remaining(self) -> int | None:
+        """Samples of this shard's input neither written nor quarantined, once counted."""
+        pending = self.feeder.pending if self.feeder else None
+        if pending is None:
+            return None
+        t = self.metrics.totals
+        return max(0, pending[0] - t.samples_done - t.samples_quarantined)
 
     async def _connect_and_serve(
         self, feeder: Feeder, manifest: AppendLog, quarantine: AppendLog
@@ -157,6 +188,7 @@ class Daemon:
                 guard=self.guard,
             )
             self.pipeline = pipeline
+            await self.recorder.start()
             try:
                 await self._serve(pipeline, client, feeder)
             finally:
@@ -185,7 +217,8 @@ class Daemon:
                     shard=f"{cfg.shard.index}/{cfg.shard.count}",
                 )
         except* _Finished:
-            log.info("run_finished", **vars(self.metrics.totals))
+            totals = {k: v for k, v in vars(self.metrics.totals).items() if k != "started"}
+            log.info("run_finished", **totals, seconds=round(self.metrics.elapsed(), 3))
         except* DrainExpired:
             log.warning(
                 "drain_deadline_passed",
@@ -205,6 +238,7 @@ class Daemon:
         tg.create_task(self.guard.run(), name="hsx-disk-guard")
         tg.create_task(feeder.count(self.guard), name="hsx-count")
         tg.create_task(self._reload_loop(), name="hsx-reload")
+        tg.create_task(self.recorder.run(), name="hsx-events")
         if self.pipeline is not None:
             tg.create_task(self._autotune_loop(self.pipeline.workers), name="hsx-autotune")
         tg.create_task(
@@ -290,6 +324,27 @@ class Daemon:
                 tokens_per_s=None if change.tokens_per_s is None else round(change.tokens_per_s),
             )
 
+    # -- the events log (job report) ----------------------------------------------------
+
+    def _tick(self) -> Tick:
+        t, pool = self.metrics.totals, self.servers
+        servers = {s.display: s.requests for s in pool.servers} if pool else {}
+        return Tick(
+            samples=t.samples_done,
+            tokens=t.tokens_done,
+            bytes=t.bytes_written,
+            quarantined=t.samples_quarantined,
+            retries=dict(self.metrics.failure_reasons),
+            servers=servers,
+        )
+
+    def _finish_events(self) -> None:
+        if self.pipeline is None:
+            return  # never started: no run to record
+        self.recorder.finish(
+            stopped=self.stop_requested.is_set(), unfinished=self._fed() - self.settled
+        )
+
     # -- status -------------------------------------------------------------------------
 
     def snapshot(self) -> RunStatus:
@@ -367,10 +422,26 @@ def run_command(args: argparse.Namespace) -> int:
     daemon = Daemon(config, allow_provenance_change=args.allow_provenance_change)
     summary = uvloop.run(daemon.run())
     print(summary.line())
+    step = summary.next_step(config.path)
+    if step:
+        print(f"hsx: {step}")
+    if not args.no_report:
+        _print_report(config.output.dir)
     if summary.unfinished and not summary.stopped:
-        print(f"hsx: {summary.unfinished} samples were not finished; run again to resume")
         return 1
     return 0
+
+
+def _print_report(out: Path) -> None:
+    """The job report after each run; a failure to draw it never fails the run."""
+    from hsx_async.run.report import write_report  # noqa: PLC0415 - matplotlib, lazily
+
+    try:
+        json_path, png_path, hint = write_report(out)
+    except (HsxError, OSError, ValueError) as exc:
+        print(f"hsx: no job report: {exc}")
+        return
+    print(f"report: {png_path or json_path}" + (f" ({hint})" if hint else ""))
 
 
 def register_cli(sub: Any) -> None:
@@ -380,5 +451,10 @@ def register_cli(sub: Any) -> None:
         "--allow-provenance-change",
         action="store_true",
         help="resume even though the input or model differs from the dataset's",
+    )
+    p.add_argument(
+        "--no-report",
+        action="store_true",
+        help="do not write OUT/report.png and report.json at the end (see `hsx report`)",
     )
     p.set_defaults(handler=run_command)

@@ -11,6 +11,9 @@ import argparse
 import importlib.resources
 import secrets
 import shutil
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +48,28 @@ def demo_config(
     return config_from_dict(raw, base=out)
 
 
-async def run_demo(out: Path, samples: Path) -> tuple[RunSummary, Config]:
+def _quiet(_: str) -> None:
+    pass
+
+
+async def run_demo(
+    out: Path, samples: Path, say: Callable[[str], None] = _quiet
+) -> tuple[RunSummary, Config]:
+    """``say`` hears each step as it starts (the CLI prints them)."""
+    say("loading torch and the reference model (a seeded tiny Llama, on the CPU) …")
     from hsx_async.server.reference.server import ReferenceOptions, running_reference_server  # noqa: PLC0415
 
     dump_root = Path(DEFAULT_DUMP_ROOT).parent / f"hsx-demo-{secrets.token_hex(4)}"
+    started = time.monotonic()
     try:
+        say("starting the reference server on 127.0.0.1 …")
         async with running_reference_server(
             ReferenceOptions(dump_root=dump_root, threads=2)
         ) as srv:
+            say(
+                f"server ready at {srv.url} after {time.monotonic() - started:.1f} s; "
+                f"extracting {samples.name} (hidden states to {dump_root}, then to disk) …"
+            )
             config = demo_config(
                 out,
                 url=srv.url,
@@ -84,9 +101,29 @@ def describe(summary: RunSummary, config: Config) -> str:
         f"verify:    {'OK' if verify.ok else 'FAILED'} ({verify.checked} files re-hashed)",
     ]
     if first is not None:
-        lines.append(f"look:      hsx inspect {first}")
-    lines.append(f"next:      hsx status {out}  ·  hsx verify {out} --deep")
+        lines.append(f"look:      {hsx_invocation()} inspect {first}")
+    hsx = hsx_invocation()
+    lines.append(f"next:      {hsx} status {out}  ·  {hsx} verify {out} --deep")
+    activate = Path(hsx).parent / "activate"
+    if hsx != "hsx" and activate.is_file():
+        lines.append(f"           (`. {activate}` puts hsx on your PATH)")
     return "\n".join(lines)
+
+
+def hsx_invocation() -> str:
+    """How to call hsx from this shell: ``hsx`` when that is the one on PATH, else the
+    path of the running entry point (``.venv/bin/hsx`` before the venv is activated)."""
+    me = Path(sys.argv[0])
+    if me.name != "hsx":
+        return f"{Path(sys.executable)} -m hsx_async"
+    found = shutil.which("hsx")
+    if found is not None and Path(found).resolve() == me.resolve():
+        return "hsx"
+    return str(me)
+
+
+def _say(text: str) -> None:
+    print(f"  {text}", flush=True)
 
 
 def demo_command(args: argparse.Namespace) -> int:
@@ -98,8 +135,12 @@ def demo_command(args: argparse.Namespace) -> int:
     out = Path(args.out).resolve()
     samples = Path(args.samples) if args.samples else demo_samples()
     print(f"hsx demo: reference server (tiny Llama on CPU) → {samples.name} → {out}")
-    summary, config = uvloop.run(run_demo(out, samples))
+    summary, config = uvloop.run(run_demo(out, samples, say=_say))
     print(describe(summary, config))
+    from hsx_async.run.report import write_report  # noqa: PLC0415 - matplotlib, lazily
+
+    json_path, png_path, hint = write_report(out)
+    print(f"report:    {png_path or json_path}" + (f" ({hint})" if hint else ""))
     return 0 if verify_dataset(out).ok else 1
 
 

@@ -8,6 +8,7 @@ intake; the count (for progress, the ETA and the disk check) runs beside it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -23,8 +24,16 @@ log = structlog.get_logger("hsx.daemon")
 
 
 class Feeder:
-    def __init__(self, config: Config, done: DoneSet, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        config: Config,
+        done: DoneSet,
+        metrics: Metrics,
+        *,
+        on_input_read: Callable[[int], Awaitable[None]] | None = None,
+    ) -> None:
         self.config = config
+        self._on_input_read = on_input_read  # told this shard's line count at the end
         self.done = done
         self.metrics = metrics
         self.fed = 0  # samples put into the intake this run
@@ -34,14 +43,17 @@ class Feeder:
         """Feed every sample still to do, then the end of input (or stop at a signal)."""
         cfg, done = self.config, self.done
         reader = SampleReader(cfg.input.path, cfg.input.max_tokens)
+        lines = 0  # of this shard: each ends in the manifest or the quarantine
         async for item in reader.items():
             if pipeline.stopping:
                 break
             if cfg.shard.count > 1 and shard_of(item, cfg.shard.count) != cfg.shard.index:
                 continue
+            lines += 1
             if isinstance(item, BadLine):
+                own = item.own_id
                 if item.line not in done.lines and not (
-                    item.id is not None and done.is_done(item.id, item.line)
+                    own is not None and done.is_done(own, item.line)
                 ):
                     await pipeline.quarantine_bad_line(item)
                 continue
@@ -50,6 +62,9 @@ class Feeder:
                 continue
             self.fed += 1
             await pipeline.put(item)
+        else:
+            if self._on_input_read is not None:
+                await self._on_input_read(lines)
         await pipeline.end_input()
 
     async def count(self, guard: DiskGuard) -> None:

@@ -8,6 +8,7 @@ kind), never per sample.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.totals = Totals()
+        self.failure_reasons: collections.Counter[str] = collections.Counter()
         # Listeners called (on the event loop) right after each sample is durable: the
         # hook for code embedding a Daemon to react to progress without polling.
         self.on_sample_done: list[Callable[[Totals], None]] = []
@@ -74,9 +76,16 @@ class Metrics:
         self.totals.samples_quarantined += 1
         self.samples.labels("quarantined").inc()
 
-    def attempt_failed(self, kind: str) -> None:
+    def attempt_failed(self, kind: str, reason: str = "") -> None:
+        """``kind`` labels the Prometheus series; ``reason`` (what failed, without its
+        particulars) is counted for the job report."""
         self.totals.attempts_failed += 1
         self.retries.labels(kind).inc()
+        self.failure_reasons[reason or kind] += 1
+
+    def elapsed(self) -> float:
+        """Seconds since this run started (the monotonic start never leaves the process)."""
+        return time.monotonic() - self.totals.started
 
     def rates(self) -> tuple[float, float]:
         """(tokens/s, bytes/s) since the start of this run."""

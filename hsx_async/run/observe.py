@@ -77,10 +77,18 @@ def progress_line(s: dict[str, Any]) -> str:
     paused = " PAUSED (disk)" if s.get("paused") else ""
     return (
         f"{share} samples{pct} | {s['tokens_per_s']:,.0f} tok/s | "
-        f"{s['bytes_per_s'] / 1e9:.2f} GB/s | {human_bytes(s['bytes'])} | "
-        f"q {s['quarantined']} | in flight {s['in_flight']} | "
+        f"{human_bytes(s['bytes_per_s'])}/s | {human_bytes(s['bytes'])} | "
+        f"q {s['quarantined']} | {in_flight_text(s)} | "
         f"ETA {eta_text(s.get('eta_s'))}{paused}"
     )
+
+
+def in_flight_text(s: dict[str, Any]) -> str:
+    """Samples between send and durable write, split: at the servers (at most
+    ``workers.concurrency``) and the rest, dumped and waiting for or in the writers."""
+    total = s["in_flight"]
+    at_servers = sum(srv.get("in_flight", 0) for srv in s.get("servers", []))
+    return f"in flight {total} ({at_servers} at servers, {max(0, total - at_servers)} writing)"
 
 
 async def progress_loop(
@@ -100,6 +108,6 @@ async def progress_loop(
             else:
                 log.info("progress", **{k: v for k, v in snap.items() if k != "servers"})
     finally:
-        if tty:
-            out.write("\n")
+        if tty:  # clear the last frame: the run's summary line replaces it
+            out.write("\r\x1b[2K")
             out.flush()

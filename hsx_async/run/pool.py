@@ -120,7 +120,7 @@ class Pipeline:
         self.writers.apply(config)
 
     async def quarantine_bad_line(self, bad: BadLine) -> None:
-        await self.writers.quarantine(bad.line, bad.id, bad.reason)
+        await self.writers.quarantine(bad.line, bad.id, bad.reason, bad.duplicate_of)
 
     @property
     def settled(self) -> int:

@@ -3,6 +3,12 @@
 Config, input, output disk, dump root (a tmpfs both sides can write), every server
 (``/health``, ``/get_model_info``, one tiny request through the full dump path with its
 ``meta.json`` checked against the config), and the size and time the job will take.
+
+The time is the job's tokens over the slowest of three rates, each measured and printed:
+the servers' prefill (a few of the input's own samples sent at once to each server,
+timed from send to validated dump, summed over servers), the output disk's durable
+writes and the client's read + hash of dumps from the dump root (both over the bytes
+per token, ``row_bytes``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import numpy.typing as npt
+import xxhash
 
 from hsx_async.config import Config, load_config
 from hsx_async.dataset.inspection import human_bytes
@@ -32,6 +40,13 @@ from hsx_async.run.observe import eta_text
 from hsx_async.run.source import BadLine, SampleReader
 
 _PROBE_BYTES = 64 << 20
+_PROBE_SAMPLES = 4  # real samples sent at once to each server to measure its prefill rate
+
+
+@dataclass
+class InputScan:
+    tokens: int = 0
+    probe: list[npt.NDArray[np.int64]] = field(default_factory=list)  # the first samples
 
 
 @dataclass
@@ -49,25 +64,35 @@ class Report:
         return "\n".join(f"{level:<4}  {check:<14} {detail}" for level, check, detail in self.lines)
 
 
-def check_input(config: Config, report: Report) -> int:
-    """Validate every line; returns the number of tokens to extract."""
+def check_input(config: Config, report: Report) -> InputScan:
+    """Validate every line; the tokens to extract and the samples to probe servers with."""
     reader = SampleReader(config.input.path, config.input.max_tokens)
-    samples = bad = tokens = 0
+    scan = InputScan()
+    samples = bad = 0
+    first_bad: list[str] = []
     try:
         for item in reader.iter_sync():
             if isinstance(item, BadLine):
                 bad += 1
+                if len(first_bad) < 3:
+                    first_bad.append(f"line {item.line + 1}: {item.reason}")
             else:
                 samples += 1
-                tokens += item.num_tokens
+                scan.tokens += item.num_tokens
+                if len(scan.probe) < _PROBE_SAMPLES:
+                    scan.probe.append(item.input_ids)
     except HsxError as exc:
         report.add("FAIL", "input", str(exc))
-        return 0
+        return InputScan()
     level = "WARN" if bad else "OK"
     report.add(
-        level, "input", f"{samples} samples, {tokens:,} tokens; {bad} lines would be quarantined"
+        level,
+        "input",
+        f"{samples:,} samples, {scan.tokens:,} tokens; {bad:,} lines would be quarantined",
     )
-    return tokens
+    for text in first_bad:
+        report.add("WARN", "input", text)
+    return scan
 
 
 def check_disk_write(path: Path) -> float:
@@ -101,7 +126,7 @@ def check_output(config: Config, report: Report, need: int) -> float:
         "output",
         f"{out}: {human_bytes(free)} free, job needs ~{human_bytes(need)} "
         f"+ reserve {human_bytes(config.output.disk_reserve)}; "
-        f"durable writes ~{rate / 1e9:.2f} GB/s",
+        f"durable writes ~{human_bytes(rate)}/s",
     )
     return rate
 
@@ -128,26 +153,32 @@ def check_dump_root(config: Config, report: Report) -> None:
         )
 
 
-async def _tiny_request(client: SGLangClient, server: Server, config: Config) -> str:
-    """One request through the whole dump path; '' on success, else the problem."""
-    ns = f"{config.dump.namespace_prefix}-check"
+async def _dump_once(
+    client: SGLangClient, server: Server, config: Config, ns_dir: Path, ids: npt.NDArray[np.int64]
+) -> None:
+    """One request through the whole dump path, its dump validated against the config."""
     rid = f"check-{secrets.token_hex(6)}"
+    await client.generate(
+        server, rid=rid, ns=ns_dir.name, input_ids=ids, timeout=config.server.request_timeout
+    )
+    meta = await wait_for_meta(ns_dir / rid, config.dump.timeout)
+    validate_dump(
+        ns_dir / rid,
+        meta,
+        rid=rid,
+        num_tokens=len(ids),
+        hidden_size=config.model.hidden_size,
+        aux_layers=config.model.aux_layers,
+        row_bytes=config.model.row_bytes,
+    )
+
+
+async def _tiny_request(client: SGLangClient, server: Server, config: Config) -> str:
+    """One 4-token request through the dump path; '' on success, else the problem."""
+    ns = f"{config.dump.namespace_prefix}-check"
     ns_dir = await asyncio.to_thread(prepare_namespace, config.dump.root, ns)
-    ids = np.array([1, 2, 3, 4], dtype=np.int64)
     try:
-        await client.generate(
-            server, rid=rid, ns=ns, input_ids=ids, timeout=config.server.request_timeout
-        )
-        meta = await wait_for_meta(ns_dir / rid, config.dump.timeout)
-        validate_dump(
-            ns_dir / rid,
-            meta,
-            rid=rid,
-            num_tokens=4,
-            hidden_size=config.model.hidden_size,
-            aux_layers=config.model.aux_layers,
-            row_bytes=config.model.row_bytes,
-        )
+        await _dump_once(client, server, config, ns_dir, np.array([1, 2, 3, 4], dtype=np.int64))
     except (RequestError, DumpError) as exc:
         return str(exc)
     finally:
@@ -155,8 +186,45 @@ async def _tiny_request(client: SGLangClient, server: Server, config: Config) ->
     return ""
 
 
-async def check_servers(config: Config, report: Report) -> None:
+async def _probe_prefill(
+    client: SGLangClient, server: Server, config: Config, probe: list[npt.NDArray[np.int64]]
+) -> float:
+    """Tokens/s of ``server`` for a few real samples sent at once (send → validated dump)."""
+    ns = f"{config.dump.namespace_prefix}-check"
+    ns_dir = await asyncio.to_thread(prepare_namespace, config.dump.root, ns)
+    started = time.monotonic()
+    try:
+        await asyncio.gather(*(_dump_once(client, server, config, ns_dir, ids) for ids in probe))
+    finally:
+        await asyncio.to_thread(remove_tree, ns_dir)
+    return sum(len(ids) for ids in probe) / max(time.monotonic() - started, 1e-6)
+
+
+def check_dump_read(root: Path) -> float:
+    """The client's rate reading + hashing a dump from the dump root, in bytes/s."""
+    probe = root / f".hsx-check-{secrets.token_hex(4)}.tmp"
+    data = os.urandom(1 << 20)
+    try:
+        with probe.open("wb") as fh:
+            for _ in range(_PROBE_BYTES >> 20):
+                fh.write(data)
+        hasher = xxhash.xxh3_64()
+        buf = bytearray(8 << 20)
+        started = time.monotonic()
+        with probe.open("rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                hasher.update(memoryview(buf)[:n])
+        return _PROBE_BYTES / max(time.monotonic() - started, 1e-6)
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+async def check_servers(
+    config: Config, report: Report, probe: list[npt.NDArray[np.int64]] | None = None
+) -> float:
+    """Check every server; returns their summed prefill rate in tokens/s (0: not measured)."""
     pool = ServerPool(config.server.urls, health_interval=1.0, unreachable_timeout=1.0)
+    total = 0.0
     async with aiohttp.ClientSession() as session:
         client = SGLangClient(session, pool)
         for server in pool.servers:
@@ -173,14 +241,16 @@ async def check_servers(config: Config, report: Report) -> None:
             problem = await _tiny_request(client, server, config)
             if problem:
                 report.add("FAIL", "dump path", f"{server.display}: {problem}")
-            else:
-                report.add(
-                    "OK",
-                    "server",
-                    f"{server.display}: healthy, model {model}, dump path OK "
-                    f"(hidden {config.model.hidden_size}, layers {list(config.model.aux_layers)})",
-                )
+                continue
+            report.add(
+                "OK",
+                "server",
+                f"{server.display}: healthy, model {model}, dump path OK "
+                f"(hidden {config.model.hidden_size}, layers {list(config.model.aux_layers)})",
+            )
             report.add(*draft_ids_line(info, config.model.aux_layers))
+            total += await _server_rate(client, server, config, probe or [], report)
+    return total
 
 
 def draft_ids_line(info: object, aux_layers: tuple[int, ...]) -> tuple[str, str, str]:
@@ -205,21 +275,79 @@ def draft_ids_line(info: object, aux_layers: tuple[int, ...]) -> tuple[str, str,
     return ("INFO" if ids.ids is not None else "WARN"), "draft ids", ids.describe(aux_layers)
 
 
+async def _server_rate(
+    client: SGLangClient,
+    server: Server,
+    config: Config,
+    probe: list[npt.NDArray[np.int64]],
+    report: Report,
+) -> float:
+    if not probe:
+        return 0.0
+    try:
+        rate = await _probe_prefill(client, server, config, probe)
+    except (RequestError, DumpError) as exc:
+        report.add("WARN", "server", f"{server.display}: prefill probe failed: {exc}")
+        return 0.0
+    tokens = sum(len(ids) for ids in probe)
+    report.add(
+        "INFO",
+        "server",
+        f"{server.display}: prefill ~{rate:,.0f} tokens/s "
+        f"({len(probe)} input samples, {tokens:,} tokens, sent at once)",
+    )
+    return rate
+
+
+def estimate(tokens: int, rates: dict[str, float]) -> tuple[float, str] | None:
+    """(seconds, the bound) from tokens/s of each part; None when nothing was measured."""
+    measured = {name: rate for name, rate in rates.items() if rate > 0}
+    if not measured or not tokens:
+        return None
+    bound = min(measured, key=lambda name: measured[name])
+    return tokens / measured[bound], bound
+
+
+def _report_estimate(
+    report: Report, tokens: int, row_bytes: int, *, disk: float, client: float, servers: float
+) -> None:
+    need = tokens * row_bytes
+    rates = {"servers": servers, "disk": disk / row_bytes, "client": client / row_bytes}
+    report.add(
+        "INFO",
+        "estimate",
+        f"{tokens:,} tokens, {human_bytes(need)} to write; tokens/s: servers "
+        f"{_rate_text(servers)}, disk {_rate_text(rates['disk'])} "
+        f"({human_bytes(disk)}/s durable), client {_rate_text(rates['client'])} "
+        f"({human_bytes(client)}/s read + hash of dumps)",
+    )
+    result = estimate(tokens, rates)
+    if result is None:
+        return
+    seconds, bound = result
+    caveat = "" if servers > 0 else " (servers not measured: at least this)"
+    report.add(
+        "INFO", "estimate", f"~{eta_text(seconds)} for the job, bound by the {bound}{caveat}"
+    )
+
+
+def _rate_text(rate: float) -> str:
+    return f"~{rate:,.0f}" if rate > 0 else "not measured"
+
+
 def run_checks(config: Config) -> Report:
     report = Report()
     report.add("OK", "config", f"{config.path}: valid")
-    tokens = check_input(config, report)
-    need = tokens * config.model.row_bytes
-    rate = check_output(config, report, need)
+    scan = check_input(config, report)
+    row_bytes = config.model.row_bytes
+    disk = check_output(config, report, scan.tokens * row_bytes)
     check_dump_root(config, report)
-    asyncio.run(check_servers(config, report))
-    if rate > 0 and need:
-        report.add(
-            "INFO",
-            "estimate",
-            f"{human_bytes(need)} to write; at the disk's {rate / 1e9:.2f} GB/s "
-            f"that is {eta_text(need / rate)} if the servers keep up",
-        )
+    try:
+        client = check_dump_read(config.dump.root)
+    except OSError:
+        client = 0.0  # check_dump_root has said why
+    servers = asyncio.run(check_servers(config, report, scan.probe))
+    _report_estimate(report, scan.tokens, row_bytes, disk=disk, client=client, servers=servers)
     return report
 
 

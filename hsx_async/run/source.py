@@ -43,11 +43,20 @@ class Sample:
 
 @dataclass(frozen=True, slots=True)
 class BadLine:
-    """A line that goes to quarantine. ``id`` is None when the line has no usable id."""
+    """A line that goes to quarantine. ``id`` is None when the line has no usable id.
+
+    ``duplicate_of``: for a repeated id, the (0-based) line that holds it first; the
+    duplicate keeps its id so a person can find it, but only its line marks it done."""
 
     line: int
     id: SampleId | None
     reason: str
+    duplicate_of: int | None = None
+
+    @property
+    def own_id(self) -> SampleId | None:
+        """The id this line settles (None for a duplicate: the first line owns it)."""
+        return None if self.duplicate_of is not None else self.id
 
 
 Item = Sample | BadLine
@@ -175,7 +184,9 @@ class SampleReader:
         key = canonical_id(item.id)
         first = self._first_line.setdefault(key, item.line)
         if first != item.line:
-            return BadLine(item.line, None, f"duplicate id {key!r} (first on line {first})")
+            # Messages use the line numbers of editors and grep -n (1-based).
+            reason = f"duplicate id {key!r} (first on line {first + 1})"
+            return BadLine(item.line, item.id, reason, duplicate_of=first)
         return item
 
     async def items(self) -> AsyncIterator[Item]:

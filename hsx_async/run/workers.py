@@ -38,6 +38,7 @@ from hsx_async.run.dump import (
 from hsx_async.run.dump import wait_for_meta as _wait_for_meta
 from hsx_async.run.guard import DiskGuard
 from hsx_async.run.metrics import Metrics
+from hsx_async.run.report import reason_kind
 from hsx_async.run.retry import RetryPolicy
 from hsx_async.run.source import Sample
 from hsx_async.run.writer import WriteJob
@@ -257,7 +258,7 @@ class Workers:
         # attempts): everything but the dumps the writers hold.
         await self.to_thread(sweep_namespace, ns_dir, set(self.live_rids[ns]))
         kind = "request" if isinstance(exc, RequestError) else "dump"
-        self.metrics.attempt_failed(kind)
+        self.metrics.attempt_failed(kind, reason_kind(str(exc)))
         log.info("attempt_failed", error=str(exc))
         if self.retry.exhausted(attempt):
             reason = f"{attempt} attempts failed; last: {exc}"

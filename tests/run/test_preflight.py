@@ -26,11 +26,13 @@ def test_input_counts_tokens_and_the_lines_that_would_be_quarantined(tmp_path: P
     samples = write_samples(tmp_path / "in.jsonl", 12, max_len=16, bad_every=4)
     config = make_config(tmp_path, samples.path, ["http://127.0.0.1:1"], tmp_path / "shm")
     report = Report()
-    tokens = check_input(config, report)
+    tokens = check_input(config, report).tokens
     want = sum(len(s["input_ids"]) for s in samples.good.values())
     assert tokens == want
-    ((level, _, detail),) = report.lines
+    (level, _, detail), *first_bad = report.lines
     assert level == "WARN"
+    # then the first lines that would be quarantined, numbered from 1
+    assert first_bad and all(line[0] == "WARN" and " line " in f" {line[2]}" for line in first_bad)
     assert f"{len(samples.good)} samples, {want:,} tokens; {len(samples.bad_lines)} lines" in detail
 
 
@@ -39,7 +41,7 @@ def test_missing_input_fails_the_check(tmp_path: Path) -> None:
     config = make_config(tmp_path, samples.path, ["http://127.0.0.1:1"], tmp_path / "shm")
     samples.path.unlink()
     report = Report()
-    assert check_input(config, report) == 0
+    assert check_input(config, report).tokens == 0
     assert report.failed and _levels(report, "input") == ["FAIL"]
 
 
@@ -101,8 +103,10 @@ async def test_servers_pass_through_the_whole_dump_path(tmp_path: Path, shm_root
         )  # fmt: skip
         report = Report()
         await check_servers(config, report)
-    ok, down = report.lines
+    ok, *extra, down = report.lines
     assert ok[0] == "OK" and "healthy" in ok[2] and "dump path OK" in ok[2]
+    # then what hsx check adds for a healthy server: the drafter-config ids line
+    assert [line[1] for line in extra] == ["draft ids"]
     assert down[0] == "FAIL" and down[2].startswith("http://127.0.0.1:1: ")
     assert shm_leftovers(shm_root) == [], "the check request leaves nothing in /dev/shm"
 

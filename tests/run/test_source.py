@@ -337,11 +337,11 @@ def test_reader_mixed_file(tmp_path: Path) -> None:
         "Sample", "BadLine", "Sample", "BadLine", "BadLine", "BadLine", "BadLine", "Sample"
     ]  # fmt: skip
     dup = _bad(items[3])
-    assert dup.id is None
-    assert "duplicate id 'a' (first on line 2)" in dup.reason
-    assert "duplicate id '0' (first on line 0)" in _bad(items[4]).reason
+    assert (dup.id, dup.duplicate_of, dup.own_id) == ("a", 2, None)  # keeps its id (issue 17)
+    assert "duplicate id 'a' (first on line 3)" in dup.reason  # 1-based for a person
+    assert "duplicate id '0' (first on line 1)" in _bad(items[4]).reason
     assert _bad(items[5]).id == "5"
-    assert "(first on line 5)" in _bad(items[6]).reason
+    assert "(first on line 6)" in _bad(items[6]).reason
     assert _good(items[7]).loss_mask is not None
 
 
@@ -492,15 +492,19 @@ def _check_stream(lines: list[bytes], items: list[Item]) -> None:
         key = canonical_id(alone.id)
         seen = first.setdefault(key, item.line)
         if seen != item.line:
-            assert _bad(item).id is None
-            assert f"(first on line {seen})" in _bad(item).reason
+            assert _bad(item).duplicate_of == seen and _bad(item).own_id is None
+            assert f"(first on line {seen + 1})" in _bad(item).reason
         elif isinstance(alone, Sample):
             sample = _good(item)
             assert sample.id == alone.id
             assert sample.input_ids.tolist() == alone.input_ids.tolist()
         else:
             assert item == alone
-    ided = [canonical_id(i.id) for i in items if i.id is not None]
+    ided = [
+        canonical_id(own)
+        for i in items
+        if (own := i.own_id if isinstance(i, BadLine) else i.id) is not None
+    ]
     assert len(ided) == len(set(ided)), "an id reaches manifest + quarantine twice"
 
 

@@ -306,8 +306,8 @@ def register_cli(subparsers: Any) -> None:
             "built from --seed, no download)."
         ),
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000, help="listen port (default 30000)")
     p.add_argument("--model", default=None, help="local Hugging Face model directory")
     p.add_argument("--aux-layers", default=None, help="comma-separated, e.g. 1,3,5")
     p.add_argument(
@@ -316,8 +316,18 @@ def register_cli(subparsers: Any) -> None:
         default=Path(os.environ.get("HSX_DUMP_ROOT", DEFAULT_DUMP_ROOT)),
         help="where dumps go (default: $HSX_DUMP_ROOT or %(default)s)",
     )
-    p.add_argument("--chunk-size", type=int, default=ReferenceOptions.chunk_size)
-    p.add_argument("--max-batch-tokens", type=int, default=ReferenceOptions.max_batch_tokens)
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=ReferenceOptions.chunk_size,
+        help=f"most rows of one request per pass (default {ReferenceOptions.chunk_size})",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=ReferenceOptions.max_batch_tokens,
+        help=f"tokens of one batched pass (default {ReferenceOptions.max_batch_tokens})",
+    )
     p.add_argument("--seed", type=int, default=0, help="weights of the built-in model")
     p.add_argument("--threads", type=int, default=_default_threads(), help="torch threads")
     p.set_defaults(handler=_cli)

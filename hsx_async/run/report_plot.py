@@ -1,0 +1,166 @@
+"""Draw ``report.png`` from :func:`hsx_async.run.report.build_report`'s numbers.
+
+Imported only when the report is written, so matplotlib stays an optional extra; it is
+driven through its object API with the Agg canvas (no display, no global pyplot state).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from hsx_async.dataset.inspection import human_bytes
+
+_INK = "#1f2430"
+_MUTED = "#7a8194"
+_ACCENT = "#2a6fdb"
+_WARN = "#d9822b"
+_BAD = "#c23b3b"
+_GRID = "#e6e8ee"
+
+
+def _human(n: float) -> str:
+    for suffix in ("", "k", "M", "G"):
+        if abs(n) < 1000:
+            return f"{n:.0f}" if suffix == "" else f"{n:.1f}{suffix}"
+        n /= 1000
+    return f"{n:.1f}T"
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    h, rem = divmod(s, 3600)
+    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+def _style(ax: Axes, title: str) -> None:
+    ax.set_title(title, loc="left", fontsize=11, color=_INK, fontweight="bold", pad=8)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    for side in ("left", "bottom"):
+        ax.spines[side].set_color(_MUTED)
+    ax.tick_params(colors=_MUTED, labelsize=8)
+    ax.grid(True, color=_GRID, linewidth=0.8)
+    ax.set_axisbelow(True)
+
+
+def _empty(ax: Axes, title: str, text: str) -> None:
+    _style(ax, title)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.grid(False)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.text(0.5, 0.5, text, ha="center", va="center", color=_MUTED, fontsize=11,
+            transform=ax.transAxes)  # fmt: skip
+
+
+def _rate_panel(ax: Axes, report: dict[str, Any]) -> None:
+    rate = report["rate"]
+    if not rate:
+        _empty(ax, "Rate over time", "no run events yet (written by hsx run)")
+        return
+    _style(ax, "Rate over time (tokens/s)")
+    span = max(p["t"] for p in rate)
+    scale, unit = (1.0, "s") if span < 120 else (60.0, "min") if span < 3 * 3600 else (3600.0, "h")
+    t = [p["t"] / scale for p in rate]
+    y = [p["tokens_per_s"] for p in rate]
+    ax.fill_between(t, y, step="pre", color=_ACCENT, alpha=0.18, linewidth=0)
+    ax.step(t, y, where="pre", color=_ACCENT, linewidth=1.6)
+    ax.set_xlabel(f"time since the first start ({unit})", color=_MUTED, fontsize=8)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_formatter(lambda v, _: _human(v))
+    t0 = _first_start(report)
+    for run in report["runs"][1:]:
+        start = _epoch(run["started"]) - t0
+        ax.axvline(start / scale, color=_MUTED, linestyle="--", linewidth=0.8)
+        ax.text(start / scale, ax.get_ylim()[1] * 0.97, " resumed", color=_MUTED, fontsize=7,
+                va="top")  # fmt: skip
+
+
+def _epoch(iso: str) -> float:
+    import datetime as dt  # noqa: PLC0415
+
+    return dt.datetime.fromisoformat(iso).timestamp()
+
+
+def _first_start(report: dict[str, Any]) -> float:
+    runs = report["runs"]
+    return _epoch(runs[0]["started"]) if runs else 0.0
+
+
+def _bars(ax: Axes, title: str, counts: dict[str, int], color: str, empty: str,
+          *, share: bool = False) -> None:  # fmt: skip
+    """Horizontal bars, largest on top, each named above its bar (long names fit)."""
+    if not counts:
+        _empty(ax, title, empty)
+        return
+    _style(ax, title)
+    items = list(counts.items())[:6][::-1]
+    rest = sum(counts.values()) - sum(v for _, v in items)
+    if rest:
+        items.insert(0, (f"{len(counts) - len(items)} other kinds", rest))
+    values = [v for _, v in items]
+    total = sum(counts.values())
+    base = max(len(items), 4) - len(items)  # a lone bar keeps the width of one of four
+    ax.barh([base + i for i in range(len(items))], values, color=color, height=0.42)
+    ax.set_yticks([])
+    ax.grid(True, axis="x", color=_GRID)
+    ax.grid(False, axis="y")
+    ax.spines["left"].set_visible(False)
+    ax.set_xlim(0, max(values) * 1.25)
+    ax.set_ylim(-0.5, base + len(items) - 0.2)
+    ax.xaxis.set_major_formatter(lambda v, _: _human(v))
+    for i, (name, v) in enumerate(items):
+        label = name if len(name) <= 44 else name[:43] + "…"
+        ax.text(0, base + i + 0.26, label, va="bottom", fontsize=8, color=_INK)
+        text = f" {v:,}" + (f" ({100 * v / total:.0f}%)" if share else "")
+        ax.text(v, base + i, text, va="center", fontsize=8, color=_INK, fontweight="bold")
+
+
+def _header(fig: Figure, report: dict[str, Any]) -> None:
+    totals = report["totals"]
+    runs = report["runs"]
+    seconds = sum(r["seconds"] for r in runs)
+    tokens_s = sum(r["tokens"] for r in runs) / seconds if seconds else 0.0
+    fig.text(0.04, 0.955, "hsx job report", fontsize=17, fontweight="bold", color=_INK)
+    fig.text(0.04, 0.925, f"{report['dataset']}  ·  {report['generated']}", fontsize=9,
+             color=_MUTED)  # fmt: skip
+    cards = [
+        (f"{totals['samples']:,}", "samples written"),
+        (_human(totals["tokens"]), "tokens"),
+        (human_bytes(totals["bytes"]), "on disk"),
+        (f"{totals['quarantined']:,}", "quarantined"),
+        (_duration(seconds), f"in {len(runs)} run{'s' if len(runs) != 1 else ''}"),
+        (_human(tokens_s), "tokens/s (mean)"),
+    ]
+    for i, (value, label) in enumerate(cards):
+        x = 0.04 + i * 0.158
+        bad = label == "quarantined" and totals["quarantined"] > 0
+        fig.text(x, 0.865, value, fontsize=16, fontweight="bold", color=_BAD if bad else _ACCENT)
+        fig.text(x, 0.845, label, fontsize=8, color=_MUTED)
+
+
+def render(report: dict[str, Any], path: Path) -> None:
+    """One A4-landscape-ish page: headline numbers, rate, and three breakdowns."""
+    fig = Figure(figsize=(12, 8), dpi=110, facecolor="white")
+    FigureCanvasAgg(fig)
+    _header(fig, report)
+    grid = fig.add_gridspec(2, 3, left=0.06, right=0.97, top=0.79, bottom=0.07, hspace=0.45,
+                            wspace=0.55, height_ratios=[1.15, 1])  # fmt: skip
+    _rate_panel(fig.add_subplot(grid[0, :]), report)
+    _bars(fig.add_subplot(grid[1, 0]), "Quarantine reasons", report["quarantine_reasons"], _BAD,
+          "nothing quarantined")  # fmt: skip
+    _bars(fig.add_subplot(grid[1, 1]), "Requests per server", report["servers"], _ACCENT,
+          "no requests recorded", share=True)  # fmt: skip
+    _bars(fig.add_subplot(grid[1, 2]), "Failed attempts (retried)", report["retries"], _WARN,
+          "no failed attempts")  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    tmp.replace(path)

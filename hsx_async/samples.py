@@ -1,0 +1,102 @@
+"""``hsx samples``: a synthetic input file (PROTOCOL §1) of a given size, to try hsx out.
+
+Deterministic for a seed: the same command writes the same bytes, so a tryout that is run
+twice resumes instead of being refused for a changed input. Token ids are drawn from
+``[3, vocab)`` (0–2 are the special tokens of the reference model's tokenizer); lengths are
+uniform in ``[min_len, max_len]``. The file is written under a temporary name, fsynced and
+renamed, so an interrupted command never leaves half a file for ``hsx run`` to fingerprint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from hsx_async.errors import ConfigError
+
+_FIRST_TOKEN = 3  # <s>, </s>, <unk> of the reference tokenizer come first
+
+
+def synthetic_lines(
+    count: int, *, max_len: int, min_len: int = 1, vocab: int = 1024, seed: int = 0
+) -> Iterator[bytes]:
+    """``count`` JSONL lines, ids ``sample-000000``…; one sample in memory at a time.
+    Arguments are checked here, before the first line is asked for."""
+    if count < 1:
+        raise ConfigError("", "--count must be at least 1")
+    if not 1 <= min_len <= max_len:
+        raise ConfigError("", f"need 1 ≤ --min-len ({min_len}) ≤ --max-len ({max_len})")
+    if vocab <= _FIRST_TOKEN:
+        raise ConfigError("", f"--vocab must be larger than {_FIRST_TOKEN}")
+    return _lines(count, max_len, min_len, vocab, seed)
+
+
+def _lines(count: int, max_len: int, min_len: int, vocab: int, seed: int) -> Iterator[bytes]:
+    rng = np.random.default_rng(seed)
+    width = max(6, len(str(count - 1)))
+    for i in range(count):
+        n = int(rng.integers(min_len, max_len, endpoint=True))
+        ids = rng.integers(_FIRST_TOKEN, vocab, size=n, dtype=np.int64)
+        record = {"id": f"sample-{i:0{width}d}", "input_ids": ids}
+        yield orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+
+
+def write_samples(path: Path, lines: Iterator[bytes]) -> tuple[int, int]:
+    """Write atomically (temp, fsync, rename); returns (samples, bytes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    samples = size = 0
+    with tmp.open("wb") as fh:
+        for line in lines:
+            fh.write(line)
+            samples += 1
+            size += len(line)
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.replace(path)
+    return samples, size
+
+
+def samples_command(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.is_dir():
+        raise ConfigError(
+            "", f"--out {out} is a directory; name a file such as {out}/samples.jsonl"
+        )
+    min_len = min(16, args.max_len) if args.min_len is None else args.min_len
+    lines = synthetic_lines(
+        args.count, max_len=args.max_len, min_len=min_len, vocab=args.vocab, seed=args.seed
+    )
+    try:
+        samples, size = write_samples(out, lines)
+    except OSError as exc:
+        raise ConfigError("", f"--out: cannot write {out}: {exc.strerror}") from None
+    print(f"hsx samples: wrote {samples:,} samples ({size:,} bytes) to {out}")
+    return 0
+
+
+def register_cli(sub: Any) -> None:
+    p = sub.add_parser(
+        "samples",
+        help="write a synthetic samples file (JSONL input) of a given size",
+        description=(
+            "Write COUNT random samples (PROTOCOL §1: one JSON object with id and input_ids "
+            "per line) to FILE. The same arguments always write the same file."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--count", type=int, required=True, help="number of samples")
+    p.add_argument("--max-len", type=int, default=512, help="longest sample, in tokens")
+    p.add_argument(
+        "--min-len", type=int, help="shortest sample, in tokens (default: 16, or --max-len)"
+    )
+    p.add_argument("--vocab", type=int, default=1024, help="token ids are drawn from [3, VOCAB)")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--out", required=True, metavar="FILE", help="the JSONL file to write")
+    p.set_defaults(handler=samples_command)

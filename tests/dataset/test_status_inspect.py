@@ -1,0 +1,120 @@
+"""``hsx status`` and ``hsx inspect`` as an operator meets them (issue 17, stumbles 4, 5, 8):
+"remaining" after a repair, for shards and merged outputs; exit 2 on what is no dataset;
+duplicate ids kept in the quarantine; inspect on a directory or a missing file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from hsx_async.cli import main
+from hsx_async.dataset.inspection import dataset_status
+from hsx_async.dataset.manifest import QUARANTINE, read_manifest, read_quarantine
+from hsx_async.dataset.merge import merge
+from hsx_async.run.daemon import Daemon
+from hsx_async.server.fake.server import FakeOptions, running_fake_server
+from tests.e2e import make_config, write_samples
+
+H, AUX = 64, (1, 3, 5)
+
+
+def _options(root: Path) -> FakeOptions:
+    return FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=root)
+
+
+async def test_remaining_after_repair_is_what_the_next_run_writes(
+    tmp_path: Path, shm_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 20, max_len=8, bad_every=6, with_duplicates=True)
+    async with running_fake_server(_options(shm_root)) as srv:
+        config = make_config(tmp_path, samples.path, [srv.url], shm_root)
+        await Daemon(config).run()
+        out = config.output.dir
+        assert dataset_status(out).remaining == 0
+        victim = read_manifest(out)[2]
+        (out / victim.path).write_bytes(b"corrupt")
+        assert main(["verify", str(out), "--repair"]) == 1
+        assert dataset_status(out).remaining == 1
+        capsys.readouterr()
+        assert main(["status", str(out)]) == 0
+        assert "remaining:   1 (of 24 input lines)" in capsys.readouterr().out
+        summary = await Daemon(config).run()
+    assert summary.done == 1
+    assert dataset_status(out).remaining == 0
+
+
+async def test_duplicate_keeps_its_id_and_messages_count_lines_from_one(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 4, max_len=8, with_duplicates=True)
+    async with running_fake_server(_options(shm_root)) as srv:
+        config = make_config(tmp_path, samples.path, [srv.url], shm_root)
+        await Daemon(config).run()
+        await Daemon(config).run()  # a resume neither re-quarantines nor skips it wrongly
+    out = config.output.dir
+    raw = [orjson.loads(x) for x in (out / f"{QUARANTINE}.jsonl").read_bytes().splitlines()]
+    assert raw == [
+        {
+            "id": "s0",
+            "line": 4,  # the protocol's 0-based field
+            "reason": "duplicate id 's0' (first on line 1)",  # what grep -n says
+            "duplicate_of": 0,
+        }
+    ]
+    assert len(read_manifest(out)) == 4 and len(read_quarantine(out)) == 1
+    assert main(["verify", str(out)]) == 0  # not "both written and quarantined"
+
+
+async def test_status_counts_shards_and_merged_outputs(
+    tmp_path: Path, shm_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 30, max_len=8, bad_every=7)
+    total = len(samples.good) + len(samples.bad_lines)
+    together = tmp_path / "together"
+    apart = [tmp_path / "s0", tmp_path / "s1"]
+    async with running_fake_server(_options(shm_root)) as srv:
+        for index in (0, 1):
+            for out in (together, apart[index]):
+                config = make_config(
+                    tmp_path,
+                    samples.path,
+                    [srv.url],
+                    shm_root,
+                    output={"dir": str(out)},
+                    shard={"index": index, "count": 2},
+                )
+                await Daemon(config).run()
+    status = dataset_status(together)
+    assert status.remaining == 0 and sum(status.input_lines.values()) == total
+    assert "shards 0/2, 1/2" in status.format()
+    one = dataset_status(apart[0])
+    assert one.remaining == 0 and list(one.input_lines) == ["0/2"]
+    merged = tmp_path / "merged"
+    merge(apart, merged)
+    capsys.readouterr()
+    assert main(["status", str(merged)]) == 0
+    text = capsys.readouterr().out
+    assert f"remaining:   0 (of {total} input lines, shards 0/2, 1/2)" in text, text
+
+
+def test_status_of_a_directory_that_is_no_dataset_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    assert main(["status", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is not an hsx dataset" in err and err.count("\n") == 1
+    assert main(["status", str(tmp_path / "nope")]) == 2
+
+
+def test_inspect_a_directory_or_a_missing_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory" in err and "Traceback" not in err
+    assert main(["inspect", str(tmp_path / "missing.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and "manifest" not in err

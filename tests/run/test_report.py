@@ -1,0 +1,121 @@
+"""The job report (issue 17): the events log a run keeps, report.json and report.png."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from hsx_async import cli
+from hsx_async.dataset.events import event_files
+from hsx_async.dataset.manifest import read_manifest, read_quarantine
+from hsx_async.run.daemon import Daemon
+from hsx_async.run.report import REPORT_JSON, REPORT_PNG, build_report, reason_kind, write_report
+from hsx_async.server.fake.server import FakeOptions, running_fake_server
+from tests.e2e import make_config, write_samples
+
+H, AUX = 64, (1, 3, 5)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_reason_kind_drops_particulars() -> None:
+    assert reason_kind("duplicate id 'a-7' (first on line 4)") == "duplicate id …"
+    assert (
+        reason_kind("3 attempts failed; last: http://127.0.0.1:9/x: HTTP 503: busy")
+        == "retries exhausted: HTTP N"
+    )
+    assert reason_kind("4 attempts failed; last: no meta.json in /dev/shm/a/b within 2 s") == (
+        "retries exhausted: no meta.json in … within N s"
+    )
+    assert reason_kind("") == "other"
+
+
+async def _run_twice(tmp_path: Path, shm_root: Path) -> tuple[Path, int]:
+    """A faulty run over two servers, then a resume that finds everything done."""
+    samples = write_samples(tmp_path / "in.jsonl", 40, max_len=24, bad_every=9)
+    opts = FakeOptions(
+        hidden_size=H,
+        aux_layers=AUX,
+        dump_root=shm_root,
+        fault_rate=0.2,
+        faults=("http_500", "truncated_part"),
+        seed=3,
+    )
+    async with running_fake_server(opts) as a, running_fake_server(opts) as b:
+        config = make_config(
+            tmp_path, samples.path, [a.url, b.url], shm_root, workers={"max_attempts": 2}
+        )
+        first = Daemon(config)
+        await first.run()
+        await Daemon(config).run()
+    return config.output.dir, first.metrics.totals.attempts_failed
+
+
+async def test_report_numbers_come_from_the_durable_files(tmp_path: Path, shm_root: Path) -> None:
+    out, failed = await _run_twice(tmp_path, shm_root)
+    assert [p.name for p in event_files(out)] == ["events.jsonl"]
+    report = build_report(out)
+    manifest, quarantine = read_manifest(out), read_quarantine(out)
+    assert report["totals"] == {
+        "samples": len(manifest),
+        "tokens": sum(e.num_tokens for e in manifest),
+        "bytes": sum(e.size for e in manifest),
+        "quarantined": len(quarantine),
+    }
+    assert sum(report["quarantine_reasons"].values()) == len(quarantine)
+    assert failed > 0 and sum(report["retries"].values()) == failed
+    assert len(report["servers"]) == 2 and all(v > 0 for v in report["servers"].values())
+    runs = report["runs"]
+    assert len(runs) == 2 and [r["outcome"] for r in runs] == ["finished", "finished"]
+    assert runs[0]["samples"] == len(manifest) and runs[1]["samples"] == 0
+    assert all(p["tokens_per_s"] >= 0 for p in report["rate"])
+    assert report["rate"], "start and end lines give at least one rate point"
+
+
+async def test_write_report_png_and_json(tmp_path: Path, shm_root: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out, _ = await _run_twice(tmp_path, shm_root)
+    json_path, png_path, hint = write_report(out)
+    assert (json_path, png_path, hint) == (out / REPORT_JSON, out / REPORT_PNG, "")
+    assert png_path is not None and png_path.read_bytes()[:8] == PNG_MAGIC
+    data = orjson.loads(json_path.read_bytes())
+    fresh = build_report(out)
+    data.pop("generated")
+    fresh.pop("generated")
+    assert data == fresh
+
+
+async def test_without_matplotlib_json_only_with_a_hint(
+    tmp_path: Path, shm_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, _ = await _run_twice(tmp_path, shm_root)
+    monkeypatch.setitem(sys.modules, "hsx_async.run.report_plot", None)  # import fails
+    json_path, png_path, hint = write_report(out)
+    assert png_path is None and "hsx_async[plot]" in hint
+    assert json_path.is_file() and not (out / REPORT_PNG).exists()
+
+
+def test_a_killed_run_keeps_its_last_tick(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    base = {"shard": "0/1", "quarantined": 0, "retries": {}, "servers": {"http://s": 3}}
+    lines = [
+        {"event": "start", "time": 100.0, "samples": 0, "tokens": 0, "bytes": 0, **base},
+        {"event": "tick", "time": 101.0, "samples": 2, "tokens": 50, "bytes": 10, **base},
+        {"event": "tick", "time": 103.0, "samples": 4, "tokens": 150, "bytes": 20, **base},
+    ]
+    (out / "events.jsonl").write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    report = build_report(out)
+    assert report["runs"][0]["outcome"] == "killed or still running"
+    assert [p["tokens_per_s"] for p in report["rate"]] == [50.0, 50.0]
+    assert report["servers"] == {"http://s": 3}
+
+
+def test_hsx_report_on_a_directory_that_is_no_dataset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert "not an hsx output directory" in capsys.readouterr().err
+    assert cli.main(["report", str(tmp_path / "missing")]) == 2
