@@ -568,6 +568,18 @@ def test_factory_warns_on_other_sglang(
     assert state is not None and state.config.server == "sglang 0.6.0"
 
 
+def test_the_hook_sglang_loads_does_not_import_the_drift_checker() -> None:
+    """The checker is dev-only: a scheduler process importing the hook never loads it."""
+    code = (
+        "import sys, hsx_async.server.sglang_hook; "
+        "print('hsx_async.server.sglang.drift' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip() == "False"
+
+
 # --------------------------------------------------------------------------------------
 # deploy/sglang/launch.sh
 # --------------------------------------------------------------------------------------
