@@ -100,7 +100,8 @@ SGLANG_TARGETS: tuple[Target, ...] = (
     # Server settings checked at start-up.
     *(Target(_RC, None, n, "function", "reads the server settings through it")
       for n in ("get_parallel", "get_memory", "get_exec", "get_disagg", "get_serving")),
-    *_literals(_RC, "attn_tp_rank", "lets only attention-TP rank 0 write"),
+    *_literals(_RC, "attn_tp_rank attn_tp_size",
+               "lets attention-TP rank 0 of each DP group write, refuses padded DP attention"),
     *_literals(_FIELDS + "exec_.py", "exec.features exec.overlap exec.moe",
                "reads settings from these namespaces"),
     *_attrs(_FIELDS + "memory.py", "Memory", "disable_radix_cache", "refuses the radix cache"),

@@ -30,6 +30,7 @@ reads, for the drift test (that module is dev-only and not imported here).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.metadata
 import json
@@ -53,11 +54,15 @@ from hsx_async.server.hook_core import (
     request_namespace,
     wants_dump,
 )
+from hsx_async.server.hook_writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 HOOK_FACTORY = "hsx_async.server.sglang_hook:hsx_hook_factory"
+# At interpreter exit, the writers get this long to finish the queued parts; what is left
+# is abandoned (no meta.json for those requests: the client retries them).
+DRAIN_AT_EXIT_S = 10.0
 # The spec SGLang's --forward-hooks takes (a JSON list). The factory patches SGLang; the
 # forward hook it returns does nothing, so it hangs on a module every model family has.
 FORWARD_HOOK_SPEC: list[dict[str, Any]] = [
@@ -135,6 +140,7 @@ def _read_server_info() -> ServerInfo:
     settings = ServerSettings(
         radix_cache=not rc.get_memory().disable_radix_cache,
         attn_dp_size=int(parallel.attn_dp_size),
+        attn_tp_size=int(parallel.attn_tp_size),
         pp_size=int(parallel.pp_size),
         two_batch_overlap=bool(exec_.overlap.enable_two_batch_overlap),
         moe_a2a_backend=str(exec_.moe.moe_a2a_backend),
@@ -155,6 +161,8 @@ class HookState:
     writer: bool
     stack: Any = None
     graph_layers: tuple[int, ...] | None = None
+    # The threads that write this process's parts (None: written on the scheduler thread).
+    background: BackgroundWriter | None = None
 
 
 class _Installed:
@@ -183,20 +191,49 @@ def hsx_hook_factory(config: Mapping[str, Any] | None = None) -> Callable[[Any, 
         hook_config = HookConfig.from_env(os.environ, server=f"sglang {version}")
         info = _read_server_info()
         check_server_settings(info.settings, hook_config)
-        model = hook_config.model or info.served_model_name or ""
-        state = HookState(
-            config=hook_config,
-            dumper=PrefillDumper(hook_config, model=model),
-            writer=info.attn_tp_rank == 0,
-        )
+        state = build_state(hook_config, info)
         install(state, _load_sglang_api())
+        if state.background is not None:  # (closing twice is harmless)
+            atexit.register(state.background.close, DRAIN_AT_EXIT_S)
         logger.info(
-            "hsx hook installed: aux layers %s, dump root %s, %s rank",
+            "hsx hook installed: aux layers %s, dump root %s, %s",
             list(hook_config.aux_layers),
             hook_config.dump_root,
-            "writing" if state.writer else "non-writing",
+            _describe_writing(state),
         )
     return _forward_hook_noop
+
+
+def build_state(config: HookConfig, info: ServerInfo) -> HookState:
+    """The process's hook state. Attention-TP rank 0 of each DP group writes (with DP
+    attention every group's leader sees only its own requests); it gets the background
+    writer threads unless ``HSX_WRITER_THREADS=0``."""
+    model = config.model or info.served_model_name or ""
+    writer = info.attn_tp_rank == 0
+    background = None
+    if writer and config.writer_threads > 0:
+        background = BackgroundWriter(
+            config.dump_root,
+            threads=config.writer_threads,
+            queue_bytes=config.write_queue_bytes,
+        )
+    return HookState(
+        config=config,
+        dumper=PrefillDumper(config, model=model, background=background),
+        writer=writer,
+        background=background,
+    )
+
+
+def _describe_writing(state: HookState) -> str:
+    if not state.writer:
+        return "non-writing rank"
+    if state.background is None:
+        return "writing rank, on the scheduler thread"
+    return (
+        f"writing rank, {state.config.writer_threads} writer threads, "
+        f"{state.config.write_queue_bytes >> 20} MiB write queue"
+    )
 
 
 def _forward_hook_noop(module: Any, args: Any, output: Any) -> None:
@@ -208,6 +245,8 @@ def install(state: HookState, api: SglangApi) -> None:
     plan = _patch_plan(state, api)
     missing = [f"{cls.__name__}.{name}" for cls, name, _ in plan if name not in cls.__dict__]
     if missing:
+        if state.background is not None:
+            state.background.close(0.0)
         raise ConfigError(
             "", f"{', '.join(missing)} missing: the hsx hook needs sglang {SGLANG_VERSION}"
         )
@@ -222,6 +261,8 @@ def install(state: HookState, api: SglangApi) -> None:
         patched = True
     if patched:
         _Installed.state = state
+    elif state.background is not None:
+        state.background.close(0.0)  # another state's patches are in place: not needed
 
 
 def uninstall(api: SglangApi) -> None:
@@ -242,7 +283,13 @@ def _patch_plan(
 ) -> list[tuple[type[Any], str, Callable[[Wrapper], Wrapper]]]:
     return [
         (api.req_cls, "__init__", lambda orig: _wrap_req_init(orig, api.full_capture)),
-        (api.result_cls, "copy_to_cpu", lambda orig: _wrap_copy_to_cpu(orig, api.async_d2h)),
+        (
+            api.result_cls,
+            "copy_to_cpu",
+            lambda orig: _wrap_copy_to_cpu(
+                orig, api.async_d2h, device_stack=state is not None and state.config.device_stack
+            ),
+        ),
         (api.runner_cls, "forward", lambda orig: _wrap_forward(orig, state)),
         (
             api.processor_cls,
@@ -264,17 +311,56 @@ def _wrap_req_init(original: Wrapper, full_capture: object) -> Wrapper:
     return __init__
 
 
-def _wrap_copy_to_cpu(original: Wrapper, async_d2h: Callable[[Any], Any]) -> Wrapper:
+def _wrap_copy_to_cpu(
+    original: Wrapper, async_d2h: Callable[[Any], Any], *, device_stack: bool = False
+) -> Wrapper:
     def copy_to_cpu(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = self.logits_output
         wanted = kwargs.get("return_hidden_states", args[1] if len(args) > 1 else True)
         if wanted and out is not None and out.last_hidden_states is not None:
             # Queued before SGLang's own copies, so its copy_done event covers this one
             # too, and right behind the forward, before a later pass reuses the buffer.
-            out.last_hidden_states = async_d2h(out.last_hidden_states)
+            stacked = None
+            if device_stack and _on_accelerator(out.last_hidden_states):
+                stacked = stack_to_host(out.hidden_states, out.last_hidden_states, async_d2h)
+            if stacked is not None:
+                out.hidden_states, out.last_hidden_states = stacked
+            else:
+                out.last_hidden_states = async_d2h(out.last_hidden_states)
         return original(self, *args, **kwargs)
 
     return copy_to_cpu
+
+
+def _on_accelerator(tensor: Any) -> bool:
+    return bool(tensor.device.type != "cpu")
+
+
+def stack_to_host(aux: Any, final: Any, async_d2h: Callable[[Any], Any]) -> tuple[Any, Any] | None:
+    """``HSX_DEVICE_STACK=1`` on a GPU (issue 16; NOT YET MEASURED ON A GPU, hence off by
+    default): lay the pass out as ``[T, K+1, H]`` on the device, then make ONE copy of it
+    to pinned host memory with SGLang's own ``async_d2h`` (its stream, so its
+    ``copy_done`` event covers it). Returns host views ``(aux [T, K*H], final [T, H])`` of
+    that buffer to put back on the logits output: SGLang's own aux copy then finds a host
+    tensor and copies nothing, and every part is one contiguous slice of the buffer
+    (:func:`~hsx_async.server.hook_core.stacked_rows`), written with no host copy.
+
+    Costs ``T*(K+1)*H*2`` bytes of transient device memory. None (the plain path) when the
+    shapes or dtypes do not allow it. Pure torch: the tests run it on CPU tensors.
+    """
+    import torch  # noqa: PLC0415 (see tensor_bits)
+
+    if aux is None or final.ndim != 2 or aux.dtype != final.dtype or aux.device != final.device:
+        return None
+    t, h = int(final.shape[0]), int(final.shape[1])
+    if t == 0 or aux.shape[0] != t or aux.numel() % (t * h):
+        return None
+    k = aux.numel() // (t * h)
+    stacked = torch.empty((t, k + 1, h), dtype=final.dtype, device=final.device)
+    stacked[:, :k, :].copy_(aux.reshape(t, k, h))
+    stacked[:, k, :].copy_(final)
+    host = async_d2h(stacked)
+    return host.as_strided((t, k * h), ((k + 1) * h, 1)), host[:, k, :]
 
 
 def _wrap_forward(original: Wrapper, state: HookState | None) -> Wrapper:
@@ -423,7 +509,7 @@ def _layers_in_effect(state: HookState) -> tuple[int, ...]:
 
 def tensor_bits(tensor: Any) -> np.ndarray:
     """A torch tensor as a host numpy array of its bfloat16 bit patterns (no copy when it
-    already is a contiguous host bfloat16 tensor)."""
+    already is a host bfloat16 tensor with unit stride along its rows)."""
     import torch  # noqa: PLC0415 (torch is SGLang's; `hsx --help` must not load it)
 
     t = tensor.detach()
@@ -431,5 +517,8 @@ def tensor_bits(tensor: Any) -> np.ndarray:
         t = t.to("cpu")
     if t.dtype != torch.bfloat16:
         t = t.to(torch.bfloat16)
-    bits: np.ndarray = t.contiguous().view(torch.int16).numpy()
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    # Row-strided views (a device-side stack's aux and final) stay views: no copy.
+    bits: np.ndarray = t.view(torch.int16).numpy()
     return bits
