@@ -139,7 +139,9 @@ def test_good_settings_pass() -> None:
 @pytest.mark.parametrize(("dp", "attn_tp"), [(8, 1), (2, 1), (1, 8), (1, 1)])
 def test_dp_attention_with_attention_tp_1_is_allowed(dp: int, attn_tp: int) -> None:
     """tp8/dp8: each DP leader sees only its own requests and unpadded local rows."""
-    assert server_problems(dataclasses.replace(GOOD, attn_dp_size=dp, attn_tp_size=attn_tp), CFG) == []
+    assert (
+        server_problems(dataclasses.replace(GOOD, attn_dp_size=dp, attn_tp_size=attn_tp), CFG) == []
+    )
 
 
 def test_dp_attention_with_attention_tp_above_1_names_the_fix() -> None:
