@@ -90,6 +90,9 @@ def parse_args() -> argparse.Namespace:
     add("--queue-mb", type=int, default=2048, help="the writers' byte budget (MiB)")
     add("--interval-ms", type=float, default=300.0, help="GPU time per pass (paced rows)")
     add("--rounds", type=int, default=2, help="each configuration this many times (medians)")
+    add(
+        "--modes", help="only the configurations whose names contain one of these (comma-separated)"
+    )
     add("--child", help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -317,9 +320,11 @@ def main() -> None:
     shm = Path(args.shm_dir) / f"hsx-bench-hook-{os.getpid()}"
     shm.mkdir(parents=True)
     runs = []
+    wanted = [w.strip() for w in (args.modes or "").split(",") if w.strip()]
+    modes = [m for m in MODES if not wanted or any(w in m.name for w in wanted)]
     try:
         for round_ in range(args.rounds):
-            order = MODES if round_ % 2 == 0 else MODES[::-1]  # alternate against drift
+            order = modes if round_ % 2 == 0 else modes[::-1]  # alternate against drift
             for mode in order:
                 runs.append(run_mode(args, mode, shm))
                 print(f"  round {round_ + 1}: {mode.name}", flush=True)

@@ -169,28 +169,48 @@ def drive(url: str, root: Path, *, marked: bool, seconds: float, args: argparse.
     return done["n"]
 
 
+# The SGLang methods the hook's wrappers call through: time below them is SGLang's own.
+ORIGINALS = (
+    "ModelRunner.forward ",
+    "SchedulerBatchResultProcessor.process_batch_result_prefill ",
+    "GenerationBatchResult.copy_to_cpu ",
+    "Req.__init__ ",
+)
+
+
+def in_hsx(frames: list[str]) -> bool:
+    """The sample is hsx's own work: an hsx_async frame with no SGLang original below it
+    (torch, numpy and system calls made by hsx count as hsx)."""
+    last = max((i for i, f in enumerate(frames) if "hsx_async/" in f), default=-1)
+    return last >= 0 and not any(f.startswith(ORIGINALS) for f in frames[last + 1 :])
+
+
 def shares(raw: Path) -> dict[str, Any]:
     """From py-spy's ``--format raw`` (collapsed stacks, first frame the thread)."""
     threads: Counter[str] = Counter()
-    main_hsx = main_prefill = main_total = 0
+    main = Counter[str]()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
             continue
         n = int(count)
-        thread = stack.split(";", 1)[0]
-        kind = (
-            "writer" if "hsx-writer" in thread else ("main" if "MainThread" in thread else "other")
-        )
-        threads[kind] += n
-        if kind == "main":
-            main_total += n
-            main_hsx += n * ("hsx_async/" in stack)
-            main_prefill += n * ("process_batch_result_prefill" in stack)
+        frames = stack.split(";")
+        thread = frames[0]
+        if "hsx-writer" in thread:
+            threads["writer active" if "run_job" in stack else "writer idle"] += n
+        elif "MainThread" in thread:
+            main["total"] += n
+            main["hsx"] += n * in_hsx(frames)
+            main["prefill"] += n * ("process_batch_result_prefill" in stack)
+            main["forward"] += n * ("ModelRunner.forward " in stack)
+        else:
+            threads["other"] += n
+    total = main["total"] or 1
     return {
-        "samples": dict(threads),
-        "main_hsx_share": main_hsx / main_total if main_total else 0.0,
-        "main_prefill_share": main_prefill / main_total if main_total else 0.0,
+        "samples": dict(threads) | {"main": main["total"]},
+        "main_hsx_share": main["hsx"] / total,
+        "main_prefill_share": main["prefill"] / total,
+        "main_forward_share": main["forward"] / total,
     }
 
 
@@ -227,11 +247,12 @@ def main() -> None:
                 shutil.rmtree(root, ignore_errors=True)
     table = common.print_table(
         "real SGLang 0.5.23 on the CPU, scheduler process under py-spy",
-        ["HSX_WRITER_THREADS", "requests", "marked", "main thread in hsx",
-         "main in prefill result", "writer samples"],
+        ["HSX_WRITER_THREADS", "requests", "marked", "main thread in hsx code",
+         "main in prefill result", "main in forward", "writer samples active"],
         [
             [r["writer_threads"], r["requests"], r["marked"], f"{100 * r['main_hsx_share']:.2f}%",
-             f"{100 * r['main_prefill_share']:.2f}%", r["samples"].get("writer", 0)]
+             f"{100 * r['main_prefill_share']:.2f}%", f"{100 * r['main_forward_share']:.1f}%",
+             r["samples"].get("writer active", 0)]
             for r in results
         ],
     )  # fmt: skip

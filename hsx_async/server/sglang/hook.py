@@ -13,15 +13,20 @@ server's settings, then patches four methods in that process:
   rows to the host right behind the forward. Its ``return_hidden_states`` stays False, so
   nothing goes into the JSON response.
 - ``GenerationBatchResult.copy_to_cpu``: the final (post-norm) hidden state, which SGLang
-  keeps next to the aux layers but does not copy, is copied along with them.
+  keeps next to the aux layers but does not copy, is copied along with them (with
+  ``HSX_DEVICE_STACK=1`` on a GPU: both laid out as ``[T, L, H]`` on the device, then one
+  copy).
 - ``ModelRunner.forward``: before the first forward, the decoder stack's
   ``layers_to_capture`` is set to ``HSX_AUX_LAYERS`` (layer k = the residual stream entering
   layer k = Hugging Face ``hidden_states[k]``), whatever numbering the model's
   ``set_eagle3_layers_to_capture`` uses.
 - ``SchedulerBatchResultProcessor.process_batch_result_prefill``: before SGLang consumes a
-  prefill result, attention-TP rank 0 hands each request's rows to
-  :class:`~hsx_async.server.hook_core.PrefillDumper`, which writes one part per pass and
-  commits ``meta.json`` after the last chunk.
+  prefill result, attention-TP rank 0 (of each DP group, under DP attention) hands the
+  pass to :class:`~hsx_async.server.hook_core.PrefillDumper`, which plans one part per
+  marked request and passes the writes, with a reference to the pass's host rows, to the
+  process's :class:`~hsx_async.server.hook_writer.BackgroundWriter` threads
+  (``HSX_WRITER_THREADS``, ``HSX_WRITE_QUEUE_MB``): the scheduler thread does bookkeeping
+  only. They write the parts in order per request and commit ``meta.json`` after the last.
 
 SGLang is imported only inside functions: this module imports without it.
 :data:`hsx_async.server.sglang.drift.SGLANG_TARGETS` lists everything the glue patches or
