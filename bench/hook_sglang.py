@@ -53,6 +53,7 @@ CPU_FLAGS = (
 )  # fmt: skip
 AUX = "1,3,5"
 NS = "prof"
+SHM = Path("/dev/shm")
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,8 +78,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(args: argparse.Namespace, model: Path, root: Path, threads: str) -> Iterator[str]:
+def server(
+    args: argparse.Namespace, model: Path, root: Path, threads: str, log: Path
+) -> Iterator[str]:
     port = free_port()
+    shm_before = {p.name for p in SHM.iterdir()}
     env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
     env.update(
         HSX_PYTHON=args.sglang_python,
@@ -89,7 +93,6 @@ def server(args: argparse.Namespace, model: Path, root: Path, threads: str) -> I
         SGLANG_USE_CPU_ENGINE="1",
         PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     )
-    log = root.parent / f"sglang-{threads}.log"
     cmd = ["bash", str(REPO / "deploy/sglang/launch.sh"), str(model), *CPU_FLAGS]
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -118,7 +121,10 @@ def server(args: argparse.Namespace, model: Path, root: Path, threads: str) -> I
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
-        print(f"  server log: {log}", flush=True)
+        # What the killed server left in /dev/shm (SGLang's load files).
+        for path in SHM.iterdir():
+            if path.name not in shm_before and path.name.startswith("sglang_"):
+                path.unlink(missing_ok=True)
 
 
 def scheduler_pid(launcher_pid_hint: str) -> int:
@@ -219,13 +225,15 @@ def main() -> None:
     from hsx_async.server.reference.model import save_default_model
 
     results: list[dict[str, Any]] = []
+    args.results_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="hsx-hook-sglang-") as tmp:
         work = Path(tmp)
         model = save_default_model(work / "tiny-llama", seed=0)
         for threads in args.writer_threads.split(","):
-            root = Path("/dev/shm") / f"hsx-prof-{os.getpid()}-{threads}"
+            root = SHM / f"hsx-prof-{os.getpid()}-{threads}"
+            log = work / f"sglang-{threads}.log"
             try:
-                with server(args, model, root, threads) as url:
+                with server(args, model, root, threads, log) as url:
                     pid = scheduler_pid(url)
                     for marked in (False, True):
                         raw = work / f"spy-{threads}-{int(marked)}.txt"
@@ -245,6 +253,8 @@ def main() -> None:
                         print(results[-1], flush=True)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
+                if log.exists():
+                    shutil.copy(log, args.results_dir / log.name)
     table = common.print_table(
         "real SGLang 0.5.23 on the CPU, scheduler process under py-spy",
         ["HSX_WRITER_THREADS", "requests", "marked", "main thread in hsx code",
