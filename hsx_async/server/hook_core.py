@@ -4,7 +4,10 @@ pass's parts and a request's commit reach the dump root (PROTOCOL §3).
 Nothing here knows SGLang. The SGLang glue (:mod:`hsx_async.server.sglang.hook`), the fake
 server and the reference server describe each request of a forward pass as a
 :class:`ReqView` and hand the pass's hidden rows to :meth:`PrefillDumper.dump_batch`; the
-same code then decides, slices, writes and commits for all of them.
+same code then decides, slices, writes and commits for all of them. Written on the calling
+thread by default; inside SGLang a :class:`~hsx_async.server.hook_writer.BackgroundWriter`
+does the file work, so the scheduler thread only plans (issue 16). Parts are written from
+the pass's rows as they lie (row slices with ``writev``), never assembled first.
 
 Rows of a pass are laid out as the model computed them: request after request, each
 request's ``rows`` rows together (its extend length), unmarked requests included. Hidden
