@@ -193,3 +193,19 @@ def test_profile_summary_shares_by_thread_and_function(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert only.stdout.splitlines()[0] == "2 samples"
+
+
+def test_hook_smoke(tmp_path: Path, shm_root: Path) -> None:
+    """bench/hook.py: every configuration ran, committed every dump, and the old and new
+    paths sit side by side in one result (no timing is asserted)."""
+    data = run_smoke("hook.py", tmp_path, shm_root)
+    names = [r["mode"] for r in data["rows"]]
+    assert len(names) == 6 and sum(r["old"] for r in data["rows"]) == 2
+    assert data["shape"]["hidden_size"] == 7168 and data["shape"]["aux_layers"] == [2, 30, 58]
+    for row in data["rows"]:
+        assert row["committed"] == data["settings"]["passes"] * data["shape"]["requests_per_pass"]
+        assert positive(row["sched_ms_per_gb"]) and positive(row["gb_per_s"])
+        assert positive(row["peak_rss_mb"])
+        background = "background" in row["mode"]
+        assert (row["peak_queued_mb"] > 0) is background
+    assert set(data["speedup_sched_old_over_new"]) == {"glue", "PrefillDumper"}

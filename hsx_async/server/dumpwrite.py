@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Iterator
+import stat
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from hsx_async.protocol import META_NAME, DumpMeta, part_name, valid_ns, valid_r
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+# Buffers one writev takes (Linux UIO_MAXIOV).
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
 def _open_subdir(parent_fd: int, name: str, *, create: bool) -> int:
@@ -57,27 +60,52 @@ def request_dir_fd(root: Path, ns: str, rid: str) -> Iterator[int]:
         os.close(rid_fd)
 
 
-def _write_atomic(dir_fd: int, name: str, data: bytes | memoryview) -> None:
-    """Write under ``.name.tmp``, then rename: a visible name is always a complete file."""
+def _write_atomic(dir_fd: int, name: str, chunks: Iterable[Sequence[memoryview]]) -> None:
+    """Write under ``.name.tmp``, then rename: a visible name is always a complete file.
+
+    ``chunks`` yields lists of byte buffers, each written with one ``writev`` (a list is at
+    most :data:`IOV_MAX` buffers); a failed write leaves only the hidden temporary name.
+    """
     tmp = f".{name}.tmp"
     fd = os.open(tmp, _NEW_FILE_FLAGS, 0o666, dir_fd=dir_fd)
     try:
-        view = memoryview(data).cast("B")
-        written = 0
-        while written < len(view):
-            written += os.write(fd, view[written:])
+        for buffers in chunks:
+            _writev_all(fd, buffers)
     finally:
         os.close(fd)
     os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
+def _writev_all(fd: int, buffers: Sequence[memoryview]) -> None:
+    """``writev`` until every byte of ``buffers`` is written (a short write resumes)."""
+    pending, first = list(buffers), 0
+    while first < len(pending):
+        written = os.writev(fd, pending[first:] if first else pending)
+        while first < len(pending) and written >= len(pending[first]):
+            written -= len(pending[first])
+            first += 1
+        if written:
+            pending[first] = pending[first][written:]
+
+
+def byte_view(data: bytes | memoryview) -> memoryview:
+    return memoryview(data).cast("B")
+
+
 def write_part(dir_fd: int, start: int, end: int, data: bytes | memoryview) -> None:
-    _write_atomic(dir_fd, part_name(start, end), data)
+    _write_atomic(dir_fd, part_name(start, end), [[byte_view(data)]])
+
+
+def write_part_vectored(
+    dir_fd: int, start: int, end: int, chunks: Iterable[Sequence[memoryview]]
+) -> None:
+    """A part written from many buffers (row slices) with ``writev``, assembled nowhere."""
+    _write_atomic(dir_fd, part_name(start, end), chunks)
 
 
 def write_meta(dir_fd: int, meta: DumpMeta) -> None:
     """The commit: ``meta.json`` is renamed into place after every part."""
-    _write_atomic(dir_fd, META_NAME, meta.to_json())
+    _write_atomic(dir_fd, META_NAME, [[byte_view(meta.to_json())]])
 
 
 @dataclass(slots=True)
@@ -92,6 +120,10 @@ class RequestDump:
     ns: str
     num_tokens: int
     parts: list[tuple[int, int]] = field(default_factory=list)
+    # Set by a background writer whose write of one of this dump's parts failed: its later
+    # parts and its commit are skipped, and the scheduler's next pass poisons the rid. A
+    # retried request starts a new RequestDump, so an old failure never leaks into it.
+    failed: bool = False
 
     @property
     def rows_done(self) -> int:

@@ -4,7 +4,10 @@ pass's parts and a request's commit reach the dump root (PROTOCOL §3).
 Nothing here knows SGLang. The SGLang glue (:mod:`hsx_async.server.sglang.hook`), the fake
 server and the reference server describe each request of a forward pass as a
 :class:`ReqView` and hand the pass's hidden rows to :meth:`PrefillDumper.dump_batch`; the
-same code then decides, slices, writes and commits for all of them.
+same code then decides, slices, writes and commits for all of them. Written on the calling
+thread by default; inside SGLang a :class:`~hsx_async.server.hook_writer.BackgroundWriter`
+does the file work, so the scheduler thread only plans (issue 16). Parts are written from
+the pass's rows as they lie (row slices with ``writev``), never assembled first.
 
 Rows of a pass are laid out as the model computed them: request after request, each
 request's ``rows`` rows together (its extend length), unmarked requests included. Hidden
@@ -16,10 +19,11 @@ Hugging Face ``hidden_states[k]``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -27,15 +31,35 @@ from hsx_async.errors import ConfigError, DumpError
 from hsx_async.protocol import (
     CUSTOM_PARAM_NS,
     DEFAULT_DUMP_ROOT,
+    DumpMeta,
     part_name,
     valid_ns,
     valid_rid,
 )
-from hsx_async.server.dumpwrite import RequestDump, request_dir_fd, write_meta, write_part
+from hsx_async.server.dumpwrite import (
+    IOV_MAX,
+    RequestDump,
+    request_dir_fd,
+    write_meta,
+    write_part,
+    write_part_vectored,
+)
 
 ENV_DUMP_ROOT = "HSX_DUMP_ROOT"
 ENV_AUX_LAYERS = "HSX_AUX_LAYERS"
 ENV_MODEL_NAME = "HSX_MODEL_NAME"
+ENV_WRITER_THREADS = "HSX_WRITER_THREADS"
+ENV_WRITE_QUEUE_MB = "HSX_WRITE_QUEUE_MB"
+ENV_DEVICE_STACK = "HSX_DEVICE_STACK"
+
+# Background writer threads per writing scheduler process (0: write on the scheduler
+# thread, as before issue 16). Four keep up with ~2 GB/s passes on a host whose tmpfs
+# takes ~1.5 GB/s per thread; parts of one request always go to the same thread.
+DEFAULT_WRITER_THREADS = 4
+# Host memory the passes waiting for the writers may hold, in MiB: about four 16,384-row
+# passes at H 7168 with 3 aux layers. Past it the scheduler thread waits (and logs it).
+DEFAULT_WRITE_QUEUE_MB = 4096
+MAX_WRITER_THREADS = 64
 
 # In-progress dumps kept at once. A request that vanishes between two chunks (an abort
 # SGLang never reports back to a prefill batch) would otherwise stay forever; past the cap
@@ -60,6 +84,11 @@ class HookConfig:
     model: str | None
     server: str
     max_open: int = DEFAULT_MAX_OPEN
+    # Used by the SGLang glue to build its BackgroundWriter; a PrefillDumper built from
+    # this config alone writes synchronously whatever these say.
+    writer_threads: int = DEFAULT_WRITER_THREADS
+    write_queue_bytes: int = DEFAULT_WRITE_QUEUE_MB << 20
+    device_stack: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], *, server: str) -> HookConfig:
@@ -77,9 +106,39 @@ class HookConfig:
                 "e.g. HSX_AUX_LAYERS=2,30,58 (the same list as the client's [model].aux_layers)",
             )
         model = env.get(ENV_MODEL_NAME, "").strip() or None
+        threads = _env_int(env, ENV_WRITER_THREADS, DEFAULT_WRITER_THREADS, 0, MAX_WRITER_THREADS)
+        queue_mb = _env_int(env, ENV_WRITE_QUEUE_MB, DEFAULT_WRITE_QUEUE_MB, 1, 1 << 30)
         return cls(
-            dump_root=root, aux_layers=parse_aux_layers(raw_layers), model=model, server=server
+            dump_root=root,
+            aux_layers=parse_aux_layers(raw_layers),
+            model=model,
+            server=server,
+            writer_threads=threads,
+            write_queue_bytes=queue_mb << 20,
+            device_stack=_env_flag(env, ENV_DEVICE_STACK),
         )
+
+
+def _env_int(env: Mapping[str, str], key: str, default: int, low: int, high: int) -> int:
+    text = env.get(key, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(key, f"{text!r} is not an integer") from None
+    if not low <= value <= high:
+        raise ConfigError(key, f"{value} is out of range; give {low}..{high}")
+    return value
+
+
+def _env_flag(env: Mapping[str, str], key: str) -> bool:
+    text = env.get(key, "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    if text in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError(key, f"{text!r} is not a switch; give 1 or 0")
 
 
 def parse_aux_layers(text: str) -> tuple[int, ...]:
@@ -117,6 +176,7 @@ class ServerSettings:
     aux_capture: str | None
     aux_layer_ids_flag: tuple[int, ...] | None
     disaggregation_mode: str
+    attn_tp_size: int = 1
 
 
 def server_problems(settings: ServerSettings, config: HookConfig) -> list[str]:
@@ -126,10 +186,14 @@ def server_problems(settings: ServerSettings, config: HookConfig) -> list[str]:
         problems.append(
             "add --disable-radix-cache: a prefix-cache hit skips the cached rows of a prompt"
         )
-    if settings.attn_dp_size > 1:
+    if settings.attn_dp_size > 1 and settings.attn_tp_size > 1:
+        # Each DP rank pads its tokens to a multiple of the attention-TP size, and later
+        # chunks of a long prompt keep the pad rows: their rows would not match.
         problems.append(
-            "DP attention is not supported (attention DP size "
-            f"{settings.attn_dp_size}): run one server per data-parallel replica instead"
+            f"DP attention with attention-TP size {settings.attn_tp_size} (attention DP "
+            f"size {settings.attn_dp_size}) is not supported: pad rows shift later chunks. "
+            "Give --dp-size equal to --tp-size (attention-TP size 1, e.g. --tp 8 --dp 8 "
+            "--enable-dp-attention), or drop --enable-dp-attention"
         )
     if settings.pp_size > 1:
         problems.append(
@@ -317,6 +381,10 @@ class DumpRegistry:
             return None
         if rid in self._open:
             dump = self._open[rid]
+            if dump is not None and dump.failed:
+                # A background write of an earlier part failed (and was reported then).
+                self.poison(rid, last=req.last_chunk)
+                dump = None
             if dump is None:
                 if req.last_chunk:
                     del self._open[rid]
@@ -368,6 +436,13 @@ class DumpRegistry:
             self._open.pop(rid, None)
         else:
             self._open[rid] = None
+
+    def entry(self, rid: str) -> RequestDump:
+        """The dump in progress for ``rid`` (DumpError if there is none)."""
+        dump = self._open.get(rid)
+        if dump is None:
+            raise DumpError(f"rid {rid}: no dump in progress")
+        return dump
 
     def record(self, write: PartWrite) -> RequestDump | None:
         """The part is on disk. Returns the finished dump when it is the last part."""
@@ -450,24 +525,155 @@ def assemble_rows(hidden: BatchHidden, row: int, count: int) -> np.ndarray:
     return out
 
 
+def stacked_rows(hidden: BatchHidden) -> memoryview | None:
+    """The pass's rows as one ``[T, K+1, H]`` byte buffer, when ``aux`` and ``final`` are
+    views of such a buffer (a device-side stack, the reference server); else None.
+
+    Then every part is one contiguous slice of it: written without any host copy.
+    """
+    aux, final = hidden.aux, hidden.final
+    t, h, k = final.shape[0], hidden.hidden_size, len(hidden.aux_layers)
+    row = (k + 1) * h * 2
+    aux2 = aux
+    if aux.ndim == 3 and aux.strides == (row, h * 2, 2):
+        aux2 = np.lib.stride_tricks.as_strided(aux, (t, k * h), (row, 2), writeable=False)
+    if t == 0 or aux2.ndim != 2 or aux2.strides != (row, 2) or final.strides != (row, 2):
+        return None
+    aux_at = aux2.__array_interface__["data"][0]
+    if final.__array_interface__["data"][0] != aux_at + k * h * 2:
+        return None
+    # Bytes [aux_at, aux_at + t*row) are each an element of aux or of final: no byte
+    # outside the arrays is read.
+    flat = np.lib.stride_tricks.as_strided(aux2, (t * row // 2,), (2,), writeable=False)
+    return flat.view(np.uint8).data
+
+
+def part_chunks(hidden: BatchHidden, row: int, count: int) -> Iterator[list[memoryview]]:
+    """The bytes of part rows ``[row, row+count)`` in file order, as lists of at most
+    :data:`IOV_MAX` buffers for ``writev``, without assembling the part where the
+    layout allows it:
+
+    - one slice of the pass's ``[T, K+1, H]`` buffer (see :func:`stacked_rows`);
+    - else, with C-contiguous ``aux`` and ``final`` (SGLang's own layout), two slices
+      per row: its K aux slices, then its final slice;
+    - else one assembled copy (:func:`assemble_rows`).
+    """
+    k, h = len(hidden.aux_layers), hidden.hidden_size
+    stacked = stacked_rows(hidden)
+    if stacked is not None:
+        size = (k + 1) * h * 2
+        yield [stacked[row * size : (row + count) * size]]
+        return
+    aux, final = hidden.aux, hidden.final
+    if not (aux.flags.c_contiguous and final.flags.c_contiguous):
+        yield [assemble_rows(hidden, row, count).view(np.uint8).data]
+        return
+    aux_bytes = aux.reshape(-1).view(np.uint8).data
+    final_bytes = final.reshape(-1).view(np.uint8).data
+    a, f = k * h * 2, h * 2
+    per_call = max(1, IOV_MAX // 2)
+    for first in range(row, row + count, per_call):
+        last = min(first + per_call, row + count)
+        buffers: list[memoryview] = []
+        for r in range(first, last):
+            buffers.append(aux_bytes[r * a : (r + 1) * a])
+            buffers.append(final_bytes[r * f : (r + 1) * f])
+        yield buffers
+
+
 @dataclass(slots=True)
 class BatchReport:
+    """What one :meth:`PrefillDumper.dump_batch` did. Written synchronously: the parts
+    written and the rids committed. With a background writer: the parts handed to it
+    (``queued``); their writes and commits happen later, and its failures are reported
+    through the writer's ``on_reject``."""
+
     parts: list[PartWrite] = field(default_factory=list)
     committed: list[str] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)
+    queued: list[PartWrite] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class PartJob:
+    """One part to write, and, for a request's last part, the ``meta.json`` to commit
+    after it. ``dump`` is the request's bookkeeping, shared by all its jobs: a failure
+    marks it, and its later jobs then write nothing."""
+
+    write: PartWrite
+    dump: RequestDump
+    meta: DumpMeta | None
+
+
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    wrote: bool
+    committed: bool
+    reject: Reject | None
+
+
+def run_job(root: Path, job: PartJob, hidden: BatchHidden, *, assemble: bool = False) -> JobOutcome:
+    """Write ``job``'s part (and commit) unless an earlier part of its dump failed."""
+    write = job.write
+    if job.dump.failed:
+        return JobOutcome(wrote=False, committed=False, reject=None)
+    try:
+        with request_dir_fd(root, write.ns, write.rid) as dir_fd:
+            if assemble:  # the pre-issue-16 path: one copy to lay the part out, then write
+                write_part(
+                    dir_fd,
+                    write.start,
+                    write.end,
+                    assemble_rows(hidden, write.batch_row, write.rows).data,
+                )
+            else:
+                chunks = part_chunks(hidden, write.batch_row, write.rows)
+                write_part_vectored(dir_fd, write.start, write.end, chunks)
+            if job.meta is not None:
+                write_meta(dir_fd, job.meta)
+    except (DumpError, OSError) as exc:
+        job.dump.failed = True
+        reason = f"writing {part_name(write.start, write.end)}: {exc}"
+        return JobOutcome(wrote=False, committed=False, reject=Reject(write.rid, reason))
+    return JobOutcome(wrote=True, committed=job.meta is not None, reject=None)
+
+
+class PartSink(Protocol):
+    """Where :class:`PrefillDumper` hands a pass's jobs when it does not write them itself
+    (:class:`hsx_async.server.hook_writer.BackgroundWriter`)."""
+
+    def submit(self, hidden: BatchHidden, jobs: Sequence[PartJob]) -> None: ...
 
 
 class PrefillDumper:
-    """Plans, slices, writes and commits the dumps of successive forward passes."""
+    """Plans, slices, writes and commits the dumps of successive forward passes.
 
-    def __init__(self, config: HookConfig, *, model: str | None = None) -> None:
+    Without ``background`` it writes each pass's parts before :meth:`dump_batch` returns.
+    With one, :meth:`dump_batch` only plans (bookkeeping on the calling thread) and hands
+    the pass's jobs and a reference to its rows to ``background``, whose threads write
+    them in order per request and commit ``meta.json`` after a request's last part.
+    ``assemble`` keeps the pre-issue-16 copy (assemble each part, then write it) for the
+    before/after bench.
+    """
+
+    def __init__(
+        self,
+        config: HookConfig,
+        *,
+        model: str | None = None,
+        background: PartSink | None = None,
+        assemble: bool = False,
+    ) -> None:
         self.config = config
         self.model = model if model is not None else (config.model or "")
         self.registry = DumpRegistry(config.max_open)
+        self.background = background
+        self.assemble = assemble
 
     def dump_batch(self, reqs: Sequence[ReqView], load: Callable[[], BatchHidden]) -> BatchReport:
-        """Write this pass's parts. ``load`` is called only when some part is due, and may
-        raise :class:`DumpError` to refuse the pass (its marked requests get no dump)."""
+        """Write (or queue) this pass's parts. ``load`` is called only when some part is
+        due, and may raise :class:`DumpError` to refuse the pass (its marked requests get
+        no dump)."""
         plan = self.registry.plan(reqs)
         report = BatchReport(rejects=plan.rejects)
         if not plan.writes:
@@ -480,28 +686,43 @@ class PrefillDumper:
                 self.registry.poison(write.rid, last=write.last)
                 report.rejects.append(Reject(write.rid, str(exc)))
             return report
-        for write in plan.writes:
-            self._write(write, hidden, report)
+        jobs = [self._job(write, hidden) for write in plan.writes]
+        if self.background is not None:
+            try:
+                self.background.submit(hidden, jobs)
+            except DumpError as exc:  # shut down: nothing of this pass is written
+                for job in jobs:
+                    job.dump.failed = True
+                    self.registry.poison(job.write.rid, last=job.write.last)
+                    report.rejects.append(Reject(job.write.rid, str(exc)))
+                return report
+            report.queued = list(plan.writes)
+            return report
+        for job in jobs:
+            self._write_now(job, hidden, report)
         return report
 
-    def _write(self, write: PartWrite, hidden: BatchHidden, report: BatchReport) -> None:
-        data = assemble_rows(hidden, write.batch_row, write.rows)
-        try:
-            with request_dir_fd(self.config.dump_root, write.ns, write.rid) as dir_fd:
-                write_part(dir_fd, write.start, write.end, data.data)
-                report.parts.append(write)
-                done = self.registry.record(write)
-                if done is not None:
-                    meta = done.meta(
-                        hidden_size=hidden.hidden_size,
-                        aux_layers=list(hidden.aux_layers),
-                        model=self.model,
-                        server=self.config.server,
-                    )
-                    write_meta(dir_fd, meta)
-                    report.committed.append(write.rid)
-        except (DumpError, OSError) as exc:
-            self.registry.poison(write.rid, last=write.last)
-            report.rejects.append(
-                Reject(write.rid, f"writing {part_name(write.start, write.end)}: {exc}")
+    def _job(self, write: PartWrite, hidden: BatchHidden) -> PartJob:
+        # Recorded when planned, not when written: the next pass's plan must see this
+        # part even while a background writer still holds it.
+        dump = self.registry.entry(write.rid)
+        done = self.registry.record(write)
+        meta = None
+        if done is not None:
+            meta = done.meta(
+                hidden_size=hidden.hidden_size,
+                aux_layers=list(hidden.aux_layers),
+                model=self.model,
+                server=self.config.server,
             )
+        return PartJob(write=write, dump=dump, meta=meta)
+
+    def _write_now(self, job: PartJob, hidden: BatchHidden, report: BatchReport) -> None:
+        outcome = run_job(self.config.dump_root, job, hidden, assemble=self.assemble)
+        if outcome.wrote:
+            report.parts.append(job.write)
+        if outcome.committed:
+            report.committed.append(job.write.rid)
+        if outcome.reject is not None:
+            self.registry.poison(job.write.rid, last=job.write.last)
+            report.rejects.append(outcome.reject)

@@ -136,6 +136,21 @@ def test_good_settings_pass() -> None:
     check_server_settings(dataclasses.replace(GOOD, aux_layer_ids_flag=(1, 4)), CFG)
 
 
+@pytest.mark.parametrize(("dp", "attn_tp"), [(8, 1), (2, 1), (1, 8), (1, 1)])
+def test_dp_attention_with_attention_tp_1_is_allowed(dp: int, attn_tp: int) -> None:
+    """tp8/dp8: each DP leader sees only its own requests and unpadded local rows."""
+    assert (
+        server_problems(dataclasses.replace(GOOD, attn_dp_size=dp, attn_tp_size=attn_tp), CFG) == []
+    )
+
+
+def test_dp_attention_with_attention_tp_above_1_names_the_fix() -> None:
+    bad = dataclasses.replace(GOOD, attn_dp_size=2, attn_tp_size=4)
+    [problem] = server_problems(bad, CFG)
+    assert "pad rows" in problem and "--tp 8 --dp 8 --enable-dp-attention" in problem
+    assert "one server per" not in problem
+
+
 def names(d: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir())
 
@@ -144,7 +159,7 @@ def names(d: Path) -> list[str]:
     ("change", "fragment"),
     [
         ({"radix_cache": True}, "--disable-radix-cache"),
-        ({"attn_dp_size": 2}, "DP attention"),
+        ({"attn_dp_size": 2, "attn_tp_size": 2}, "attention-TP size 2"),
         ({"pp_size": 2}, "pipeline parallelism"),
         ({"two_batch_overlap": True}, "--enable-two-batch-overlap"),
         ({"moe_a2a_backend": "deepep"}, "DeepEP"),

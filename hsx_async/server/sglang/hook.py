@@ -13,34 +13,37 @@ server's settings, then patches four methods in that process:
   rows to the host right behind the forward. Its ``return_hidden_states`` stays False, so
   nothing goes into the JSON response.
 - ``GenerationBatchResult.copy_to_cpu``: the final (post-norm) hidden state, which SGLang
-  keeps next to the aux layers but does not copy, is copied along with them.
+  keeps next to the aux layers but does not copy, is copied along with them (with
+  ``HSX_DEVICE_STACK=1`` on a GPU: both laid out as ``[T, L, H]`` on the device, then one
+  copy).
 - ``ModelRunner.forward``: before the first forward, the decoder stack's
   ``layers_to_capture`` is set to ``HSX_AUX_LAYERS`` (layer k = the residual stream entering
   layer k = Hugging Face ``hidden_states[k]``), whatever numbering the model's
   ``set_eagle3_layers_to_capture`` uses.
 - ``SchedulerBatchResultProcessor.process_batch_result_prefill``: before SGLang consumes a
-  prefill result, attention-TP rank 0 hands each request's rows to
-  :class:`~hsx_async.server.hook_core.PrefillDumper`, which writes one part per pass and
-  commits ``meta.json`` after the last chunk.
+  prefill result, attention-TP rank 0 (of each DP group, under DP attention) hands the
+  pass to :class:`~hsx_async.server.hook_core.PrefillDumper`, which plans one part per
+  marked request and passes the writes, with a reference to the pass's host rows, to the
+  process's :class:`~hsx_async.server.hook_writer.BackgroundWriter` threads
+  (``HSX_WRITER_THREADS``, ``HSX_WRITE_QUEUE_MB``): the scheduler thread does bookkeeping
+  only. They write the parts in order per request and commit ``meta.json`` after the last.
 
-SGLang is imported only inside functions: this module imports without it, and
-:data:`SGLANG_TARGETS` lists everything the glue patches or reads, for the drift test.
+SGLang is imported only inside functions: this module imports without it.
+:data:`hsx_async.server.sglang.drift.SGLANG_TARGETS` lists everything the glue patches or
+reads, for the drift test (that module is dev-only and not imported here).
 """
 
 from __future__ import annotations
 
-import ast
+import atexit
 import functools
 import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -56,11 +59,15 @@ from hsx_async.server.hook_core import (
     request_namespace,
     wants_dump,
 )
+from hsx_async.server.hook_writer import BackgroundWriter
 
 logger = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
 HOOK_FACTORY = "hsx_async.server.sglang_hook:hsx_hook_factory"
+# At interpreter exit, the writers get this long to finish the queued parts; what is left
+# is abandoned (no meta.json for those requests: the client retries them).
+DRAIN_AT_EXIT_S = 10.0
 # The spec SGLang's --forward-hooks takes (a JSON list). The factory patches SGLang; the
 # forward hook it returns does nothing, so it hangs on a module every model family has.
 FORWARD_HOOK_SPEC: list[dict[str, Any]] = [
@@ -78,212 +85,11 @@ def forward_hooks_arg() -> str:
     return json.dumps(FORWARD_HOOK_SPEC, separators=(",", ":"))
 
 
-# --------------------------------------------------------------------------------------
-# What the glue depends on in SGLang's source (the drift test reads this list)
-# --------------------------------------------------------------------------------------
-
-TargetKind = Literal["method", "attr", "function", "literal"]
-_Def = TypeVar("_Def", ast.ClassDef, ast.FunctionDef)
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """A name in SGLang's source the glue relies on; ``path`` is relative to the package."""
-
-    path: str
-    owner: str | None
-    name: str
-    kind: TargetKind
-    why: str
-    params: tuple[str, ...] = ()
-
-    @property
-    def label(self) -> str:
-        if self.kind == "literal":
-            return f"the string {self.name!r}"
-        return f"{self.owner}.{self.name}" if self.owner else self.name
-
-
-_BRP = "srt/managers/scheduler_components/batch_result_processor.py"
-_SB = "srt/managers/schedule_batch.py"
-_MU = "srt/managers/utils.py"
-_MR = "srt/model_executor/model_runner.py"
-_HM = "srt/model_executor/hook_manager.py"
-_RC = "srt/runtime_context.py"
-_LP = "srt/layers/logits_processor.py"
-_FIELDS = "srt/arg_groups/fields/"
-
-
-def _attrs(path: str, owner: str, names: str, why: str) -> tuple[Target, ...]:
-    return tuple(Target(path, owner, n, "attr", why) for n in names.split())
-
-
-def _literals(path: str, names: str, why: str) -> tuple[Target, ...]:
-    return tuple(Target(path, None, n, "literal", why) for n in names.split())
-
-
-# fmt: off
-SGLANG_TARGETS: tuple[Target, ...] = (
-    # Patched methods.
-    Target(_BRP, "SchedulerBatchResultProcessor", "process_batch_result_prefill", "method",
-           "wraps it to dump each prefill pass", ("self", "batch", "result")),
-    Target(_SB, "Req", "__init__", "method", "wraps it to mark hsx requests for full capture"),
-    Target(_MU, "GenerationBatchResult", "copy_to_cpu", "method",
-           "wraps it to copy the final hidden state to the host",
-           ("self", "return_logprob", "return_hidden_states")),
-    Target(_MR, "ModelRunner", "forward", "method",
-           "wraps it to set the captured layers before the first forward"),
-    Target(_MR, "ModelRunner", "model", "attr", "finds the decoder stack through it"),
-    # How --forward-hooks loads the factory in each rank's process.
-    Target(_HM, None, "register_forward_hooks", "function",
-           "is loaded by it (--forward-hooks)", ("model", "hook_specs")),
-    Target(_HM, None, "resolve_callable", "function", "is named as 'module:factory'"),
-    *_literals(_HM, "name target_modules hook_factory config",
-               "is loaded from a --forward-hooks spec with these keys"),
-    Target("srt/model_executor/model_runner_components/cuda_graph_setup.py", None,
-           "finalize_cuda_graph_capture", "function",
-           "relies on it to call register_forward_hooks in every rank's process"),
-    # Per-request state read at each prefill result.
-    *_attrs(_SB, "Req",
-            "rid sampling_params origin_input_ids is_retracted inflight_middle_chunks "
-            "to_finish discard_output_reason return_hidden_states_mode finished",
-            "reads or sets it for every request of a prefill pass"),
-    *_attrs("srt/sampling/sampling_params.py", "SamplingParams", "custom_params max_new_tokens",
-            "reads hsx_ns and the prefill-only setting from it"),
-    *_attrs(_SB, "ScheduleBatch", "reqs prefix_lens extend_lens",
-            "maps a pass's hidden rows to its requests with it"),
-    *_attrs(_MU, "GenerationBatchResult",
-            "logits_output extend_input_len_per_req copy_done can_run_cuda_graph",
-            "reads a prefill result through it"),
-    *_attrs(_LP, "LogitsProcessorOutput",
-            "hidden_states last_hidden_states hidden_states_token_indices",
-            "takes the aux layers and the final hidden state from it"),
-    Target("srt/model_executor/forward_batch_info.py", "CaptureHiddenMode", "FULL", "attr",
-           "asks for full capture with it"),
-    Target("srt/utils/common.py", None, "async_d2h", "function",
-           "copies the final hidden state to the host with it"),
-    # Model side (Llama as the reference family): capture before layer i if i is listed.
-    *_attrs("srt/models/llama.py", "LlamaModel", "layers_to_capture layers",
-            "sets the captured layers on the decoder stack through it"),
-    # Server settings checked at start-up.
-    *(Target(_RC, None, n, "function", "reads the server settings through it")
-      for n in ("get_parallel", "get_memory", "get_exec", "get_disagg", "get_serving")),
-    *_literals(_RC, "attn_tp_rank", "lets only attention-TP rank 0 write"),
-    *_literals(_FIELDS + "exec_.py", "exec.features exec.overlap exec.moe",
-               "reads settings from these namespaces"),
-    *_attrs(_FIELDS + "memory.py", "Memory", "disable_radix_cache", "refuses the radix cache"),
-    *_attrs(_FIELDS + "parallel.py", "Parallel", "attn_dp_size pp_size",
-            "refuses DP attention and pipeline parallelism"),
-    *_attrs(_FIELDS + "exec_.py", "ExecOverlap", "enable_two_batch_overlap",
-            "refuses two-batch overlap"),
-    *_attrs(_FIELDS + "exec_.py", "ExecMoe", "moe_a2a_backend", "refuses DeepEP"),
-    *_attrs(_FIELDS + "exec_.py", "ExecFeatures",
-            "aux_hidden_state_capture return_aux_hidden_state_layer_ids",
-            "requires EAGLE-3 aux capture"),
-    *_attrs(_FIELDS + "disagg.py", "Disagg", "disaggregation_mode",
-            "refuses PD disaggregation"),
-    *_attrs(_FIELDS + "serving.py", "Serving", "served_model_name",
-            "names the model in meta.json by default"),
-)
-# fmt: on
-
-
-def sglang_source_root() -> Path | None:
-    """The installed ``sglang`` package directory, found without importing sglang."""
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
 def installed_sglang_version() -> str | None:
     try:
         return importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def check_targets(root: Path, targets: Sequence[Target] = SGLANG_TARGETS) -> list[str]:
-    """One line per target missing from the SGLang source under ``root``, naming it."""
-    trees: dict[str, ast.Module | str] = {}
-    problems = []
-    for target in targets:
-        if target.path not in trees:
-            trees[target.path] = _parse(root / target.path)
-        tree = trees[target.path]
-        problem = tree if isinstance(tree, str) else _check_target(tree, target)
-        if problem is not None:
-            problems.append(f"{target.label} ({target.path}): {problem}; the hsx hook {target.why}")
-    return problems
-
-
-def _parse(path: Path) -> ast.Module | str:
-    try:
-        return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    except FileNotFoundError:
-        return "the file is gone"
-    except SyntaxError as exc:
-        return f"the file does not parse ({exc})"
-
-
-def _check_target(tree: ast.Module, target: Target) -> str | None:
-    if target.kind == "literal":
-        found = any(
-            isinstance(node, ast.Constant) and node.value == target.name for node in ast.walk(tree)
-        )
-        return None if found else "the string is gone"
-    scope: list[ast.stmt] = tree.body
-    if target.owner is not None:
-        cls = _find_def(tree.body, target.owner, ast.ClassDef)
-        if cls is None:
-            return f"class {target.owner} is gone or renamed"
-        scope = cls.body
-        if target.kind == "attr":
-            return None if _class_has_attr(cls, target.name) else "gone or renamed"
-    fn = _find_def(scope, target.name, ast.FunctionDef)
-    if fn is None:
-        return "gone or renamed"
-    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
-    if tuple(names[: len(target.params)]) != target.params:
-        return f"its parameters are now ({', '.join(names)}), expected {target.params}"
-    return None
-
-
-def _find_def(body: list[ast.stmt], name: str, kind: type[_Def]) -> _Def | None:
-    for node in body:
-        if isinstance(node, kind) and getattr(node, "name", None) == name:
-            return node
-    return None
-
-
-def _class_has_attr(cls: ast.ClassDef, name: str) -> bool:
-    """Declared in the class body (field, constant, method, property) or set as
-    ``self.<name>`` in one of its methods."""
-    for node in cls.body:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
-            return True
-        if isinstance(node, ast.AnnAssign | ast.Assign) and name in _assigned_names(node):
-            return True
-    return any(
-        isinstance(node, ast.Attribute)
-        and node.attr == name
-        and isinstance(node.ctx, ast.Store)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "self"
-        for node in ast.walk(cls)
-    )
-
-
-def _assigned_names(node: ast.AnnAssign | ast.Assign) -> set[str]:
-    targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
-    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-
-
-def launch_flags(script: str) -> list[str]:
-    """The ``--long-options`` a launch script passes, as SGLang field names."""
-    return sorted(
-        {m.replace("-", "_") for m in re.findall(r"(?<![\w-])--([a-z][a-z0-9-]*)", script)}
-    )
 
 
 # --------------------------------------------------------------------------------------
@@ -339,6 +145,7 @@ def _read_server_info() -> ServerInfo:
     settings = ServerSettings(
         radix_cache=not rc.get_memory().disable_radix_cache,
         attn_dp_size=int(parallel.attn_dp_size),
+        attn_tp_size=int(parallel.attn_tp_size),
         pp_size=int(parallel.pp_size),
         two_batch_overlap=bool(exec_.overlap.enable_two_batch_overlap),
         moe_a2a_backend=str(exec_.moe.moe_a2a_backend),
@@ -359,6 +166,8 @@ class HookState:
     writer: bool
     stack: Any = None
     graph_layers: tuple[int, ...] | None = None
+    # The threads that write this process's parts (None: written on the scheduler thread).
+    background: BackgroundWriter | None = None
 
 
 class _Installed:
@@ -387,20 +196,49 @@ def hsx_hook_factory(config: Mapping[str, Any] | None = None) -> Callable[[Any, 
         hook_config = HookConfig.from_env(os.environ, server=f"sglang {version}")
         info = _read_server_info()
         check_server_settings(info.settings, hook_config)
-        model = hook_config.model or info.served_model_name or ""
-        state = HookState(
-            config=hook_config,
-            dumper=PrefillDumper(hook_config, model=model),
-            writer=info.attn_tp_rank == 0,
-        )
+        state = build_state(hook_config, info)
         install(state, _load_sglang_api())
+        if state.background is not None:  # (closing twice is harmless)
+            atexit.register(state.background.close, DRAIN_AT_EXIT_S)
         logger.info(
-            "hsx hook installed: aux layers %s, dump root %s, %s rank",
+            "hsx hook installed: aux layers %s, dump root %s, %s",
             list(hook_config.aux_layers),
             hook_config.dump_root,
-            "writing" if state.writer else "non-writing",
+            _describe_writing(state),
         )
     return _forward_hook_noop
+
+
+def build_state(config: HookConfig, info: ServerInfo) -> HookState:
+    """The process's hook state. Attention-TP rank 0 of each DP group writes (with DP
+    attention every group's leader sees only its own requests); it gets the background
+    writer threads unless ``HSX_WRITER_THREADS=0``."""
+    model = config.model or info.served_model_name or ""
+    writer = info.attn_tp_rank == 0
+    background = None
+    if writer and config.writer_threads > 0:
+        background = BackgroundWriter(
+            config.dump_root,
+            threads=config.writer_threads,
+            queue_bytes=config.write_queue_bytes,
+        )
+    return HookState(
+        config=config,
+        dumper=PrefillDumper(config, model=model, background=background),
+        writer=writer,
+        background=background,
+    )
+
+
+def _describe_writing(state: HookState) -> str:
+    if not state.writer:
+        return "non-writing rank"
+    if state.background is None:
+        return "writing rank, on the scheduler thread"
+    return (
+        f"writing rank, {state.config.writer_threads} writer threads, "
+        f"{state.config.write_queue_bytes >> 20} MiB write queue"
+    )
 
 
 def _forward_hook_noop(module: Any, args: Any, output: Any) -> None:
@@ -412,6 +250,8 @@ def install(state: HookState, api: SglangApi) -> None:
     plan = _patch_plan(state, api)
     missing = [f"{cls.__name__}.{name}" for cls, name, _ in plan if name not in cls.__dict__]
     if missing:
+        if state.background is not None:
+            state.background.close(0.0)
         raise ConfigError(
             "", f"{', '.join(missing)} missing: the hsx hook needs sglang {SGLANG_VERSION}"
         )
@@ -426,6 +266,8 @@ def install(state: HookState, api: SglangApi) -> None:
         patched = True
     if patched:
         _Installed.state = state
+    elif state.background is not None:
+        state.background.close(0.0)  # another state's patches are in place: not needed
 
 
 def uninstall(api: SglangApi) -> None:
@@ -446,7 +288,13 @@ def _patch_plan(
 ) -> list[tuple[type[Any], str, Callable[[Wrapper], Wrapper]]]:
     return [
         (api.req_cls, "__init__", lambda orig: _wrap_req_init(orig, api.full_capture)),
-        (api.result_cls, "copy_to_cpu", lambda orig: _wrap_copy_to_cpu(orig, api.async_d2h)),
+        (
+            api.result_cls,
+            "copy_to_cpu",
+            lambda orig: _wrap_copy_to_cpu(
+                orig, api.async_d2h, device_stack=state is not None and state.config.device_stack
+            ),
+        ),
         (api.runner_cls, "forward", lambda orig: _wrap_forward(orig, state)),
         (
             api.processor_cls,
@@ -468,17 +316,56 @@ def _wrap_req_init(original: Wrapper, full_capture: object) -> Wrapper:
     return __init__
 
 
-def _wrap_copy_to_cpu(original: Wrapper, async_d2h: Callable[[Any], Any]) -> Wrapper:
+def _wrap_copy_to_cpu(
+    original: Wrapper, async_d2h: Callable[[Any], Any], *, device_stack: bool = False
+) -> Wrapper:
     def copy_to_cpu(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = self.logits_output
         wanted = kwargs.get("return_hidden_states", args[1] if len(args) > 1 else True)
         if wanted and out is not None and out.last_hidden_states is not None:
             # Queued before SGLang's own copies, so its copy_done event covers this one
             # too, and right behind the forward, before a later pass reuses the buffer.
-            out.last_hidden_states = async_d2h(out.last_hidden_states)
+            stacked = None
+            if device_stack and _on_accelerator(out.last_hidden_states):
+                stacked = stack_to_host(out.hidden_states, out.last_hidden_states, async_d2h)
+            if stacked is not None:
+                out.hidden_states, out.last_hidden_states = stacked
+            else:
+                out.last_hidden_states = async_d2h(out.last_hidden_states)
         return original(self, *args, **kwargs)
 
     return copy_to_cpu
+
+
+def _on_accelerator(tensor: Any) -> bool:
+    return bool(tensor.device.type != "cpu")
+
+
+def stack_to_host(aux: Any, final: Any, async_d2h: Callable[[Any], Any]) -> tuple[Any, Any] | None:
+    """``HSX_DEVICE_STACK=1`` on a GPU (issue 16; NOT YET MEASURED ON A GPU, hence off by
+    default): lay the pass out as ``[T, K+1, H]`` on the device, then make ONE copy of it
+    to pinned host memory with SGLang's own ``async_d2h`` (its stream, so its
+    ``copy_done`` event covers it). Returns host views ``(aux [T, K*H], final [T, H])`` of
+    that buffer to put back on the logits output: SGLang's own aux copy then finds a host
+    tensor and copies nothing, and every part is one contiguous slice of the buffer
+    (:func:`~hsx_async.server.hook_core.stacked_rows`), written with no host copy.
+
+    Costs ``T*(K+1)*H*2`` bytes of transient device memory. None (the plain path) when the
+    shapes or dtypes do not allow it. Pure torch: the tests run it on CPU tensors.
+    """
+    import torch  # noqa: PLC0415 (see tensor_bits)
+
+    if aux is None or final.ndim != 2 or aux.dtype != final.dtype or aux.device != final.device:
+        return None
+    t, h = int(final.shape[0]), int(final.shape[1])
+    if t == 0 or aux.shape[0] != t or aux.numel() % (t * h):
+        return None
+    k = aux.numel() // (t * h)
+    stacked = torch.empty((t, k + 1, h), dtype=final.dtype, device=final.device)
+    stacked[:, :k, :].copy_(aux.reshape(t, k, h))
+    stacked[:, k, :].copy_(final)
+    host = async_d2h(stacked)
+    return host.as_strided((t, k * h), ((k + 1) * h, 1)), host[:, k, :]
 
 
 def _wrap_forward(original: Wrapper, state: HookState | None) -> Wrapper:
@@ -627,7 +514,7 @@ def _layers_in_effect(state: HookState) -> tuple[int, ...]:
 
 def tensor_bits(tensor: Any) -> np.ndarray:
     """A torch tensor as a host numpy array of its bfloat16 bit patterns (no copy when it
-    already is a contiguous host bfloat16 tensor)."""
+    already is a host bfloat16 tensor with unit stride along its rows)."""
     import torch  # noqa: PLC0415 (torch is SGLang's; `hsx --help` must not load it)
 
     t = tensor.detach()
@@ -635,5 +522,8 @@ def tensor_bits(tensor: Any) -> np.ndarray:
         t = t.to("cpu")
     if t.dtype != torch.bfloat16:
         t = t.to(torch.bfloat16)
-    bits: np.ndarray = t.contiguous().view(torch.int16).numpy()
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    # Row-strided views (a device-side stack's aux and final) stay views: no copy.
+    bits: np.ndarray = t.view(torch.int16).numpy()
     return bits

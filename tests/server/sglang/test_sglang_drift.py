@@ -13,15 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from hsx_async.server.sglang.hook import (
+from hsx_async.server.sglang.drift import (
     SGLANG_TARGETS,
-    SGLANG_VERSION,
     Target,
     check_targets,
-    forward_hooks_arg,
-    installed_sglang_version,
     launch_flags,
     sglang_source_root,
+)
+from hsx_async.server.sglang.hook import (
+    SGLANG_VERSION,
+    forward_hooks_arg,
+    installed_sglang_version,
 )
 
 ROOT = sglang_source_root()

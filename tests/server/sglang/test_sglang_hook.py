@@ -24,6 +24,7 @@ from torch import nn
 from hsx_async.errors import ConfigError
 from hsx_async.protocol import META_NAME, check_meta, parse_meta
 from hsx_async.server.hook_core import HookConfig, PrefillDumper, ServerSettings
+from hsx_async.server.hook_writer import BackgroundWriter
 from hsx_async.server.sglang import hook as sglang_hook
 from hsx_async.server.sglang.hook import (
     FORWARD_HOOK_SPEC,
@@ -35,155 +36,23 @@ from hsx_async.server.sglang.hook import (
     install,
     uninstall,
 )
+from tests.server.sglang.standins import (
+    FULL,
+    LAYERS,
+    N_LAYERS,
+    NS,
+    NULL,
+    SGLANG_DEFAULT_LAYERS,
+    CausalLM,
+    H,
+    Stack,
+    make_api,
+    params,
+    reference_rows,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 LAUNCH = REPO / "deploy" / "sglang" / "launch.sh"
-NS = "w0"
-H = 8
-N_LAYERS = 6
-SGLANG_DEFAULT_LAYERS = [3, 4]  # what SGLang's set_eagle3_layers_to_capture left behind
-LAYERS = (1, 4)
-NULL, FULL = "NULL", "FULL"
-
-
-# --------------------------------------------------------------------------------------
-# Stand-ins
-# --------------------------------------------------------------------------------------
-
-
-class Layer(nn.Module):
-    def __init__(self, index: int) -> None:
-        super().__init__()
-        self.scale = float(index + 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(x * self.scale) / self.scale
-
-
-def final_norm(x: torch.Tensor) -> torch.Tensor:
-    return x / (x.pow(2).mean(-1, keepdim=True) + 1.0).sqrt()
-
-
-class Stack(nn.Module):
-    """A decoder stack that captures "before layer i", by list or by per-layer flag."""
-
-    def __init__(self, *, flag_based: bool = False) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(Layer(i) for i in range(N_LAYERS))
-        self.layers_to_capture = list(SGLANG_DEFAULT_LAYERS)
-        self.flag_based = flag_based
-        if flag_based:
-            for i in SGLANG_DEFAULT_LAYERS:
-                layer: Any = self.layers[i]
-                layer._is_layer_to_capture = True
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        aux = []
-        for i, layer in enumerate(self.layers):
-            if self._captures(i, layer):
-                aux.append(x)
-            x = layer(x)
-        return final_norm(x), torch.cat(aux, dim=-1)
-
-    def _captures(self, i: int, layer: nn.Module) -> bool:
-        if self.flag_based:
-            return bool(getattr(layer, "_is_layer_to_capture", False))
-        return i in self.layers_to_capture
-
-
-class CausalLM(nn.Module):
-    def __init__(self, *, flag_based: bool = False) -> None:
-        super().__init__()
-        self.model = Stack(flag_based=flag_based)
-
-
-def reference_rows(x: torch.Tensor) -> np.ndarray:
-    """HF-style: hidden_states[k] for k in LAYERS, then the final norm; [T, L, H] bf16 bits."""
-    states = [x]
-    stack = Stack()
-    for layer in stack.layers:
-        states.append(layer(states[-1]))
-    picked = [states[k] for k in LAYERS] + [final_norm(states[-1])]
-    rows = torch.stack(picked, dim=1).to(torch.bfloat16)
-    return rows.view(torch.int16).numpy().view("<u2")
-
-
-class Event:
-    def __init__(self) -> None:
-        self.synchronized = 0
-
-    def synchronize(self) -> None:
-        self.synchronized += 1
-
-
-def make_api(d2h_calls: list[torch.Tensor]) -> SglangApi:
-    """Fresh stand-in classes per test, so patches never leak between tests."""
-
-    class Req:
-        def __init__(self, rid: object, origin_input_ids: list[int], sampling_params: Any) -> None:
-            self.rid = rid
-            self.origin_input_ids = origin_input_ids
-            self.sampling_params = sampling_params
-            self.return_hidden_states = False
-            self.return_hidden_states_mode = NULL
-            self.is_retracted = False
-            self.inflight_middle_chunks = 0
-            self.to_finish: object = None
-            self.discard_output_reason: object = None
-            self.finished_reason: object = None
-
-        def finished(self) -> bool:
-            return self.finished_reason is not None
-
-    class Processor:
-        def __init__(self) -> None:
-            self.calls = 0
-
-        def process_batch_result_prefill(self, batch: Any, result: Any) -> None:
-            """What SGLang does after the hook: count chunks down, finish the rest."""
-            self.calls += 1
-            for req in batch.reqs:
-                if req.inflight_middle_chunks > 0:
-                    req.inflight_middle_chunks -= 1
-                elif not req.is_retracted:
-                    req.finished_reason = "length"
-
-    class Result:
-        def __init__(self, logits_output: Any, lens: list[int] | None) -> None:
-            self.logits_output = logits_output
-            self.extend_input_len_per_req = lens
-            self.copy_done = Event()
-            self.can_run_cuda_graph = False
-            self.copies: list[bool] = []
-
-        def copy_to_cpu(self, return_logprob: bool, return_hidden_states: bool = True) -> None:
-            self.copies.append(return_hidden_states)
-
-    class Runner:
-        def __init__(self, model: nn.Module) -> None:
-            self.model: Any = model
-
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            out: tuple[torch.Tensor, torch.Tensor] = self.model.model(x)
-            return out
-
-    def d2h(t: torch.Tensor) -> torch.Tensor:
-        d2h_calls.append(t)
-        return t.clone()
-
-    return SglangApi(
-        req_cls=Req,
-        processor_cls=Processor,
-        result_cls=Result,
-        runner_cls=Runner,
-        full_capture=FULL,
-        async_d2h=d2h,
-    )
-
-
-def params(ns: object | None = NS, max_new_tokens: int = 0) -> SimpleNamespace:
-    custom = None if ns is None else {"hsx_ns": ns}
-    return SimpleNamespace(custom_params=custom, max_new_tokens=max_new_tokens)
 
 
 def config(root: Path) -> HookConfig:
@@ -204,12 +73,30 @@ def api(d2h_calls: list[torch.Tensor]) -> Iterator[SglangApi]:
         uninstall(api)
 
 
-@pytest.fixture
-def state(api: SglangApi, shm_root: Path) -> HookState:
+@pytest.fixture(params=["sync", "background"])
+def state(api: SglangApi, shm_root: Path, request: pytest.FixtureRequest) -> Iterator[HookState]:
+    """The installed hook, writing on the scheduler thread (HSX_WRITER_THREADS=0) or
+    through two background writer threads (the default in SGLang)."""
     cfg = config(shm_root)
-    st = HookState(config=cfg, dumper=PrefillDumper(cfg, model="tiny"), writer=True)
+    background = None
+    if request.param == "background":
+        background = BackgroundWriter(shm_root, threads=2, queue_bytes=1 << 20)
+    dumper = PrefillDumper(cfg, model="tiny", background=background)
+    st = HookState(config=cfg, dumper=dumper, writer=True, background=background)
     install(st, api)
-    return st
+    try:
+        yield st
+    finally:
+        if background is not None:
+            background.close(10.0)
+            assert background.alive == 0
+
+
+def settle() -> None:
+    """Wait until the installed hook's background writers (if any) have written all."""
+    st = sglang_hook._Installed.state
+    if st is not None and st.background is not None:
+        assert st.background.flush(30.0), "the background writers did not drain"
 
 
 def run_pass(
@@ -230,14 +117,16 @@ def run_pass(
     processor = api.processor_cls()
     processor.process_batch_result_prefill(batch, result)
     assert processor.calls == 1
+    settle()
     return batch, result
 
 
-def dump_rows(root: Path, rid: str, num_tokens: int) -> np.ndarray:
+def dump_rows(root: Path, rid: str, num_tokens: int, *, model: str = "tiny") -> np.ndarray:
+    settle()
     d = root / NS / rid
     meta = parse_meta((d / META_NAME).read_bytes())
     check_meta(meta, rid=rid, num_tokens=num_tokens, hidden_size=H, aux_layers=LAYERS)
-    assert meta.model == "tiny"
+    assert meta.model == model
     parts = [
         np.fromfile(d / f"part-{s:010d}-{e:010d}.bin", dtype="<u2").reshape(e - s, 3, H)
         for s, e in meta.parts
@@ -473,6 +362,54 @@ def test_extend_lens_fall_back_to_the_batch(
     np.testing.assert_array_equal(dump_rows(shm_root, "r1", 3), reference_rows(x))
 
 
+def test_device_stack_makes_one_copy_and_dumps_the_same_rows(
+    api: SglangApi, shm_root: Path, d2h_calls: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HSX_DEVICE_STACK=1, run on CPU tensors posing as device ones: the pass is laid out
+    as [T, K+1, H] before ONE d2h copy, the logits output gets host views of it, and the
+    parts come out as slices of that buffer, equal to the plain path's rows."""
+    monkeypatch.setattr(sglang_hook, "_on_accelerator", lambda t: True)
+    cfg = dataclasses.replace(config(shm_root), device_stack=True)
+    background = BackgroundWriter(shm_root, threads=2, queue_bytes=1 << 20)
+    st = HookState(cfg, PrefillDumper(cfg, model="tiny", background=background), True)
+    st.background = background
+    install(st, api)
+    try:
+        runner = api.runner_cls(CausalLM())
+        x = torch.randn(3 + 5, H)
+        reqs = [api.req_cls("a", [1, 2, 3], params()), api.req_cls("b", list(range(5)), params())]
+        _, result = run_pass(api, runner, reqs, [(0, 3), (0, 5)], x)
+        [copied] = d2h_calls
+        assert copied.shape == (8, len(LAYERS) + 1, H)
+        out = result.logits_output
+        assert out.hidden_states.shape == (8, len(LAYERS) * H)
+        assert out.hidden_states.stride() == ((len(LAYERS) + 1) * H, 1)
+        ref = reference_rows(x)
+        np.testing.assert_array_equal(dump_rows(shm_root, "a", 3), ref[:3])
+        np.testing.assert_array_equal(dump_rows(shm_root, "b", 5), ref[3:])
+    finally:
+        background.close(10.0)
+
+
+def test_device_stack_needs_matching_shapes() -> None:
+    d2h = lambda t: t  # noqa: E731
+    assert sglang_hook.stack_to_host(None, torch.zeros(2, H), d2h) is None
+    assert sglang_hook.stack_to_host(torch.zeros(2, 3), torch.zeros(2, H), d2h) is None
+    assert sglang_hook.stack_to_host(torch.zeros(0, H), torch.zeros(0, H), d2h) is None
+    mixed = sglang_hook.stack_to_host(
+        torch.zeros(2, H), torch.zeros(2, H, dtype=torch.bfloat16), d2h
+    )
+    assert mixed is None
+
+
+def test_tensor_bits_keeps_row_strided_views() -> None:
+    full = torch.randn(4, 3, H).to(torch.bfloat16)
+    aux = full.as_strided((4, 2 * H), (3 * H, 1))
+    bits = sglang_hook.tensor_bits(aux)
+    assert np.shares_memory(bits, full.view(torch.int16).numpy())
+    np.testing.assert_array_equal(bits, aux.contiguous().view(torch.int16).numpy())
+
+
 def test_tensor_bits_converts_to_bfloat16() -> None:
     t = torch.tensor([[1.0, -2.5], [0.0, 3.0]], dtype=torch.float32)
     bits = sglang_hook.tensor_bits(t)
@@ -507,6 +444,9 @@ def server_env(
     monkeypatch.setattr(sglang_hook, "_read_server_info", lambda: info["info"])
     monkeypatch.setattr(sglang_hook, "_load_sglang_api", lambda: api)
     yield info
+    state = sglang_hook._Installed.state
+    if state is not None and state.background is not None:
+        state.background.close(10.0)
     sglang_hook._Installed.state = None
 
 
@@ -520,6 +460,81 @@ def test_factory_installs_once(server_env: dict[str, ServerInfo], api: SglangApi
     assert sglang_hook.hsx_hook_factory(None) is hook
     assert sglang_hook._Installed.state is state
     assert api.req_cls("r1", [1], params()).return_hidden_states_mode == FULL
+
+
+def test_factory_starts_background_writers(
+    server_env: dict[str, ServerInfo], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HSX_WRITER_THREADS", "3")
+    monkeypatch.setenv("HSX_WRITE_QUEUE_MB", "64")
+    sglang_hook.hsx_hook_factory({})
+    state = sglang_hook._Installed.state
+    assert state is not None and state.background is not None
+    assert state.dumper.background is state.background
+    assert state.background.alive == 3 and state.background.queue_bytes == 64 << 20
+
+
+@pytest.mark.parametrize(("env", "rank"), [({"HSX_WRITER_THREADS": "0"}, 0), ({}, 1)])
+def test_factory_without_background_writers(
+    server_env: dict[str, ServerInfo],
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    rank: int,
+) -> None:
+    """HSX_WRITER_THREADS=0 writes on the scheduler thread; a non-writing rank gets none."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    server_env["info"] = ServerInfo(GOOD, attn_tp_rank=rank, served_model_name=None)
+    sglang_hook.hsx_hook_factory({})
+    state = sglang_hook._Installed.state
+    assert state is not None and state.background is None and state.dumper.background is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("HSX_WRITER_THREADS", "many", "not an integer"),
+        ("HSX_WRITER_THREADS", "-1", "out of range"),
+        ("HSX_WRITE_QUEUE_MB", "0", "out of range"),
+        ("HSX_DEVICE_STACK", "maybe", "not a switch"),
+    ],
+)
+def test_factory_refuses_bad_writer_settings(
+    server_env: dict[str, ServerInfo],
+    monkeypatch: pytest.MonkeyPatch,
+    key: str,
+    value: str,
+    fragment: str,
+) -> None:
+    monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=fragment) as info:
+        sglang_hook.hsx_hook_factory({})
+    assert info.value.key == key
+    assert sglang_hook._Installed.state is None
+
+
+def test_factory_dp_attention_every_dp_leader_writes(
+    server_env: dict[str, ServerInfo], api: SglangApi, shm_root: Path
+) -> None:
+    """tp8/dp8 (attention-TP size 1): every rank is its DP group's attention-TP rank 0 and
+    writes the requests the DP controller sent it."""
+    dp8 = dataclasses.replace(GOOD, attn_dp_size=8, attn_tp_size=1)
+    server_env["info"] = ServerInfo(dp8, attn_tp_rank=0, served_model_name=None)
+    sglang_hook.hsx_hook_factory({})
+    state = sglang_hook._Installed.state
+    assert state is not None and state.writer and state.background is not None
+    runner = api.runner_cls(CausalLM())
+    x = torch.randn(3, H)
+    run_pass(api, runner, [api.req_cls("r1", [1, 2, 3], params())], [(0, 3)], x)
+    np.testing.assert_array_equal(dump_rows(shm_root, "r1", 3, model=""), reference_rows(x))
+
+
+def test_factory_refuses_padded_dp_attention(server_env: dict[str, ServerInfo]) -> None:
+    padded = dataclasses.replace(GOOD, attn_dp_size=2, attn_tp_size=4)
+    server_env["info"] = ServerInfo(padded, attn_tp_rank=0, served_model_name=None)
+    with pytest.raises(ConfigError, match="attention-TP size 4"):
+        sglang_hook.hsx_hook_factory({})
+    assert sglang_hook._Installed.state is None
 
 
 def test_factory_rank_and_model_name(
@@ -566,6 +581,18 @@ def test_factory_warns_on_other_sglang(
     assert "checked against sglang 0.5.23, running 0.6.0" in caplog.text
     state = sglang_hook._Installed.state
     assert state is not None and state.config.server == "sglang 0.6.0"
+
+
+def test_the_hook_sglang_loads_does_not_import_the_drift_checker() -> None:
+    """The checker is dev-only: a scheduler process importing the hook never loads it."""
+    code = (
+        "import sys, hsx_async.server.sglang_hook; "
+        "print('hsx_async.server.sglang.drift' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip() == "False"
 
 
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,212 @@
+"""What the hsx hook's glue relies on in SGLang's source, and a checker that names whatever
+moved (the drift test, ``tests/server/sglang/test_sglang_drift.py``, runs it against the
+pinned release). Dev-only: the hook SGLang imports (:mod:`hsx_async.server.sglang.hook`)
+never imports this module, so none of it loads inside a scheduler process.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, TypeVar
+
+TargetKind = Literal["method", "attr", "function", "literal"]
+_Def = TypeVar("_Def", ast.ClassDef, ast.FunctionDef)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A name in SGLang's source the glue relies on; ``path`` is relative to the package."""
+
+    path: str
+    owner: str | None
+    name: str
+    kind: TargetKind
+    why: str
+    params: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        if self.kind == "literal":
+            return f"the string {self.name!r}"
+        return f"{self.owner}.{self.name}" if self.owner else self.name
+
+
+_BRP = "srt/managers/scheduler_components/batch_result_processor.py"
+_SB = "srt/managers/schedule_batch.py"
+_MU = "srt/managers/utils.py"
+_MR = "srt/model_executor/model_runner.py"
+_HM = "srt/model_executor/hook_manager.py"
+_RC = "srt/runtime_context.py"
+_LP = "srt/layers/logits_processor.py"
+_FIELDS = "srt/arg_groups/fields/"
+
+
+def _attrs(path: str, owner: str, names: str, why: str) -> tuple[Target, ...]:
+    return tuple(Target(path, owner, n, "attr", why) for n in names.split())
+
+
+def _literals(path: str, names: str, why: str) -> tuple[Target, ...]:
+    return tuple(Target(path, None, n, "literal", why) for n in names.split())
+
+
+# fmt: off
+SGLANG_TARGETS: tuple[Target, ...] = (
+    # Patched methods.
+    Target(_BRP, "SchedulerBatchResultProcessor", "process_batch_result_prefill", "method",
+           "wraps it to dump each prefill pass", ("self", "batch", "result")),
+    Target(_SB, "Req", "__init__", "method", "wraps it to mark hsx requests for full capture"),
+    Target(_MU, "GenerationBatchResult", "copy_to_cpu", "method",
+           "wraps it to copy the final hidden state to the host",
+           ("self", "return_logprob", "return_hidden_states")),
+    Target(_MR, "ModelRunner", "forward", "method",
+           "wraps it to set the captured layers before the first forward"),
+    Target(_MR, "ModelRunner", "model", "attr", "finds the decoder stack through it"),
+    # How --forward-hooks loads the factory in each rank's process.
+    Target(_HM, None, "register_forward_hooks", "function",
+           "is loaded by it (--forward-hooks)", ("model", "hook_specs")),
+    Target(_HM, None, "resolve_callable", "function", "is named as 'module:factory'"),
+    *_literals(_HM, "name target_modules hook_factory config",
+               "is loaded from a --forward-hooks spec with these keys"),
+    Target("srt/model_executor/model_runner_components/cuda_graph_setup.py", None,
+           "finalize_cuda_graph_capture", "function",
+           "relies on it to call register_forward_hooks in every rank's process"),
+    # Per-request state read at each prefill result.
+    *_attrs(_SB, "Req",
+            "rid sampling_params origin_input_ids is_retracted inflight_middle_chunks "
+            "to_finish discard_output_reason return_hidden_states_mode finished",
+            "reads or sets it for every request of a prefill pass"),
+    *_attrs("srt/sampling/sampling_params.py", "SamplingParams", "custom_params max_new_tokens",
+            "reads hsx_ns and the prefill-only setting from it"),
+    *_attrs(_SB, "ScheduleBatch", "reqs prefix_lens extend_lens",
+            "maps a pass's hidden rows to its requests with it"),
+    *_attrs(_MU, "GenerationBatchResult",
+            "logits_output extend_input_len_per_req copy_done can_run_cuda_graph",
+            "reads a prefill result through it"),
+    *_attrs(_LP, "LogitsProcessorOutput",
+            "hidden_states last_hidden_states hidden_states_token_indices",
+            "takes the aux layers and the final hidden state from it"),
+    Target("srt/model_executor/forward_batch_info.py", "CaptureHiddenMode", "FULL", "attr",
+           "asks for full capture with it"),
+    Target("srt/utils/common.py", None, "async_d2h", "function",
+           "copies the final hidden state to the host with it"),
+    # Model side (Llama as the reference family): capture before layer i if i is listed.
+    *_attrs("srt/models/llama.py", "LlamaModel", "layers_to_capture layers",
+            "sets the captured layers on the decoder stack through it"),
+    # Server settings checked at start-up.
+    *(Target(_RC, None, n, "function", "reads the server settings through it")
+      for n in ("get_parallel", "get_memory", "get_exec", "get_disagg", "get_serving")),
+    *_literals(_RC, "attn_tp_rank attn_tp_size",
+               "lets attention-TP rank 0 of each DP group write, refuses padded DP attention"),
+    *_literals(_FIELDS + "exec_.py", "exec.features exec.overlap exec.moe",
+               "reads settings from these namespaces"),
+    *_attrs(_FIELDS + "memory.py", "Memory", "disable_radix_cache", "refuses the radix cache"),
+    *_attrs(_FIELDS + "parallel.py", "Parallel", "attn_dp_size attn_tp_size pp_size",
+            "refuses padded DP attention and pipeline parallelism"),
+    *_attrs(_FIELDS + "exec_.py", "ExecOverlap", "enable_two_batch_overlap",
+            "refuses two-batch overlap"),
+    *_attrs(_FIELDS + "exec_.py", "ExecMoe", "moe_a2a_backend", "refuses DeepEP"),
+    *_attrs(_FIELDS + "exec_.py", "ExecFeatures",
+            "aux_hidden_state_capture return_aux_hidden_state_layer_ids",
+            "requires EAGLE-3 aux capture"),
+    *_attrs(_FIELDS + "disagg.py", "Disagg", "disaggregation_mode",
+            "refuses PD disaggregation"),
+    *_attrs(_FIELDS + "serving.py", "Serving", "served_model_name",
+            "names the model in meta.json by default"),
+)
+# fmt: on
+
+
+def sglang_source_root() -> Path | None:
+    """The installed ``sglang`` package directory, found without importing sglang."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def check_targets(root: Path, targets: Sequence[Target] = SGLANG_TARGETS) -> list[str]:
+    """One line per target missing from the SGLang source under ``root``, naming it."""
+    trees: dict[str, ast.Module | str] = {}
+    problems = []
+    for target in targets:
+        if target.path not in trees:
+            trees[target.path] = _parse(root / target.path)
+        tree = trees[target.path]
+        problem = tree if isinstance(tree, str) else _check_target(tree, target)
+        if problem is not None:
+            problems.append(f"{target.label} ({target.path}): {problem}; the hsx hook {target.why}")
+    return problems
+
+
+def _parse(path: Path) -> ast.Module | str:
+    try:
+        return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except FileNotFoundError:
+        return "the file is gone"
+    except SyntaxError as exc:
+        return f"the file does not parse ({exc})"
+
+
+def _check_target(tree: ast.Module, target: Target) -> str | None:
+    if target.kind == "literal":
+        found = any(
+            isinstance(node, ast.Constant) and node.value == target.name for node in ast.walk(tree)
+        )
+        return None if found else "the string is gone"
+    scope: list[ast.stmt] = tree.body
+    if target.owner is not None:
+        cls = _find_def(tree.body, target.owner, ast.ClassDef)
+        if cls is None:
+            return f"class {target.owner} is gone or renamed"
+        scope = cls.body
+        if target.kind == "attr":
+            return None if _class_has_attr(cls, target.name) else "gone or renamed"
+    fn = _find_def(scope, target.name, ast.FunctionDef)
+    if fn is None:
+        return "gone or renamed"
+    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if tuple(names[: len(target.params)]) != target.params:
+        return f"its parameters are now ({', '.join(names)}), expected {target.params}"
+    return None
+
+
+def _find_def(body: list[ast.stmt], name: str, kind: type[_Def]) -> _Def | None:
+    for node in body:
+        if isinstance(node, kind) and getattr(node, "name", None) == name:
+            return node
+    return None
+
+
+def _class_has_attr(cls: ast.ClassDef, name: str) -> bool:
+    """Declared in the class body (field, constant, method, property) or set as
+    ``self.<name>`` in one of its methods."""
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+            return True
+        if isinstance(node, ast.AnnAssign | ast.Assign) and name in _assigned_names(node):
+            return True
+    return any(
+        isinstance(node, ast.Attribute)
+        and node.attr == name
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        for node in ast.walk(cls)
+    )
+
+
+def _assigned_names(node: ast.AnnAssign | ast.Assign) -> set[str]:
+    targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+
+def launch_flags(script: str) -> list[str]:
+    """The ``--long-options`` a launch script passes, as SGLang field names."""
+    return sorted(
+        {m.replace("-", "_") for m in re.findall(r"(?<![\w-])--([a-z][a-z0-9-]*)", script)}
+    )
