@@ -29,6 +29,7 @@ DTYPE = "bfloat16"
 BYTES_PER_ELEMENT = 2
 CUSTOM_PARAM_NS = "hsx_ns"
 DEFAULT_DUMP_ROOT = "/dev/shm/hsx"
+FINAL_STATES = ("post_norm", "pre_norm")
 
 
 def valid_ns(ns: object) -> bool:
@@ -101,6 +102,9 @@ class DumpMeta:
     parts: tuple[tuple[int, int], ...]
     model: str
     server: str
+    # Which final state the last layer holds: "post_norm" (the input of the LM head; the
+    # SGLang hook) or "pre_norm" (the last decoder layer's output; vLLM). Absent = post_norm.
+    final_state: str = "post_norm"
 
     def to_json(self) -> bytes:
         return orjson.dumps(
@@ -114,6 +118,7 @@ class DumpMeta:
                 "parts": [list(p) for p in self.parts],
                 "model": self.model,
                 "server": self.server,
+                "final_state": self.final_state,
             }
         )
 
@@ -151,6 +156,9 @@ def parse_meta(data: bytes) -> DumpMeta:
     rid = raw.get("rid")
     if not isinstance(rid, str):
         raise DumpError("meta.json rid is missing")
+    final_state = raw.get("final_state", "post_norm")
+    if final_state not in FINAL_STATES:
+        raise DumpError(f"meta.json final_state is {final_state!r}, expected one of {FINAL_STATES}")
     return DumpMeta(
         rid=rid,
         num_tokens=_int_field(raw, "num_tokens"),
@@ -159,6 +167,7 @@ def parse_meta(data: bytes) -> DumpMeta:
         parts=tuple(parts),
         model=str(raw.get("model", "")),
         server=str(raw.get("server", "")),
+        final_state=final_state,
     )
 
 

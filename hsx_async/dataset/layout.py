@@ -81,6 +81,7 @@ def build_layout(
     hidden_size: int,
     aux_layers: Sequence[int],
     has_loss_mask: bool,
+    final_state: str = "post_norm",
 ) -> FileLayout:
     """The safetensors header for a sample, padded so ``hidden_states`` is 4 KiB aligned."""
     t, layers = num_tokens, num_layers(aux_layers)
@@ -92,6 +93,7 @@ def build_layout(
             "id": canonical_id(sample_id),
             "aux_layers": ",".join(str(x) for x in aux_layers),
             "protocol": str(PROTOCOL_VERSION),
+            "final_state": final_state,
         },
         "input_ids": {"dtype": "I64", "shape": [t], "data_offsets": [0, ids_bytes]},
         "hidden_states": {

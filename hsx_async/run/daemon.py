@@ -157,6 +157,7 @@ class Daemon:
             cfg.server.urls,
             health_interval=cfg.server.health_interval,
             unreachable_timeout=cfg.server.unreachable_timeout,
+            engines=[cfg.server.engine_of(u) for u in cfg.server.urls],
         )
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         async with aiohttp.ClientSession(connector=connector) as session:
@@ -192,11 +193,11 @@ class Daemon:
         """Put the served model and server version into provenance; refuse another model."""
         server = client.pool.healthy()[0]
         model = version = ""
+        engine = server.engine
         with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
-            info = await client.get_json(server.url, "/get_model_info")
-            model = str(info.get("model_path", "")) if isinstance(info, dict) else ""
+            model = engine.model_of(await client.get_json(server.url, engine.model_info_path))
         with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
-            info = await client.get_json(server.url, "/get_server_info")
+            info = await client.get_json(server.url, engine.version_path)
             version = str(info.get("version", "")) if isinstance(info, dict) else ""
         if not model:
             return
@@ -452,8 +453,8 @@ class Daemon:
         pool = pipeline.servers
         pool.health_interval = new.server.health_interval
         pool.unreachable_timeout = new.server.unreachable_timeout
-        if "server.urls" in diff.live:
-            await pool.set_urls(new.server.urls)
+        if {"server.urls", "server.engine", "server.engines"} & diff.live.keys():
+            await pool.set_urls(new.server.urls, [new.server.engine_of(u) for u in new.server.urls])
         self.guard.reserve = new.output.disk_reserve
         if old.daemon.log_level != new.daemon.log_level:
             configure_logging(new.daemon.log_format, new.daemon.log_level)

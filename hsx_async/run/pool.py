@@ -450,6 +450,7 @@ class Pipeline:
             hidden_size=self.config.model.hidden_size,
             aux_layers=self.config.model.aux_layers,
             has_loss_mask=sample.loss_mask is not None,
+            final_state=dump.meta.final_state,
         )
         job = WriteJob(
             sample,

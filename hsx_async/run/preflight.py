@@ -172,7 +172,12 @@ async def _tiny_request(client: SGLangClient, server: Server, config: Config) ->
 
 
 async def check_servers(config: Config, report: Report) -> None:
-    pool = ServerPool(config.server.urls, health_interval=1.0, unreachable_timeout=1.0)
+    pool = ServerPool(
+        config.server.urls,
+        health_interval=1.0,
+        unreachable_timeout=1.0,
+        engines=[config.server.engine_of(u) for u in config.server.urls],
+    )
     async with aiohttp.ClientSession() as session:
         client = SGLangClient(session, pool)
         for server in pool.servers:
@@ -180,12 +185,13 @@ async def check_servers(config: Config, report: Report) -> None:
             if error:
                 report.add("FAIL", "server", f"{server.display}: {error}")
                 continue
+            path = server.engine.model_info_path
             info: Any = {}
             try:
-                info = await client.get_json(server.url, "/get_model_info")
+                info = await client.get_json(server.url, path)
             except (HsxError, aiohttp.ClientError, ValueError) as exc:
-                report.add("WARN", "server", f"{server.display}: /get_model_info failed: {exc}")
-            model = info.get("model_path", "?") if isinstance(info, dict) else "?"
+                report.add("WARN", "server", f"{server.display}: {path} failed: {exc}")
+            model = server.engine.model_of(info) or "?"
             problem = await _tiny_request(client, server, config)
             if problem:
                 report.add("FAIL", "dump path", f"{server.display}: {problem}")
@@ -193,7 +199,8 @@ async def check_servers(config: Config, report: Report) -> None:
                 report.add(
                     "OK",
                     "server",
-                    f"{server.display}: healthy, model {model}, dump path OK "
+                    f"{server.display}: healthy ({server.engine_name}), model {model}, "
+                    "dump path OK "
                     f"(hidden {config.model.hidden_size}, layers {list(config.model.aux_layers)})",
                 )
 
