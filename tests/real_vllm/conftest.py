@@ -87,7 +87,8 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
     args = ["bash", str(LAUNCH), str(tiny_model), "--max-model-len", "512",
-            "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8"]  # fmt: skip
+            "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8",
+            "--dtype", "float32"]  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip

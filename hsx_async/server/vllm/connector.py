@@ -45,6 +45,12 @@ from hsx_async.server.vllm.core import (
 log = init_logger("vllm.hsx")  # vLLM's handlers: the lines land in the server's log
 
 
+def _bf16(rows: torch.Tensor) -> torch.Tensor:
+    """The dump's dtype (PROTOCOL §3): a float32 or float16 model's rows are rounded once,
+    on the device, before the copy (which then moves half the bytes of float32)."""
+    return rows.to(torch.bfloat16).contiguous()
+
+
 class _Copied:
     """A finished device→host copy (the CPU path has nothing to wait for)."""
 
@@ -128,14 +134,14 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
         cache = self._kv_cache
         assert cache is not None
         if not cache.is_cuda:
-            return extract_from_kv_cache(cache, slots, num_tokens).contiguous(), _Copied()
+            return _bf16(extract_from_kv_cache(cache, slots, num_tokens)), _Copied()
         stream = self._get_copy_stream()
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record()
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
-            rows = extract_from_kv_cache(
-                cache, slots.to(cache.device, non_blocking=True), num_tokens
+            rows = _bf16(
+                extract_from_kv_cache(cache, slots.to(cache.device, non_blocking=True), num_tokens)
             )
             host = torch.empty_like(rows, device="cpu", pin_memory=True)
             host.copy_(rows, non_blocking=True)
