@@ -22,6 +22,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from hsx_async.engines import EngineName
 from hsx_async.errors import ConfigError
 from hsx_async.protocol import DEFAULT_DUMP_ROOT, NS_PATTERN, row_bytes, valid_ns
 
@@ -58,6 +59,14 @@ class ServerConfig:
     request_timeout: float = 600.0
     health_interval: float = 5.0
     unreachable_timeout: float = 1800.0
+    engine: EngineName = "sglang"  # what every server runs (hsx_async.engines)
+    engines: tuple[EngineName, ...] = ()  # one per URL, where replicas differ
+
+    def engine_of(self, url: str) -> EngineName:
+        """The engine of one of :attr:`urls` (``engines`` wins over ``engine``)."""
+        if self.engines:
+            return self.engines[self.urls.index(url)]
+        return self.engine
 
 
 @dataclass(frozen=True)
@@ -307,6 +316,12 @@ def validate(c: Config) -> None:
             f"{url!r} must be http(s)://HOST[:PORT]",
         )
     _check(len(set(c.server.urls)) == len(c.server.urls), "server.urls", "lists a URL twice")
+    _check(
+        not c.server.engines or len(c.server.engines) == len(c.server.urls),
+        "server.engines",
+        f"lists {len(c.server.engines)} engines for {len(c.server.urls)} server.urls; give "
+        "one per URL, or drop it and set server.engine for all",
+    )
     for key, value in (
         ("server.request_timeout", c.server.request_timeout),
         ("server.health_interval", c.server.health_interval),
@@ -395,6 +410,7 @@ def listen_address(value: str) -> tuple[str, int]:
 LIVE_KEYS = frozenset(
     {
         "server.urls",
+        "server.engines",  # so a reload can add a URL with its engine
         "server.request_timeout",
         "server.health_interval",
         "server.unreachable_timeout",

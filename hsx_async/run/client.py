@@ -1,4 +1,5 @@
-"""The SGLang side of the client: ``POST /generate`` and a rotation of server replicas.
+"""The client's HTTP side: one prefill request per attempt (``POST /generate`` to SGLang,
+``POST /v1/completions`` to vLLM: :mod:`hsx_async.engines`) and a rotation of replicas.
 
 :class:`ServerPool` spreads requests over the healthy servers (fewest in flight first),
 takes a server out of rotation on a connection error or after repeated 5xx/timeouts,
@@ -25,8 +26,8 @@ import structlog
 import yarl
 
 from hsx_async.config import ServerConfig, redact_url
+from hsx_async.engines import ENGINES, Engine, EngineName
 from hsx_async.errors import NoServerError, RequestError
-from hsx_async.protocol import check_response, generate_body
 
 log = structlog.get_logger("hsx.client")
 
@@ -40,6 +41,7 @@ _JSON = {"Content-Type": "application/json"}
 @dataclass(eq=False)
 class Server:
     url: str
+    engine_name: EngineName = "sglang"
     healthy: bool = True
     in_flight: int = 0
     soft_failures: int = 0
@@ -48,10 +50,14 @@ class Server:
     down_since: float | None = None
     retired: bool = False  # removed from the config by a reload
 
+    @property
+    def engine(self) -> Engine:
+        return ENGINES[self.engine_name]
+
     @functools.cached_property
     def generate_url(self) -> yarl.URL:
         """Parsed once: a string would be parsed again for every request."""
-        return yarl.URL(f"{self.url}/generate")
+        return yarl.URL(f"{self.url}{self.engine.generate_path}")
 
     @property
     def display(self) -> str:
@@ -61,9 +67,15 @@ class Server:
 
 class ServerPool:
     def __init__(
-        self, urls: Sequence[str], *, health_interval: float, unreachable_timeout: float
+        self,
+        urls: Sequence[str],
+        *,
+        health_interval: float,
+        unreachable_timeout: float,
+        engines: Sequence[EngineName] | None = None,
     ) -> None:
-        self.servers = [Server(u.rstrip("/")) for u in urls]
+        names: list[EngineName] = list(engines) if engines is not None else ["sglang"] * len(urls)
+        self.servers = [Server(u.rstrip("/"), e) for u, e in zip(urls, names, strict=True)]
         self.health_interval = health_interval
         self.unreachable_timeout = unreachable_timeout
         self._changed = asyncio.Condition()
@@ -138,24 +150,32 @@ class ServerPool:
             await self._notify()
 
     async def apply(self, config: ServerConfig) -> None:
-        """A reloaded ``[server]`` section: intervals at once, URLs added or retired."""
+        """A reloaded ``[server]`` section: intervals at once, URLs (and their engines)
+        added or retired."""
         self.health_interval = config.health_interval
         self.unreachable_timeout = config.unreachable_timeout
-        if [s.url for s in self.servers if not s.retired] != [u.rstrip("/") for u in config.urls]:
-            await self.set_urls(config.urls)
+        engines = [config.engine_of(u) for u in config.urls]
+        current = [(s.url, s.engine_name) for s in self.servers if not s.retired]
+        if current != [(u.rstrip("/"), e) for u, e in zip(config.urls, engines, strict=True)]:
+            await self.set_urls(config.urls, engines)
 
-    async def set_urls(self, urls: Sequence[str]) -> None:
-        """Live reload: add new servers, retire removed ones (in-flight calls finish)."""
-        wanted = [u.rstrip("/") for u in urls]
+    async def set_urls(
+        self, urls: Sequence[str], engines: Sequence[EngineName] | None = None
+    ) -> None:
+        """Live reload: add new servers, retire removed ones (in-flight calls finish). A URL
+        whose engine changed is retired and added anew."""
+        names: list[EngineName] = list(engines) if engines is not None else ["sglang"] * len(urls)
+        wanted = {(u.rstrip("/"), e) for u, e in zip(urls, names, strict=True)}
         for s in self.servers:
-            s.retired = s.url not in wanted
-        known = {s.url for s in self.servers}
-        self.servers.extend(Server(u) for u in wanted if u not in known)
+            s.retired = (s.url, s.engine_name) not in wanted
+        known = {(s.url, s.engine_name) for s in self.servers if not s.retired}
+        order = [(u.rstrip("/"), e) for u, e in zip(urls, names, strict=True)]
+        self.servers.extend(Server(u, e) for u, e in order if (u, e) not in known)
         await self._notify()
 
 
 class SGLangClient:
-    """HTTP calls to one or more SGLang servers, over one pooled session."""
+    """HTTP calls to one or more servers (SGLang or vLLM), over one pooled session."""
 
     def __init__(self, session: aiohttp.ClientSession, pool: ServerPool) -> None:
         self.session = session
@@ -164,8 +184,11 @@ class SGLangClient:
     async def generate(
         self, server: Server, *, rid: str, ns: str, input_ids: npt.NDArray[np.int64], timeout: float
     ) -> None:
-        """One prefill-only request; raises RequestError or DumpError (bad response)."""
-        body = orjson.dumps(generate_body(rid, ns, input_ids), option=orjson.OPT_SERIALIZE_NUMPY)
+        """One prefill request; raises RequestError or DumpError (bad response)."""
+        engine = server.engine
+        body = orjson.dumps(
+            engine.build_body(rid, ns, input_ids), option=orjson.OPT_SERIALIZE_NUMPY
+        )
         try:
             async with self.session.post(
                 server.generate_url, data=body, headers=_JSON, timeout=_timeout(timeout)
@@ -188,7 +211,7 @@ class SGLangClient:
             raise RequestError(
                 f"{server.display}: 200 with a body that is not JSON", server_fault=False
             ) from None
-        check_response(parsed, rid=rid, num_tokens=int(input_ids.shape[0]))
+        engine.check(parsed, rid, int(input_ids.shape[0]))
 
     async def health(self, url: str, timeout: float = 5.0) -> str:
         """'' when ``GET /health`` answers 200, else why not."""

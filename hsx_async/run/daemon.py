@@ -173,6 +173,7 @@ class Daemon:
             cfg.server.urls,
             health_interval=cfg.server.health_interval,
             unreachable_timeout=cfg.server.unreachable_timeout,
+            engines=[cfg.server.engine_of(u) for u in cfg.server.urls],
         )
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         async with aiohttp.ClientSession(connector=connector) as session:

@@ -223,7 +223,12 @@ async def check_servers(
     config: Config, report: Report, probe: list[npt.NDArray[np.int64]] | None = None
 ) -> float:
     """Check every server; returns their summed prefill rate in tokens/s (0: not measured)."""
-    pool = ServerPool(config.server.urls, health_interval=1.0, unreachable_timeout=1.0)
+    pool = ServerPool(
+        config.server.urls,
+        health_interval=1.0,
+        unreachable_timeout=1.0,
+        engines=[config.server.engine_of(u) for u in config.server.urls],
+    )
     total = 0.0
     async with aiohttp.ClientSession() as session:
         client = SGLangClient(session, pool)
@@ -232,12 +237,14 @@ async def check_servers(
             if error:
                 report.add("FAIL", "server", f"{server.display}: {error}")
                 continue
+            path = server.engine.model_info_path
             info: Any = {}
             try:
-                info = await client.get_json(server.url, "/get_model_info")
+                info = await client.get_json(server.url, path)
             except (HsxError, aiohttp.ClientError, ValueError) as exc:
-                report.add("WARN", "server", f"{server.display}: /get_model_info failed: {exc}")
-            model = info.get("model_path", "?") if isinstance(info, dict) else "?"
+                report.add("WARN", "server", f"{server.display}: {path} failed: {exc}")
+            model_path = server.engine.model_of(info)
+            model = model_path or "?"
             problem = await _tiny_request(client, server, config)
             if problem:
                 report.add("FAIL", "dump path", f"{server.display}: {problem}")
@@ -245,10 +252,10 @@ async def check_servers(
             report.add(
                 "OK",
                 "server",
-                f"{server.display}: healthy, model {model}, dump path OK "
-                f"(hidden {config.model.hidden_size}, layers {list(config.model.aux_layers)})",
+                f"{server.display}: healthy ({server.engine_name}), model {model}, dump path "
+                f"OK (hidden {config.model.hidden_size}, layers {list(config.model.aux_layers)})",
             )
-            report.add(*draft_ids_line(info, config.model.aux_layers))
+            report.add(*draft_ids_line({"model_path": model_path}, config.model.aux_layers))
             total += await _server_rate(client, server, config, probe or [], report)
     return total
 

@@ -72,14 +72,15 @@ async def record_server(
     server = client.pool.healthy()[0]
     model = version = ""
     final_norm = None
+    engine = server.engine
     with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
-        info = await client.get_json(server.url, "/get_model_info")
-        model = str(info.get("model_path", "")) if isinstance(info, dict) else ""
+        info = await client.get_json(server.url, engine.model_info_path)
+        model = engine.model_of(info)
         final_norm = parse_final_norm(
             info.get("hsx_final_norm") if isinstance(info, dict) else None
         )
     with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
-        info = await client.get_json(server.url, "/get_server_info")
+        info = await client.get_json(server.url, engine.version_path)
         version = str(info.get("version", "")) if isinstance(info, dict) else ""
     if not model:
         return

@@ -41,6 +41,7 @@ def _debug_enabled(_: Daemon) -> bool:
 
 PROBES: dict[str, Probe] = {
     "server.urls": lambda d: [s.url for s in _servers(d).servers if not s.retired],
+    "server.engines": lambda d: [s.engine_name for s in _servers(d).servers if not s.retired],
     # The worker reads these from its config at every attempt.
     "server.request_timeout": lambda d: _workers(d).config.server.request_timeout,
     "dump.timeout": lambda d: _workers(d).config.dump.timeout,
@@ -85,6 +86,7 @@ def _changed(raw: dict[str, Any], second_url: str) -> tuple[dict[str, Any], dict
     first_url = raw["server"]["urls"][0]
     new["server"].update(
         urls=[first_url, second_url],
+        engines=["sglang", "sglang"],
         request_timeout=11.0,
         health_interval=0.07,
         unreachable_timeout=21.0,
@@ -97,6 +99,7 @@ def _changed(raw: dict[str, Any], second_url: str) -> tuple[dict[str, Any], dict
     new["output"].update(disk_reserve=4096)
     expected = {
         "server.urls": [first_url, second_url],
+        "server.engines": ["sglang", "sglang"],
         "server.request_timeout": 11.0,
         "dump.timeout": 6.0,
         "server.health_interval": 0.07,

@@ -1,0 +1,163 @@
+"""The hsx KV connector for vLLM 0.32 (``--kv-transfer-config`` with
+``"kv_connector": "HsxHiddenStatesConnector"`` and ``"kv_connector_module_path":
+"hsx_async.server.vllm.connector"``), used with the ``extract_hidden_states`` speculative
+method. Thin glue over :mod:`.core`: vLLM's ``ExampleHiddenStatesConnector`` does the
+bookkeeping (block ids held until the rows are read back, TP rank 0 only); this subclass
+
+- marks only requests whose ``kv_transfer_params`` carry a valid ``hsx_ns``/``hsx_rid``
+  (others are served as usual and nothing is kept for them),
+- refuses to start with prefix caching on or layer ids that do not end with the final
+  state, and
+- writes PROTOCOL §3 dumps (one part, then ``meta.json``) through the same path-safe
+  helpers as the SGLang hook, on its writer threads, instead of one safetensors file per
+  request; on a CPU it reads the rows straight from the cache (vLLM's class assumes CUDA:
+  pinned memory and CUDA events), on a GPU it copies them on a side stream into pinned
+  memory first, as vLLM does.
+
+Only vLLM imports this module (it imports vLLM and torch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+    ExampleHiddenStatesConnector,
+    ExampleHiddenStatesConnectorMetadata,
+    PendingSave,
+    extract_from_kv_cache,
+)
+from vllm.logger import init_logger
+
+from hsx_async.server.vllm.core import (
+    PARAM_NS,
+    PARAM_RID,
+    Target,
+    check_prefix_caching,
+    dump_root,
+    layer_plan,
+    marked_target,
+    write_dump,
+)
+
+log = init_logger("vllm.hsx")  # vLLM's handlers: the lines land in the server's log
+
+
+def _bf16(rows: torch.Tensor) -> torch.Tensor:
+    """The dump's dtype (PROTOCOL §3): a float32 or float16 model's rows are rounded once,
+    on the device, before the copy (which then moves half the bytes of float32)."""
+    return rows.to(torch.bfloat16).contiguous()
+
+
+class _Copied:
+    """A finished device→host copy (the CPU path has nothing to wait for)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_prefix_caching(bool(vllm_config.cache_config.enable_prefix_caching))
+        spec = vllm_config.speculative_config.draft_model_config.hf_config
+        model = vllm_config.model_config
+        self._plan = layer_plan(
+            getattr(spec, "eagle_aux_hidden_state_layer_ids", None),
+            model.get_total_num_hidden_layers(),
+            model.get_hidden_size(),
+        )
+        self._root = dump_root()
+        self._model_name = str(model.served_model_name or model.model)
+        self._server_name = f"vllm {vllm.__version__}"
+        self.use_lock = False  # the commit is meta.json, renamed last
+        self._targets: dict[str, Target] = {}  # scheduler side: marked requests
+        log.info(
+            "hsx connector: dumping aux layers %s + pre-norm final state to %s",
+            list(self._plan.aux_layers),
+            self._root,
+        )
+
+    # -- scheduler side -----------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> ExampleHiddenStatesConnectorMetadata:
+        meta = ExampleHiddenStatesConnectorMetadata()
+        meta.pending_saves = list(self._pending_saves.values())
+        self._pending_saves.clear()
+        for new_req in scheduler_output.scheduled_new_reqs:
+            extra = new_req.sampling_params.extra_args if new_req.sampling_params else None
+            target = marked_target((extra or {}).get("kv_transfer_params"))
+            if isinstance(target, Target):
+                self._targets[new_req.req_id] = target
+            elif isinstance(target, str):
+                log.warning("hsx: request %s not dumped: %s", new_req.req_id, target)
+        return meta
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        target = self._targets.pop(request.request_id, None)
+        if target is None:
+            return False, None  # an ordinary request: its blocks are freed as usual
+        self._pending_saves[request.request_id] = PendingSave(
+            req_id=request.request_id,
+            filename=f"{target.ns}/{target.rid}",
+            token_ids=torch.tensor(list(request.prompt_token_ids or [])),
+            block_ids=list(block_ids),
+        )
+        return True, {PARAM_NS: target.ns, PARAM_RID: target.rid}
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def _submit_async_write(self, pending: PendingSave) -> None:
+        if not self._is_tp_rank_zero:
+            return
+        assert self._kv_cache is not None
+        blocks = torch.tensor(pending.block_ids, dtype=torch.long)
+        offsets = torch.arange(self._block_size, dtype=torch.long)
+        slots = (offsets.reshape(1, -1) + blocks.reshape(-1, 1) * self._block_size).flatten()
+        num_tokens = int(pending.token_ids.shape[0])
+        host, copied = self._rows_to_host(slots, num_tokens)
+        ns, rid = pending.filename.split("/")
+        future = self._executor.submit(self._write, Target(ns, rid), host, copied, num_tokens)
+        self._req_copy_events[pending.req_id] = copied
+        self._req_futures[pending.req_id] = future
+        future.add_done_callback(lambda f, req=pending.req_id: self._on_write_done(req, f))
+
+    def _rows_to_host(self, slots: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, Any]:
+        """``[T, L, H]`` rows on the host, and what says the copy is done."""
+        cache = self._kv_cache
+        assert cache is not None
+        if not cache.is_cuda:
+            return _bf16(extract_from_kv_cache(cache, slots, num_tokens)), _Copied()
+        stream = self._get_copy_stream()
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record()
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            rows = _bf16(
+                extract_from_kv_cache(cache, slots.to(cache.device, non_blocking=True), num_tokens)
+            )
+            host = torch.empty_like(rows, device="cpu", pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(stream)
+        return host, done
+
+    def _write(self, target: Target, host: torch.Tensor, copied: Any, num_tokens: int) -> None:
+        copied.synchronize()
+        rows = host.view(torch.int16).numpy().data.cast("B")  # bf16 bits, little-endian
+        write_dump(
+            self._root,
+            target,
+            rows,
+            num_tokens=num_tokens,
+            plan=self._plan,
+            model=self._model_name,
+            server=self._server_name,
+        )
