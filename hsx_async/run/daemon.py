@@ -294,7 +294,7 @@ class Daemon:
             if not w.auto:
                 controller = None
                 continue
-            if workers.stopping or workers.workers_done.is_set():
+            if workers.intake.stopping or workers.workers_done.is_set():
                 continue  # draining, or the input is done: no more workers
             if controller is None or controller.settings.maximum != w.max_concurrency:
                 start = max(1, min(workers.target_workers, w.max_concurrency))

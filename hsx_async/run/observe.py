@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
 
 import orjson
@@ -92,7 +92,11 @@ def in_flight_text(s: dict[str, Any]) -> str:
 
 
 async def progress_loop(
-    status_fn: StatusFn, interval: float | Callable[[], float], *, stream: TextIO | None = None
+    status_fn: StatusFn,
+    interval: float | Callable[[], float],
+    *,
+    stream: TextIO | None = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> None:
     """Redraw a progress bar on a TTY (every second), or log a line per ``interval``
     (a callable is asked before each line, so the interval can change while it runs)."""
@@ -100,7 +104,7 @@ async def progress_loop(
     tty = out.isatty()
     try:
         while True:
-            await asyncio.sleep(1.0 if tty else interval() if callable(interval) else interval)
+            await sleep(1.0 if tty else interval() if callable(interval) else interval)
             snap = status_fn()
             if tty:
                 out.write("\r\x1b[2K" + progress_line(snap))

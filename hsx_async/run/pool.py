@@ -67,9 +67,11 @@ class Pipeline:
             quarantine=quarantine,
             guard=guard,
             executor=self.executor,
-            requeue=self.workers.requeue,
+            requeue=self.workers.intake.requeue,
             release=self.workers.release,
         )
+        self._writer_tasks: list[asyncio.Task[None]] = []
+        self._committer_task: asyncio.Task[None] | None = None
 
     async def _submit(self, handoff: Handoff) -> None:
         await self.writers.submit(handoff)
@@ -80,21 +82,22 @@ class Pipeline:
     def start(self, tg: asyncio.TaskGroup) -> None:
         """Every task of the pipeline, in the run's task group."""
         self.workers.start(tg)
-        self.writer_tasks = [
+        self._writer_tasks = [
             tg.create_task(self.writers.writer(), name=f"hsx-writer-{i}")
             for i in range(self.writers.tasks)
         ]
-        self.committer_task = tg.create_task(self.writers.committer.run(), name="hsx-committer")
+        self._committer_task = tg.create_task(self.writers.committer.run(), name="hsx-committer")
 
     async def drained(self) -> None:
         """Return once every sample taken from the intake is settled or abandoned: the
         workers are done, the writers emptied their queue, the last lines are durable."""
+        assert self._committer_task is not None, "start() first"
         await self.workers.workers_done.wait()
         await self.writers.finish_input()
-        for task in self.writer_tasks:
+        for task in self._writer_tasks:
             await task
         self.writers.committer.close()
-        await self.committer_task
+        await self._committer_task
 
     async def put(self, sample: Sample) -> None:
         """Feed one sample (waits while the intake is full)."""
@@ -104,11 +107,11 @@ class Pipeline:
         await self.workers.intake.put(EOF)
 
     def stop_intake(self) -> None:
-        self.workers.stop_intake()
+        self.workers.intake.stop()
 
     @property
     def stopping(self) -> bool:
-        return self.workers.stopping
+        return self.workers.intake.stopping
 
     @property
     def in_flight(self) -> int:

@@ -69,6 +69,47 @@ def retry_policy(config: Config) -> RetryPolicy:
     return RetryPolicy(w.max_attempts, w.backoff_base, w.backoff_max)
 
 
+class Intake:
+    """Samples waiting for a worker: the feeder's bounded queue, and the samples the
+    writers hand back (ENOSPC, a dump changed before its copy), which go first."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.queue: asyncio.Queue[Sample | _Eof] = asyncio.Queue(maxsize=maxsize)
+        self.requeued: collections.deque[Sample] = collections.deque()
+        self.stopping = False
+        self._changed = asyncio.Event()
+
+    async def put(self, item: Sample | _Eof) -> None:
+        await self.queue.put(item)
+
+    async def next(self) -> Sample | _Eof:
+        if self.requeued:
+            return self.requeued.popleft()
+        return await self.queue.get()
+
+    def requeue(self, sample: Sample) -> None:
+        self.requeued.append(sample)
+        self.wake()
+
+    def stop(self) -> None:
+        """Stop taking samples: workers skip what is queued (a resume redoes it)."""
+        self.stopping = True
+        self.wake()
+
+    def wake(self) -> None:
+        """Something a worker at the end of input waits for changed."""
+        self._changed.set()
+
+    async def after_eof(self, in_flight: Callable[[], int]) -> bool:
+        """At the end of input (the EOF put back for the next worker), wait while samples
+        are still in flight: the writers may hand one back. True: one is waiting."""
+        self.queue.put_nowait(EOF)
+        while not (self.requeued or in_flight() == 0 or self.stopping):
+            self._changed.clear()  # no await between the check and the clear: no lost wake
+            await self._changed.wait()
+        return bool(self.requeued) and not self.stopping
+
+
 class Workers:
     """The workers of one run; the daemon's task group runs them (:meth:`start`)."""
 
@@ -95,13 +136,9 @@ class Workers:
         self.nonce = nonce  # rids stay unique across restarts
         self.budget = ByteBudget(config.dump.shm_budget)
         self.final_states = FinalStateGuard(config.output.dir)  # one kind per dataset
-        self.intake: asyncio.Queue[Sample | _Eof] = asyncio.Queue(
-            maxsize=2 * config.workers.start_concurrency
-        )
-        self.requeued: collections.deque[Sample] = collections.deque()
+        self.intake = Intake(maxsize=2 * config.workers.start_concurrency)
         self.retry = retry_policy(config)
         self.target_workers = config.workers.start_concurrency
-        self.stopping = False
         self.live_rids: dict[str, set[str]] = collections.defaultdict(set)  # ns → rids
         self.workers_running = 0
         self.workers_done = asyncio.Event()
@@ -111,7 +148,6 @@ class Workers:
         self.in_flight = 0
         self.settled = 0  # samples that went to quarantine from here
         self._next_worker = 0
-        self._changed = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
 
     # -- life cycle and live changes -----------------------------------------------------
@@ -135,27 +171,13 @@ class Workers:
     def apply(self, config: Config) -> None:
         """A reloaded config: concurrency, /dev/shm budget and retry policy change now;
         timeouts are read at each attempt."""
-        self.config = config
+        old, self.config = self.config, config
         # Under "auto" the controller owns the count (the daemon's autotune loop).
-        if not config.workers.auto and config.workers.start_concurrency != self.target_workers:
+        if config.workers.concurrency != old.workers.concurrency and not config.workers.auto:
             self.set_concurrency(config.workers.start_concurrency)
-        if config.dump.shm_budget != self.budget.capacity:
+        if config.dump.shm_budget != old.dump.shm_budget:
             self.budget.resize(config.dump.shm_budget)
         self.retry = retry_policy(config)
-
-    def stop_intake(self) -> None:
-        """Stop taking samples: workers skip what is queued (a resume redoes it)."""
-        self.stopping = True
-        self.wake()
-
-    def wake(self) -> None:
-        """Something a worker at the end of input waits for changed."""
-        self._changed.set()
-
-    def requeue(self, sample: Sample) -> None:
-        """A sample the writers hand back (ENOSPC, a dump changed before its copy)."""
-        self.requeued.append(sample)
-        self.wake()
 
     def release(self, handoff: Handoff) -> None:
         """The writers are done with a handed-off dump: its rid and bytes are free."""
@@ -173,19 +195,6 @@ class Workers:
         self.workers_running += 1
         tg.create_task(self._worker(index), name=f"hsx-worker-{index}")
 
-    async def _next_sample(self) -> Sample | _Eof:
-        if self.requeued:
-            return self.requeued.popleft()
-        return await self.intake.get()
-
-    async def _requeue_after_eof(self) -> bool:
-        """At the end of input, wait while samples are still in flight: the writer may
-        hand one back (ENOSPC, a dump changed before its copy). True: one is waiting."""
-        while not (self.requeued or self.in_flight == 0 or self.stopping):
-            self._changed.clear()  # no await between the check and the clear: no lost wake
-            await self._changed.wait()
-        return bool(self.requeued) and not self.stopping
-
     async def _worker(self, index: int) -> None:
         ns = namespace(self.config, index)
         ns_dir = await self.to_thread(prepare_namespace, self.config.dump.root, ns)
@@ -197,13 +206,12 @@ class Workers:
             # them, so exactly the surplus retires after a shrink.
             while self.workers_running <= self.target_workers:
                 await self.guard.open.wait()  # the disk guard pauses intake here
-                item = await self._next_sample()
+                item = await self.intake.next()
                 if isinstance(item, _Eof):
-                    self.intake.put_nowait(item)  # let the next worker see it too
-                    if await self._requeue_after_eof():
+                    if await self.intake.after_eof(lambda: self.in_flight):
                         continue
                     break
-                if self.stopping:
+                if self.intake.stopping:
                     continue  # stop intake: skip queued samples, a resume redoes them
                 await self._process(item, ns, ns_dir)
         finally:
@@ -229,7 +237,7 @@ class Workers:
     def _release(self, need: int) -> None:
         self.budget.release(need)
         self.in_flight -= 1
-        self.wake()
+        self.intake.wake()
 
     async def _extract(self, sample: Sample, ns: str, ns_dir: Path) -> Dump | None:
         """Attempts until one yields a valid dump; None once the sample is quarantined."""

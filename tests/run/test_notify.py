@@ -320,6 +320,23 @@ async def test_watchdog_loop_pings_and_reports(
     notifier.close()
 
 
+async def test_watchdog_loop_asks_for_its_interval_every_round(receiver: socket.socket) -> None:
+    """A reload changes daemon.progress_interval; the next sleep already uses it."""
+    notifier = Notifier.from_env()
+    sleep = _FakeSleep(rounds=3)
+    interval = {"s": 5.0}
+
+    def status() -> str:
+        if len(sleep.delays) == 1:  # the second round: a reload shortened the interval
+            interval["s"] = 0.5
+        return "x"
+
+    with pytest.raises(_Stop):
+        await watchdog_loop(notifier, lambda: interval["s"], status, sleep=sleep)
+    assert sleep.delays == [5.0, 0.5, 0.5]
+    notifier.close()
+
+
 async def test_watchdog_loop_without_watchdog_only_reports(receiver: socket.socket) -> None:
     notifier = Notifier.from_env()
     sleep = _FakeSleep(rounds=2)
