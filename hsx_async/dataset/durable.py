@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from hsx_async.errors import DiskFullError, WriteError
 
@@ -21,10 +24,19 @@ def fsync_dir(path: Path) -> None:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data``: readers see the old or the new file, never a mix."""
+    with open_atomic(path) as fh:
+        fh.write(data)
+
+
+@contextlib.contextmanager
+def open_atomic(path: Path) -> Iterator[BinaryIO]:
+    """A file to write that appears as ``path`` only when the block ends without error
+    (temp name starting with ``.`` → fsync → rename → fsync of the directory); on an
+    error the temp file goes and ``path`` is untouched."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         with tmp.open("wb") as fh:
-            fh.write(data)
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         tmp.replace(path)

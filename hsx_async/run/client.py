@@ -158,7 +158,13 @@ class SGLangClient:
         self, server: Server, *, rid: str, ns: str, input_ids: npt.NDArray[np.int64], timeout: float
     ) -> None:
         """One prefill-only request; raises RequestError or DumpError (bad response)."""
-        body = orjson.dumps(generate_body(rid, ns, input_ids), option=orjson.OPT_SERIALIZE_NUMPY)
+        parsed = await self.post_generate(server, generate_body(rid, ns, input_ids), timeout)
+        check_response(parsed, rid=rid, num_tokens=int(input_ids.shape[0]))
+
+    async def post_generate(self, server: Server, request: object, timeout: float) -> object:
+        """``POST /generate`` with any body (``hsx regenerate`` decodes through it); the
+        parsed JSON answer, or RequestError."""
+        body = orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)
         try:
             async with self.session.post(
                 server.generate_url, data=body, headers=_JSON, timeout=_timeout(timeout)
@@ -176,12 +182,12 @@ class SGLangClient:
             ) from None
         _raise_for_status(server.display, status, payload)
         try:
-            parsed = orjson.loads(payload)
+            parsed: object = orjson.loads(payload)
         except orjson.JSONDecodeError:
             raise RequestError(
                 f"{server.display}: 200 with a body that is not JSON", server_fault=False
             ) from None
-        check_response(parsed, rid=rid, num_tokens=int(input_ids.shape[0]))
+        return parsed
 
     async def health(self, url: str, timeout: float = 5.0) -> str:
         """'' when ``GET /health`` answers 200, else why not."""

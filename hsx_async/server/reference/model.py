@@ -20,7 +20,7 @@ a server or the ground truth is needed, so ``hsx --help`` stays fast.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -229,6 +229,7 @@ class Segment:
     start: int
     past: KV | None
     want_next: bool = False
+    pick: Callable[[torch.Tensor], int] | None = None  # next token from logits; None: greedy
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,9 +351,15 @@ class PackedEngine:
                 ends.append(q0 - 1)
         if not ends:
             return [None] * len(segments)
-        logits = self.model.get_output_embeddings()(final[ends])
-        picked = iter(logits.argmax(dim=-1).tolist())
-        return [next(picked) if seg.want_next else None for seg in segments]
+        logits = iter(self.model.get_output_embeddings()(final[ends]).float())
+        picked: list[int | None] = []
+        for seg in segments:
+            if not seg.want_next:
+                picked.append(None)
+                continue
+            row = next(logits)
+            picked.append(int(row.argmax()) if seg.pick is None else seg.pick(row))
+        return picked
 
 
 def _layer_kv(cache: Any, layer: int) -> LayerKV:
