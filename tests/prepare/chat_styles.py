@@ -250,7 +250,7 @@ def build_tokenizer(style: Style, path: Path) -> Path:
     kwargs: dict[str, Any] = {"eos_token": style.eos}
     if style.bos is not None:
         kwargs["bos_token"] = style.bos
-    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call, unused-ignore]
         tokenizer_object=tok, chat_template=style.template, **kwargs
     )
     fast.add_special_tokens({"additional_special_tokens": list(style.specials)})

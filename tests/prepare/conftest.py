@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import orjson
@@ -43,12 +43,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-WriteLines = Callable[[Path, list[object]], Path]
+WriteLines = Callable[[Path, Sequence[object]], Path]
 
 
 @pytest.fixture
 def write_jsonl() -> WriteLines:
-    def write(path: Path, records: list[object]) -> Path:
+    def write(path: Path, records: Sequence[object]) -> Path:
         lines = [r if isinstance(r, bytes) else orjson.dumps(r) for r in records]
         path.write_bytes(b"".join(line + b"\n" for line in lines))
         return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -47,7 +48,7 @@ def _records() -> list[object]:
     return out
 
 
-def _lines(path: Path) -> list[dict[str, object]]:
+def _lines(path: Path) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]
 
 
@@ -76,7 +77,7 @@ def test_outputs_are_in_input_order_and_the_same_for_any_worker_count(
     assert set(reasons) == {i for i in range(150) if i % 10 in (3, 7)} | {150}
     assert "not JSON" in str(reasons[3]) and "no assistant turn" in str(reasons[7])
     assert "duplicate id 'r0' (first on line 0)" in str(reasons[150])
-    assert s1["tokens"] == sum(len(s["input_ids"]) for s in samples)  # type: ignore[arg-type]
+    assert s1["tokens"] == sum(len(s["input_ids"]) for s in samples)
     assert 0 < s1["trainable_share"] < 1
     assert sum(s1["length_histogram"].values()) == 120
     assert orjson.loads(one.summary.read_bytes()) == s1
@@ -100,9 +101,9 @@ def test_max_tokens_policy(
         assert "policy skip" in str(_lines(paths.quarantine)[0]["reason"])
     else:
         long = samples[1]
-        assert long["id"] == "long" and len(long["input_ids"]) == 60  # type: ignore[arg-type]
+        assert long["id"] == "long" and len(long["input_ids"]) == 60
         assert summary["truncated"] == 1 and summary["longest"] == 60
-        assert long["loss_mask"][-1] == 1  # type: ignore[index]  # cut inside the answer
+        assert long["loss_mask"][-1] == 1  # cut inside the answer
 
 
 def test_estimate_from_the_job_config(
@@ -141,7 +142,7 @@ def test_system_prompt_options_change_the_rendering(
         outs[name] = _lines(out)[0]
     plain, given = outs["plain"], outs["given"]
     assert plain["input_ids"] != given["input_ids"]
-    assert sum(plain["loss_mask"]) == sum(given["loss_mask"])  # type: ignore[arg-type]
+    assert sum(plain["loss_mask"]) == sum(given["loss_mask"])
 
 
 def test_nothing_is_visible_when_the_run_fails(
@@ -152,7 +153,7 @@ def test_nothing_is_visible_when_the_run_fails(
     paths = PreparePaths.beside(src, tmp_path / "s.jsonl")
     from hsx_async.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="none.j2"):
+    with pytest.raises(ConfigError, match=r"none\.j2"):
         run_prepare(opts, paths)
     assert list(tmp_path.iterdir()) == [src]
 
