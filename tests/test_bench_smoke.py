@@ -189,3 +189,14 @@ def test_profile_summary_shares_by_thread_and_function(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert only.stdout.splitlines()[0] == "2 samples"
+
+
+def test_prepare_smoke(tmp_path: Path, shm_root: Path) -> None:
+    data = run_smoke("prepare.py", tmp_path, shm_root)
+    runs = {r["name"]: r for r in data["runs"]}
+    assert set(runs) == {"baseline (no mask, 1 process)", "prepare-w1", "prepare-w2"}
+    for r in runs.values():
+        assert r["samples"] == data["conversations"] and positive(r["samples_per_s"])
+    # Same input, same template: every run saw the same tokens.
+    assert len({r["tokens"] for r in runs.values()}) == 1
+    assert all(positive(r["wall_s"]) for r in data["startup"])
