@@ -11,15 +11,6 @@ import pytest
 
 from tests.prepare.chat_styles import STYLES, build_tokenizer
 
-# The tiny model's tokenizer is word-level over t0..t1020 (ids 3..1023): its template uses
-# words of that vocabulary as role headers and </s> (id 1) as the end of turn.
-TINY_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m.role == 'system' %} t1000 {{ m.content }}"
-    "{% elif m.role == 'user' %} t1001 {{ m.content }}"
-    "{% else %} t1002 {{ m.content }} </s>{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %} t1002{% endif %}"
-)
 TINY_SEED = 0
 
 
@@ -31,16 +22,10 @@ def tokenizer_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reference server's built-in model as a local HF dir, with TINY_TEMPLATE."""
-    from transformers import AutoTokenizer
-
+    """The reference server's built-in model as a local HF dir (with its chat template)."""
     from hsx_async.server.reference.model import save_default_model
 
-    path = save_default_model(tmp_path_factory.mktemp("tiny") / "model", TINY_SEED)
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    tok.chat_template = TINY_TEMPLATE
-    tok.save_pretrained(str(path))
-    return path
+    return save_default_model(tmp_path_factory.mktemp("tiny") / "model", TINY_SEED)
 
 
 WriteLines = Callable[[Path, Sequence[object]], Path]

@@ -45,6 +45,16 @@ TINY_AUX_LAYERS = (1, 3, 5)
 NORM_GAIN_LOW = 0.2
 NORM_GAIN_HIGH = 3.0
 
+# The tiny tokenizer's chat template (hsx prepare/regenerate): words of its vocabulary as
+# role headers (t1000 system, t1001 user, t1002 assistant) and </s> ending each answer.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role == 'system' %} t1000 {{ m.content }}"
+    "{% elif m.role == 'user' %} t1001 {{ m.content }}"
+    "{% else %} t1002 {{ m.content }} </s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %} t1002{% endif %}"
+)
+
 # One layer's cached (keys, values), each [1, kv_heads, rows, head_dim].
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 KV = tuple[LayerKV, ...]
@@ -95,8 +105,9 @@ def set_realistic_norm_gains(
 def save_default_model(path: Path, seed: int = 0) -> Path:
     """Write the built-in tiny Llama as a local Hugging Face directory (bfloat16 weights,
     ``config.json``, and a word-level tokenizer over its vocabulary: ``t0`` … ``t1020`` and
-    ``<s>``, ``</s>``, ``<unk>``), so a real engine (SGLang, vLLM) can serve exactly the model
-    the ground truth is computed from. Nothing is downloaded."""
+    ``<s>``, ``</s>``, ``<unk>``, with :data:`TINY_CHAT_TEMPLATE`), so a real engine (SGLang,
+    vLLM) can serve exactly the model the ground truth is computed from. Nothing is
+    downloaded."""
     from tokenizers import Tokenizer  # noqa: PLC0415 - only writers of model dirs need it
     from tokenizers.models import WordLevel  # noqa: PLC0415
     from tokenizers.pre_tokenizers import WhitespaceSplit  # noqa: PLC0415
@@ -113,7 +124,11 @@ def save_default_model(path: Path, seed: int = 0) -> Path:
     # The ignores differ between tokenizers/transformers releases (typed or not).
     tok.pre_tokenizer = WhitespaceSplit()  # type: ignore[assignment, unused-ignore]
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call, unused-ignore]
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        chat_template=TINY_CHAT_TEMPLATE,
     )
     fast.save_pretrained(path)
     return path
