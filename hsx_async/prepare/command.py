@@ -14,15 +14,15 @@ import contextlib
 import multiprocessing
 import os
 import sys
-from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from hsx_async.dataset.audit import ordered_map
 from hsx_async.dataset.durable import open_atomic
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.errors import ConfigError
@@ -84,13 +84,7 @@ def _in_pool(
     with ProcessPoolExecutor(
         workers, mp_context=context, initializer=init_worker, initargs=(options,)
     ) as pool:
-        window: deque[Future[list[Outcome]]] = deque()
-        for chunk in chunks:
-            window.append(pool.submit(encode_chunk, chunk))
-            if len(window) >= 2 * workers:
-                yield window.popleft().result()
-        while window:
-            yield window.popleft().result()
+        yield from ordered_map(pool, encode_chunk, chunks, 2 * workers)
 
 
 def outcomes(options: EncodeOptions, input_path: Path, workers: int) -> Iterator[Outcome]:
