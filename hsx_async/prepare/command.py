@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -75,12 +76,21 @@ def _in_process(options: EncodeOptions, chunks: Iterable[Chunk]) -> Iterator[lis
         yield encoder.chunk(chunk)
 
 
+def _pool_context() -> multiprocessing.context.BaseContext:
+    """forkserver: a child forked from this process would inherit its tokenizer threads and
+    locks; the fork server is a clean process that imports transformers once for all
+    workers. Started early, it imports while this process checks the tokenizer."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["hsx_async.prepare.encode", "transformers"])
+    multiprocessing.forkserver.ensure_running()
+    return context
+
+
 def _in_pool(
     options: EncodeOptions, chunks: Iterable[Chunk], workers: int
 ) -> Iterator[list[Outcome]]:
     """Chunk results in input order, at most 2 × workers chunks in flight."""
-    # spawn: a forked child would inherit the parent's tokenizer threads and locks.
-    context = multiprocessing.get_context("spawn")
+    context = _pool_context()
     with ProcessPoolExecutor(
         workers, mp_context=context, initializer=init_worker, initargs=(options,)
     ) as pool:
@@ -121,6 +131,8 @@ def run_prepare(
     estimate: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write samples, quarantine and summary; return the summary."""
+    if workers > 1:
+        _pool_context()
     RecordEncoder(options)  # a bad tokenizer or template fails here, once, as a ConfigError
     stats = PrepareStats()
     paths.out.parent.mkdir(parents=True, exist_ok=True)

@@ -289,6 +289,8 @@ class Regenerator:
 
     async def _worker(self, queue: asyncio.Queue[Conversation | None]) -> None:
         while (conv := await queue.get()) is not None:
+            if self.stop.is_set():
+                continue  # a stop: what is queued stays for the next run
             try:
                 line = await self._regenerate(conv)
             except (TurnFailed, RecordError) as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -214,10 +215,15 @@ def _nonces(server: ReferenceServer) -> set[str]:
     return set(_requests(server))
 
 
-async def _child(config: Path, src: Path, out: Path, failpoint: str | None) -> tuple[int, str]:
+def _child_env(failpoint: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "HSX_FAILPOINT"}
     if failpoint:
         env["HSX_FAILPOINT"] = failpoint
+    return env
+
+
+async def _child(config: Path, src: Path, out: Path, failpoint: str | None) -> tuple[int, str]:
+    env = _child_env(failpoint)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "hsx_async", "regenerate", str(src),
         "--config", str(config), "--out", str(out),
@@ -269,3 +275,33 @@ async def test_killed_run_resumes_without_redoing_finished_conversations(
         await regenerate(config_from_dict(raw, base=tmp_path), src, whole)
     assert _records(out) == _records(whole)
     assert not RegenPaths.beside(out).quarantine.read_bytes()
+
+
+async def test_sigterm_finishes_the_conversations_in_flight_and_exits_0(
+    tmp_path: Path, shm_root: Path, tiny_model_dir: Path, write_jsonl: WriteLines
+) -> None:
+    convs = [tiny_conversation(i, turns=2) for i in range(10)]
+    src = write_jsonl(tmp_path / "conversations.jsonl", convs)
+    async with running_reference_server(ReferenceOptions(dump_root=shm_root)) as server:
+        raw = _raw(tmp_path, server, tiny_model_dir)
+        config = tmp_path / "job.toml"
+        config.write_text(config_toml(raw))
+        out = tmp_path / "regen.jsonl"
+        server.scheduler.pause()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "hsx_async", "regenerate", str(src),
+            "--config", str(config), "--out", str(out),
+            cwd=REPO, env=_child_env(None), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        async with asyncio.timeout(CHILD_TIMEOUT_S):
+            await server.scheduler.wait_queued(3)  # every worker has a first turn out
+            proc.send_signal(signal.SIGTERM)
+            server.scheduler.resume()
+            output, _ = await proc.communicate()
+        assert proc.returncode == 0, output.decode(errors="replace")[-3000:]
+        first = _records(out)
+        assert len(first) == 3  # the three in flight, both turns each; nothing else begun
+        code, log = await _child(config, src, out, None)
+        assert code == 0, log
+    assert len(_records(out)) == len(convs)
