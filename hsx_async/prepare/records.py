@@ -22,6 +22,7 @@ import orjson
 import xxhash
 
 Role = Literal["system", "user", "assistant"]
+SourceFormat = Literal["sharegpt", "openai"]
 SystemPolicy = Literal["keep", "drop", "override"]
 
 # ShareGPT's "from" values seen in public dumps, and OpenAI's roles.
@@ -51,7 +52,7 @@ class Conversation:
     id: str | int
     line: int
     turns: tuple[Turn, ...]
-    source_format: Literal["sharegpt", "openai"]
+    source_format: SourceFormat
 
     def messages(self) -> list[dict[str, str]]:
         """The turns as chat-template messages."""
@@ -92,20 +93,20 @@ def _given_id(obj: dict[str, Any]) -> tuple[str | int | None, str]:
     return None, f"id {str(value)[:60]!r} is not a non-negative integer or a printable string"
 
 
-def _turns(obj: dict[str, Any]) -> tuple[list[Any], str, str, str] | str:
+def _turns(obj: dict[str, Any]) -> tuple[list[Any], str, str, SourceFormat] | str:
     """(turns, role key, content key, format) of a record, or why it has none."""
     has_conv, has_msgs = "conversations" in obj, "messages" in obj
     if has_conv and has_msgs:
         return "record has both 'conversations' and 'messages'; keep one"
-    if has_conv:
-        raw, keys = obj["conversations"], ("from", "value", "sharegpt")
-    elif has_msgs:
-        raw, keys = obj["messages"], ("role", "content", "openai")
-    else:
+    if not (has_conv or has_msgs):
         return "record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI)"
+    name = "conversations" if has_conv else "messages"
+    raw = obj[name]
     if not isinstance(raw, list) or not raw:
-        return f"'{'conversations' if has_conv else 'messages'}' is not a non-empty list"
-    return raw, *keys
+        return f"'{name}' is not a non-empty list"
+    if has_conv:
+        return raw, "from", "value", "sharegpt"
+    return raw, "role", "content", "openai"
 
 
 def _turn(raw: object, index: int, role_key: str, content_key: str) -> Turn | str:
@@ -171,4 +172,4 @@ def parse_record(
     if turns[0].role == "assistant":
         return BadRecord(line, given, "the first turn is the assistant's: no prompt precedes it")
     sample_id = given if given is not None else derived_id(turns)
-    return Conversation(sample_id, line, tuple(turns), fmt)  # type: ignore[arg-type]
+    return Conversation(sample_id, line, tuple(turns), fmt)
