@@ -197,6 +197,7 @@ def test_prepare_smoke(tmp_path: Path, shm_root: Path) -> None:
     assert set(runs) == {"baseline (no mask, 1 process)", "prepare-w1", "prepare-w2"}
     for r in runs.values():
         assert r["samples"] == data["conversations"] and positive(r["samples_per_s"])
+        assert positive(r["cpu_ms_per_sample"])
     # Same input, same template: every run saw the same tokens.
     assert len({r["tokens"] for r in runs.values()}) == 1
     assert all(positive(r["wall_s"]) for r in data["startup"])

@@ -28,6 +28,7 @@ from hsx_async.dataset.durable import open_atomic
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.errors import ConfigError
 from hsx_async.prepare.encode import (
+    ChunkResult,
     EncodeOptions,
     Outcome,
     RecordEncoder,
@@ -70,7 +71,7 @@ def _chunks(reader: SampleReader) -> Iterator[Chunk]:
         yield chunk
 
 
-def _in_process(options: EncodeOptions, chunks: Iterable[Chunk]) -> Iterator[list[Outcome]]:
+def _in_process(options: EncodeOptions, chunks: Iterable[Chunk]) -> Iterator[ChunkResult]:
     encoder = RecordEncoder(options)
     for chunk in chunks:
         yield encoder.chunk(chunk)
@@ -88,7 +89,7 @@ def _pool_context() -> multiprocessing.context.BaseContext:
 
 def _in_pool(
     options: EncodeOptions, chunks: Iterable[Chunk], workers: int
-) -> Iterator[list[Outcome]]:
+) -> Iterator[ChunkResult]:
     """Chunk results in input order, at most 2 × workers chunks in flight."""
     context = _pool_context()
     with ProcessPoolExecutor(
@@ -97,14 +98,19 @@ def _in_pool(
         yield from ordered_map(pool, encode_chunk, chunks, 2 * workers)
 
 
-def outcomes(options: EncodeOptions, input_path: Path, workers: int) -> Iterator[Outcome]:
-    """Every input line's outcome, in input order; duplicate ids go to quarantine."""
+def outcomes(
+    options: EncodeOptions, input_path: Path, workers: int, stats: PrepareStats | None = None
+) -> Iterator[Outcome]:
+    """Every input line's outcome, in input order; duplicate ids go to quarantine. The
+    encoding CPU time of every chunk, wherever it ran, is added to ``stats``."""
     reader = SampleReader(input_path, options.max_tokens)
     chunks = _chunks(reader)
     results = _in_process(options, chunks) if workers <= 1 else _in_pool(options, chunks, workers)
     first_line: dict[str, int] = {}
     for batch in results:
-        for outcome in batch:
+        if stats is not None:
+            stats.encode_cpu_s += batch.cpu_s
+        for outcome in batch.outcomes:
             yield _dedup(outcome, first_line)
 
 
@@ -137,7 +143,7 @@ def run_prepare(
     stats = PrepareStats()
     paths.out.parent.mkdir(parents=True, exist_ok=True)
     with open_atomic(paths.out) as out, open_atomic(paths.quarantine) as quarantine:
-        for outcome in outcomes(options, paths.input, workers):
+        for outcome in outcomes(options, paths.input, workers, stats):
             stats.add(outcome)
             if outcome.reason:
                 quarantine.write(_quarantine_line(outcome))

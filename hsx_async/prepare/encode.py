@@ -7,6 +7,7 @@ the parent can write them in input order whatever process did the work.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,8 +102,16 @@ class RecordEncoder:
             truncated_from=n_full if n_full > len(enc.input_ids) else 0,
         )
 
-    def chunk(self, lines: Sequence[tuple[int, bytes | None]]) -> list[Outcome]:
-        return [self.outcome(line, raw) for line, raw in lines]
+    def chunk(self, lines: Sequence[tuple[int, bytes | None]]) -> ChunkResult:
+        started = time.process_time()
+        outcomes = [self.outcome(line, raw) for line, raw in lines]
+        return ChunkResult(outcomes, time.process_time() - started)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkResult:
+    outcomes: list[Outcome]
+    cpu_s: float  # CPU seconds the chunk took in its process (the summary adds them up)
 
 
 # One encoder per worker process, built by the pool's initializer.
@@ -114,7 +123,7 @@ def init_worker(options: EncodeOptions) -> None:
     _WORKER = RecordEncoder(options)
 
 
-def encode_chunk(lines: Sequence[tuple[int, bytes | None]]) -> list[Outcome]:
+def encode_chunk(lines: Sequence[tuple[int, bytes | None]]) -> ChunkResult:
     if _WORKER is None:
         raise RuntimeError("encode_chunk runs in a worker started with init_worker")
     return _WORKER.chunk(lines)

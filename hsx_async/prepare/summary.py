@@ -46,6 +46,7 @@ class PrepareStats:
     tokens: int = 0
     trainable_tokens: int = 0
     max_tokens_seen: int = 0
+    encode_cpu_s: float = 0.0  # CPU of rendering + tokenizing, all processes together
     histogram: Counter[str] = field(default_factory=Counter)
     reasons: Counter[str] = field(default_factory=Counter)
 
@@ -73,6 +74,7 @@ class PrepareStats:
             "trainable_tokens": self.trainable_tokens,
             "trainable_share": round(self.trainable_tokens / self.tokens, 4) if self.tokens else 0,
             "longest": self.max_tokens_seen,
+            "encode_cpu_s": round(self.encode_cpu_s, 3),
             "length_histogram": {k: self.histogram[k] for k in order if self.histogram[k]},
             "quarantine_reasons": dict(self.reasons.most_common(20)),
         }
