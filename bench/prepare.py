@@ -1,12 +1,14 @@
 """Prepare: ``hsx prepare`` throughput (samples/s) on 1 and 2 worker processes.
 
-    python bench/prepare.py            # 20,000 conversations, ~2 minutes on 2 cores
+    python bench/prepare.py            # 20,000 conversations, 3 rounds: ~5 minutes
     python bench/prepare.py --smoke    # tiny, checks the script runs (CI)
 
 Input: synthetic multi-turn conversations (1–4 exchanges, log-normal turn lengths) over a
 byte-level BPE tokenizer with the Llama-3 template (tests/prepare/chat_styles.py), built
-locally. Each configuration is one ``hsx prepare`` process, timed from start to exit; a
-run on a single record gives the fixed start-up cost, subtracted in the "net" columns.
+locally. Each configuration is one ``hsx prepare`` process, timed from start to exit, run
+``--rounds`` times in rotating order (the median round is kept); a run on a single record
+gives the fixed start-up cost, subtracted in the "net" column. CPU per sample is what each
+process reports of its own encoding work (start-up excluded).
 The baseline, measured in the same run, is what a preparation script without a mask
 does: one process, ``apply_chat_template(tokenize=True)`` per record, ids written as JSON
 lines. The ratio to it is the price of the mask (one extra rendering per assistant turn)
@@ -103,9 +105,20 @@ def run_all(args: argparse.Namespace, s: Scratch) -> dict[str, Any]:
     src, one = s.disk / "conversations.jsonl", s.disk / "one.jsonl"
     write_conversations(src, args.conversations)
     write_conversations(one, 1)
-    runs = [run_baseline(s, tok, src, args.conversations)]
-    for workers in args.workers:
-        runs.append(run_prepare(s, tok, src, f"prepare-w{workers}", workers))
+
+    # Rounds, the order rotated each round, the median kept: the machine's load drifts.
+    def job(name: str) -> dict[str, Any]:
+        if name == "baseline":
+            return run_baseline(s, tok, src, args.conversations)
+        w = int(name.removeprefix("w"))
+        return run_prepare(s, tok, src, f"prepare-{name}", w)
+
+    jobs = ["baseline", *(f"w{w}" for w in args.workers)]
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
+    for k in range(args.rounds):
+        for name in jobs[k % len(jobs) :] + jobs[: k % len(jobs)]:
+            rounds[name].append(job(name))
+    runs = [_median_run(rounds[name]) for name in jobs]
     # After the big runs, so the caches are as warm as theirs were; the faster of two.
     startup = {
         w: min((run_prepare(s, tok, one, f"startup-w{w}-{k}", w)
@@ -123,6 +136,12 @@ def run_all(args: argparse.Namespace, s: Scratch) -> dict[str, Any]:
         net = r["wall_s"] - fixed
         r["net_samples_per_s"] = r["samples"] / net if net > 0.2 * r["wall_s"] else None
     return {"conversations": args.conversations, "startup": list(startup.values()), "runs": runs}
+
+
+def _median_run(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median wall time, with every round's wall time beside it."""
+    ordered = sorted(results, key=lambda r: r["wall_s"])
+    return {**ordered[len(ordered) // 2], "rounds_wall_s": [r["wall_s"] for r in results]}
 
 
 def report(data: dict[str, Any]) -> list[str]:
@@ -162,9 +181,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     common_args(p)
     p.add_argument("--conversations", type=int, default=20000)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--rounds", type=int, default=3, help="runs of each; the median is kept")
     args = p.parse_args(argv)
     if args.smoke:
-        args.conversations = 50
+        args.conversations, args.rounds = 50, 1
     return args
 
 
