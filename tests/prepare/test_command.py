@@ -138,7 +138,8 @@ def test_system_prompt_options_change_the_rendering(
         "given": ["--system-prompt", "You are a fox."],
     }.items():
         out = tmp_path / f"{name}.jsonl"
-        assert main(["prepare", str(src), "--tokenizer", tok, "--out", str(out), *extra]) == 0
+        argv = ["prepare", str(src), "--tokenizer", tok, "--out", str(out), "--workers", "1"]
+        assert main([*argv, *extra]) == 0
         outs[name] = _lines(out)[0]
     plain, given = outs["plain"], outs["given"]
     assert plain["input_ids"] != given["input_ids"]
