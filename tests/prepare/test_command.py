@@ -104,6 +104,12 @@ def test_max_tokens_policy(
         assert long["id"] == "long" and len(long["input_ids"]) == 60
         assert summary["truncated"] == 1 and summary["longest"] == 60
         assert long["loss_mask"][-1] == 1  # cut inside the answer
+        # Token by token, the cut sample is the head of the uncut one.
+        whole = PreparePaths.beside(src, tmp_path / "whole.jsonl")
+        run_prepare(EncodeOptions(tokenizer=tokenizer_dirs["llama3"]), whole)
+        full = _lines(whole.out)[1]
+        assert long["input_ids"] == full["input_ids"][:60]
+        assert long["loss_mask"] == full["loss_mask"][:60]
 
 
 def test_estimate_from_the_job_config(
