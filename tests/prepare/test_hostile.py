@@ -87,6 +87,19 @@ def test_any_line_is_a_valid_sample_or_a_reason(encoder: RecordEncoder, raw: byt
     assert len(ids) == len(mask) <= 64 and ids
     assert set(mask) <= {0, 1} and sum(mask) == outcome.trainable > 0
     assert all(type(t) is int and t >= 0 for t in ids)
+    # Every assistant answer, with its end-of-turn token, is inside the trainable tokens.
+    record = orjson.loads(raw)
+    turns = record.get("messages") or record.get("conversations")
+    answers = [
+        t.get("content", t.get("value")) for t in turns
+        if t.get("role", t.get("from")) in ("assistant", "gpt")
+    ]  # fmt: skip
+    tok = encoder.chat.tokenizer
+    trained = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    untrained = tok.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+    for answer in answers:
+        assert answer + "<|im_end|>" in trained
+    assert "<|im_start|>assistant" in untrained and "<|im_start|>assistant" not in trained
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
