@@ -21,6 +21,8 @@ from hsx_async.errors import ForcedExit, HsxError, NoServerError
 COMMAND_MODULES = (
     "hsx_async.run.daemon",
     "hsx_async.run.preflight",
+    "hsx_async.prepare.command",
+    "hsx_async.prepare.regenerate",
     "hsx_async.dataset.inspection",
     "hsx_async.run.report",
     "hsx_async.dataset.merge",

@@ -147,6 +147,29 @@ class ShardConfig:
 
 
 @dataclass(frozen=True)
+class RegenerateConfig:
+    """``hsx regenerate``: how the target model answers (SGLang sampling parameters)."""
+
+    tokenizer: str = ""  # the target's tokenizer directory; "" : pass --tokenizer
+    chat_template: str = ""  # a Jinja file; "": the tokenizer's own template
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 1024
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.temperature <= 100.0, "regenerate.temperature", "must be in [0, 100]")
+        _check(0.0 < self.top_p <= 1.0, "regenerate.top_p", "must be in (0, 1]")
+        _check(self.max_new_tokens >= 1, "regenerate.max_new_tokens", "must be at least 1")
+        _check(
+            all(t >= 0 for t in self.stop_token_ids),
+            "regenerate.stop_token_ids",
+            "token ids are ≥ 0",
+        )
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig
     input: InputConfig
@@ -157,6 +180,7 @@ class Config:
     writer: WriterConfig = field(default_factory=WriterConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
     path: Path | None = None  # the file it came from; not a key
 
     @property
@@ -244,6 +268,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "writer": WriterConfig,
     "daemon": DaemonConfig,
     "shard": ShardConfig,
+    "regenerate": RegenerateConfig,
 }
 _REQUIRED = ("server", "input", "output", "model")
 

@@ -209,3 +209,15 @@ def test_hook_smoke(tmp_path: Path, shm_root: Path) -> None:
         background = "background" in row["mode"]
         assert (row["peak_queued_mb"] > 0) is background
     assert set(data["speedup_sched_old_over_new"]) == {"glue", "PrefillDumper"}
+
+
+def test_prepare_smoke(tmp_path: Path, shm_root: Path) -> None:
+    data = run_smoke("prepare.py", tmp_path, shm_root)
+    runs = {r["name"]: r for r in data["runs"]}
+    assert set(runs) == {"baseline (no mask, 1 process)", "prepare-w1", "prepare-w2"}
+    for r in runs.values():
+        assert r["samples"] == data["conversations"] and positive(r["samples_per_s"])
+        assert positive(r["cpu_ms_per_sample"])
+    # Same input, same template: every run saw the same tokens.
+    assert len({r["tokens"] for r in runs.values()}) == 1
+    assert all(positive(r["wall_s"]) for r in data["startup"])

@@ -23,7 +23,7 @@ import argparse
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
@@ -334,13 +334,21 @@ def choose(entries: Sequence[ManifestEntry], fraction: float, seed: int) -> list
 def _bounded_map(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> Iterator[_R]:
     """``map`` over a thread pool, in order, with at most ``2 × workers`` tasks in flight."""
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hsx-audit") as pool:
-        pending: deque[Future[_R]] = deque()
-        for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().result()
-        while pending:
+        yield from ordered_map(pool, fn, items, 2 * workers)
+
+
+def ordered_map(
+    pool: Executor, fn: Callable[[_T], _R], items: Iterable[_T], in_flight: int
+) -> Iterator[_R]:
+    """``map`` over any executor (threads or processes), results in input order, at most
+    ``in_flight`` tasks submitted and not yet taken back: memory stays bounded."""
+    pending: deque[Future[_R]] = deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= in_flight:
             yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 @dataclass

@@ -10,6 +10,7 @@ import os
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from hsx_async.errors import DatasetError, DiskFullError, WriteError
 
@@ -53,9 +54,23 @@ def write_durably(final: Path, write: Callable[[Path], object], *, tmp: Path | N
     it, then fsync, rename over ``final``, fsync of the directory. On any failure the
     temp file goes and ``final`` is untouched. ``tmp`` names the temp file for callers
     whose resume recognises their own (by default a unique hidden name)."""
+    with _durable_tmp(final, tmp) as path:
+        write(path)
+
+
+@contextlib.contextmanager
+def open_atomic(path: Path) -> Iterator[BinaryIO]:
+    """A file to write that appears as ``path`` only when the block ends without error
+    (as :func:`write_durably`); on an error the temp file goes and ``path`` is untouched."""
+    with _durable_tmp(path, None) as tmp, tmp.open("wb") as fh:
+        yield fh
+
+
+@contextlib.contextmanager
+def _durable_tmp(final: Path, tmp: Path | None) -> Iterator[Path]:
     tmp = tmp or final.with_name(f".{final.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
-        write(tmp)
+        yield tmp
         fsync_file(tmp)
         tmp.replace(final)
     except BaseException:

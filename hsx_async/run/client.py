@@ -186,9 +186,13 @@ class SGLangClient:
     ) -> None:
         """One prefill request; raises RequestError or DumpError (bad response)."""
         engine = server.engine
-        body = orjson.dumps(
-            engine.build_body(rid, ns, input_ids), option=orjson.OPT_SERIALIZE_NUMPY
-        )
+        parsed = await self.post_generate(server, engine.build_body(rid, ns, input_ids), timeout)
+        engine.check(parsed, rid, int(input_ids.shape[0]))
+
+    async def post_generate(self, server: Server, request: object, timeout: float) -> object:
+        """POST any body to the server's generate endpoint (``hsx regenerate`` decodes
+        through SGLang's ``/generate``); the parsed JSON answer, or RequestError."""
+        body = orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)
         try:
             async with self.session.post(
                 server.generate_url, data=body, headers=_JSON, timeout=_timeout(timeout)
@@ -206,12 +210,12 @@ class SGLangClient:
             ) from None
         _raise_for_status(server.display, status, payload)
         try:
-            parsed = orjson.loads(payload)
+            parsed: object = orjson.loads(payload)
         except orjson.JSONDecodeError:
             raise RequestError(
                 f"{server.display}: 200 with a body that is not JSON", server_fault=False
             ) from None
-        engine.check(parsed, rid, int(input_ids.shape[0]))
+        return parsed
 
     async def health(self, url: str, timeout: float = 5.0) -> str:
         """'' when ``GET /health`` answers 200, else why not."""

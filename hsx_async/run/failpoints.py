@@ -20,6 +20,11 @@ POINTS = (
     "commit.after_append",  # manifest line durable, dump not yet deleted
     "dump.during_delete",  # dump deletion under way
 )
+# ``hsx regenerate``'s points, apart: the daemon's crash suite runs every one of POINTS.
+REGENERATE_POINTS = (
+    "regenerate.before_append",  # a conversation regenerated, its line not yet written
+    "regenerate.after_append",  # its line durable
+)
 
 _lock = threading.Lock()
 _target: tuple[str, int] | None = None
@@ -28,8 +33,9 @@ _seen = 0
 
 def _parse(spec: str) -> tuple[str, int]:
     name, _, count = spec.partition(":")
-    if name not in POINTS:
-        raise ValueError(f"HSX_FAILPOINT names unknown point {name!r}; known: {', '.join(POINTS)}")
+    known = POINTS + REGENERATE_POINTS
+    if name not in known:
+        raise ValueError(f"HSX_FAILPOINT names unknown point {name!r}; known: {', '.join(known)}")
     return name, int(count or "1")
 
 

@@ -22,11 +22,28 @@ class BadRequest(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class Sampling:
+    """SGLang's sampling parameters that the reference server honours when it decodes."""
+
+    # 0 is greedy. SGLang's default is 1.0; this server decodes greedily unless asked,
+    # so ordinary test traffic stays deterministic.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None  # SGLang's sampling_seed
+    stop_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateRequest:
     rid: str
     input_ids: list[int]
     max_new_tokens: int
     ns: str | None  # None: ordinary traffic, dumps nothing
+    sampling: Sampling = Sampling()
 
 
 def _input_ids(body: dict[str, Any], vocab_size: int) -> list[int]:
@@ -61,6 +78,32 @@ def _sampling(body: dict[str, Any]) -> tuple[int, str | None]:
     return max_new, ns
 
 
+def _number(params: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if type(value) not in (int, float) or not low <= value <= high:
+        raise BadRequest(f"{key} is {value!r}, expected a number in [{low:g}, {high:g}]")
+    return float(value)
+
+
+def parse_sampling(params: dict[str, Any], vocab_size: int) -> Sampling:
+    """temperature, top_p, sampling_seed and stop_token_ids, checked like SGLang does."""
+    temperature = _number(params, "temperature", 0.0, 0.0, 100.0)
+    top_p = _number(params, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise BadRequest("top_p is 0, expected a number in (0, 1]")
+    seed = params.get("sampling_seed")
+    if seed is not None and (type(seed) is not int or not -(2**63) <= seed < 2**63):
+        raise BadRequest(f"sampling_seed is {seed!r}, expected a 64-bit integer")
+    stops = params.get("stop_token_ids") or []
+    if not isinstance(stops, list) or any(
+        type(t) is not int or not 0 <= t < vocab_size for t in stops
+    ):
+        raise BadRequest(f"stop_token_ids is {stops!r}, expected token ids in [0, {vocab_size})")
+    return Sampling(temperature, top_p, seed, frozenset(stops))
+
+
 def parse_generate(body: object, *, vocab_size: int, max_positions: int | None) -> GenerateRequest:
     """A checked ``POST /generate`` body, or :class:`BadRequest` saying what to fix."""
     if not isinstance(body, dict):
@@ -84,12 +127,21 @@ def parse_generate(body: object, *, vocab_size: int, max_positions: int | None) 
             f"{len(ids)} prompt tokens + max_new_tokens {max_new} exceed the model's "
             f"{max_positions} positions"
         )
-    return GenerateRequest(rid=rid, input_ids=ids, max_new_tokens=max_new, ns=ns)
+    sampling = parse_sampling(body.get("sampling_params") or {}, vocab_size)
+    return GenerateRequest(rid=rid, input_ids=ids, max_new_tokens=max_new, ns=ns, sampling=sampling)
 
 
-def generate_response(rid: str, prompt_tokens: int, output_ids: list[int]) -> dict[str, Any]:
-    """SGLang's answer to a non-streaming ``POST /generate``."""
+def generate_response(
+    rid: str, prompt_tokens: int, output_ids: list[int], stopped: bool = False
+) -> dict[str, Any]:
+    """SGLang's answer to a non-streaming ``POST /generate``: ``stopped`` when the last
+    output token is a stop token (SGLang keeps it in ``output_ids``), else the length cap."""
     n = len(output_ids)
+    finish: dict[str, Any] = (
+        {"type": "stop", "matched": output_ids[-1]}
+        if stopped and output_ids
+        else {"type": "length", "length": n}
+    )
     return {
         "text": "",
         "output_ids": output_ids,
@@ -98,7 +150,7 @@ def generate_response(rid: str, prompt_tokens: int, output_ids: list[int]) -> di
             "prompt_tokens": prompt_tokens,
             "completion_tokens": n,
             "cached_tokens": 0,  # no prefix cache: every row is computed
-            "finish_reason": {"type": "length", "length": n},
+            "finish_reason": finish,
         },
     }
 

@@ -20,7 +20,7 @@ a server or the ground truth is needed, so ``hsx --help`` stays fast.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,16 @@ TINY_AUX_LAYERS = (1, 3, 5)
 # Per-channel RMSNorm gains of the built-in model (see set_realistic_norm_gains).
 NORM_GAIN_LOW = 0.2
 NORM_GAIN_HIGH = 3.0
+
+# The tiny tokenizer's chat template (hsx prepare/regenerate): words of its vocabulary as
+# role headers (t1000 system, t1001 user, t1002 assistant) and </s> ending each answer.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role == 'system' %} t1000 {{ m.content }}"
+    "{% elif m.role == 'user' %} t1001 {{ m.content }}"
+    "{% else %} t1002 {{ m.content }} </s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %} t1002{% endif %}"
+)
 
 # One layer's cached (keys, values), each [1, kv_heads, rows, head_dim].
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -96,8 +106,9 @@ def set_realistic_norm_gains(
 def save_default_model(path: Path, seed: int = 0) -> Path:
     """Write the built-in tiny Llama as a local Hugging Face directory (bfloat16 weights,
     ``config.json``, and a word-level tokenizer over its vocabulary: ``t0`` … ``t1020`` and
-    ``<s>``, ``</s>``, ``<unk>``), so a real engine (SGLang, vLLM) can serve exactly the model
-    the ground truth is computed from. Nothing is downloaded."""
+    ``<s>``, ``</s>``, ``<unk>``, with :data:`TINY_CHAT_TEMPLATE`), so a real engine (SGLang,
+    vLLM) can serve exactly the model the ground truth is computed from. Nothing is
+    downloaded."""
     from tokenizers import Tokenizer  # noqa: PLC0415 - only writers of model dirs need it
     from tokenizers.models import WordLevel  # noqa: PLC0415
     from tokenizers.pre_tokenizers import WhitespaceSplit  # noqa: PLC0415
@@ -111,9 +122,14 @@ def save_default_model(path: Path, seed: int = 0) -> Path:
     vocab = {tok: i for i, tok in enumerate(specials)}
     vocab.update({f"t{i}": i + len(specials) for i in range(TINY_VOCAB - len(specials))})
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    # The ignores differ between tokenizers/transformers releases (typed or not).
+    tok.pre_tokenizer = WhitespaceSplit()  # type: ignore[assignment, unused-ignore]
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call, unused-ignore]
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        chat_template=TINY_CHAT_TEMPLATE,
     )
     fast.save_pretrained(path)
     return path
@@ -230,6 +246,7 @@ class Segment:
     start: int
     past: KV | None
     want_next: bool = False
+    pick: Callable[[torch.Tensor], int] | None = None  # next token from logits; None: greedy
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,9 +372,15 @@ class PackedEngine:
                 ends.append(q0 - 1)
         if not ends:
             return [None] * len(segments)
-        logits = self.model.get_output_embeddings()(final[ends])
-        picked = iter(logits.argmax(dim=-1).tolist())
-        return [next(picked) if seg.want_next else None for seg in segments]
+        logits = iter(self.model.get_output_embeddings()(final[ends]).float())
+        picked: list[int | None] = []
+        for seg in segments:
+            if not seg.want_next:
+                picked.append(None)
+                continue
+            row = next(logits)
+            picked.append(int(row.argmax()) if seg.pick is None else seg.pick(row))
+        return picked
 
 
 def _layer_kv(cache: Any, layer: int) -> LayerKV:

@@ -45,7 +45,8 @@ class PassRunner:
 
     def __call__(self, slices: Sequence[Slice]) -> list[SliceResult]:
         segments = [
-            Segment(s.job.tokens[s.start : s.end], s.start, s.job.kv, s.want_next) for s in slices
+            Segment(s.job.tokens[s.start : s.end], s.start, s.job.kv, s.want_next, s.job.picker)
+            for s in slices
         ]
         outputs = self._engine.forward(segments)
         views = self._aborted() + [_view(s) for s in slices]

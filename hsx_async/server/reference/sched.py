@@ -34,6 +34,7 @@ class PassFailed(Exception):
 class Completion:
     prompt_tokens: int
     output_ids: list[int]
+    stopped: bool = False  # ended on a stop token, not at max_new_tokens
 
 
 @dataclass(eq=False)
@@ -47,6 +48,8 @@ class Job:
     prompt_len: int = 0
     rows_done: int = 0
     kv: Any = None  # the engine's cache of rows [0, rows_done)
+    stop_ids: frozenset[int] = frozenset()  # decoding ends once one is generated
+    picker: Any = None  # picks the next token from logits; None: greedy
     future: asyncio.Future[Completion] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -62,10 +65,19 @@ class Job:
         return len(self.tokens) - self.rows_done
 
     @property
+    def stopped(self) -> bool:
+        return self.generated > 0 and self.tokens[-1] in self.stop_ids
+
+    @property
+    def decoding(self) -> bool:
+        """More tokens are to be generated."""
+        return self.generated < self.max_new_tokens and not self.stopped
+
+    @property
     def finished(self) -> bool:
         # The last generated token is never fed back: no pass computes its row.
         fed = len(self.tokens) - (1 if self.generated else 0)
-        return self.generated == self.max_new_tokens and self.rows_done >= fed
+        return not self.decoding and self.rows_done >= fed
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +90,7 @@ class Slice:
 
     @property
     def want_next(self) -> bool:
-        return self.end == len(self.job.tokens) and self.job.generated < self.job.max_new_tokens
+        return self.end == len(self.job.tokens) and self.job.decoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +267,8 @@ class Scheduler:
             self._remove(job)
             self.stats.completed += 1
             if not job.future.done():
-                job.future.set_result(Completion(job.prompt_len, job.tokens[job.prompt_len :]))
+                output = job.tokens[job.prompt_len :]
+                job.future.set_result(Completion(job.prompt_len, output, job.stopped))
 
     def _fail(self, job: Job, exc: Exception) -> None:
         self._remove(job)

@@ -188,6 +188,11 @@ async def _generate(request: web.Request) -> web.Response:
     except BadRequest as exc:
         return _json(error_body(str(exc)), 400)
     job = Job(req.rid, list(req.input_ids), req.max_new_tokens, req.ns)
+    job.stop_ids = req.sampling.stop_token_ids
+    if req.max_new_tokens and not req.sampling.greedy:
+        from hsx_async.server.reference.sampling import TokenPicker  # noqa: PLC0415 - torch
+
+        job.picker = TokenPicker(req.sampling)
     try:
         done = await state.scheduler.submit(job)
     except DuplicateRid as exc:
@@ -196,7 +201,7 @@ async def _generate(request: web.Request) -> web.Response:
         return _json(error_body(str(exc)), 503)
     except PassFailed as exc:
         return _json(error_body(str(exc)), 500)
-    return _json(generate_response(req.rid, done.prompt_tokens, done.output_ids))
+    return _json(generate_response(req.rid, done.prompt_tokens, done.output_ids, done.stopped))
 
 
 async def _health(request: web.Request) -> web.Response:
