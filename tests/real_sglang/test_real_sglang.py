@@ -46,16 +46,15 @@ pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(600)]
 
 AUX = (1, 3, 5)
 CHUNK = 16  # --chunked-prefill-size: every prompt longer than this is split into parts
-SAMPLES = 14
 PLAIN_NEW_TOKENS = 6
 HSX_TIMEOUT = 300.0
 
 
 def sample_ids(seed: int) -> dict[str, list[int]]:
     """Prompts of the tiny vocabulary (ids 3..1023): one token, exactly one chunk, one row
-    over, and lengths up to ~7 chunks."""
+    over, and lengths up to ~6 chunks."""
     rng = random.Random(seed)
-    lengths = [1, CHUNK, CHUNK + 1, 3 * CHUNK + 5] + [rng.randint(2, 110) for _ in range(10)]
+    lengths = [1, CHUNK, CHUNK + 1, 3 * CHUNK + 5] + [rng.randint(2, 90) for _ in range(6)]
     return {f"s{i}": [rng.randrange(3, 1024) for _ in range(n)] for i, n in enumerate(lengths)}
 
 
@@ -111,9 +110,9 @@ def run_hsx_beside_plain_traffic(server: Server, config: Path, plain: list[Plain
     done = threading.Event()
 
     def plain_traffic() -> None:
-        # Rounds of all plain prompts at once until hsx is done (at most 4 rounds).
+        # Rounds of all plain prompts at once until hsx is done (at most 3 rounds).
         with ThreadPoolExecutor(len(plain)) as pool:
-            for _ in range(4):
+            for _ in range(3):
                 answers = list(pool.map(lambda p: generate_plain(server, p.input_ids), plain))
                 for p, answer in zip(plain, answers, strict=True):
                     p.beside.append(answer)
@@ -164,7 +163,9 @@ def run(
         hsx = run_hsx_beside_plain_traffic(server, config, plain)
         info = server.get("/get_server_info")
         left = sorted(p.name for p in server.dump_root.iterdir())
-        yield Run(tp, server, tmp / "out", samples, plain, hsx, info, left)
+    # The server is gone before the checks: its idle schedulers would take the CPU the
+    # Hugging Face forwards need (SGLang binds its threads to the cores under TP=2).
+    yield Run(tp, server, tmp / "out", samples, plain, hsx, info, left)
 
 
 def test_server_runs_the_configuration(run: Run) -> None:
