@@ -7,6 +7,7 @@ import pytest
 
 from hsx_async.layer_ids import (
     SGLANG_RULES,
+    SGLANG_UNSUPPORTED,
     architecture_of,
     default_capture,
     draft_ids,
@@ -63,3 +64,17 @@ def test_config_lookups() -> None:
     assert architecture_of(cfg) == "KimiK25ForConditionalGeneration"
     assert num_layers_of(cfg) == 61
     assert architecture_of({}) is None and num_layers_of({"num_hidden_layers": True}) is None
+
+
+def test_minimax_m3_vl_shifts_its_default_too() -> None:
+    assert sglang_capture("plus_one_default_too", None, 24) == (3, 13, 22)
+    assert sglang_capture("plus_one_default_too", (1, 11, 20), 24) == (2, 12, 21)
+    got = draft_ids("MiniMaxM3SparseForConditionalGeneration", (3, 13, 22), 24)
+    assert got.ids == (2, 12, 21)
+
+
+def test_unsupported_class_says_why() -> None:
+    got = draft_ids("LlamaForCausalLMEagle3", (2, 3, 4), 8)
+    assert got.ids is None and got.rule is None
+    assert "not supported by hsx: a draft/MTP head" in got.describe((2, 3, 4))
+    assert not set(SGLANG_RULES) & set(SGLANG_UNSUPPORTED)

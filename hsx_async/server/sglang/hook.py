@@ -64,6 +64,8 @@ from hsx_async.server.hook_writer import BackgroundWriter
 logger = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
+# Names the one other SGLang version the operator accepts (the hook refuses others).
+ENV_ALLOW_SGLANG_VERSION = "HSX_ALLOW_SGLANG_VERSION"
 HOOK_FACTORY = "hsx_async.server.sglang_hook:hsx_hook_factory"
 # At interpreter exit, the writers get this long to finish the queued parts; what is left
 # is abandoned (no meta.json for those requests: the client retries them).
@@ -90,6 +92,31 @@ def installed_sglang_version() -> str | None:
         return importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def check_sglang_version(installed: str | None, env: Mapping[str, str]) -> str:
+    """``installed``, refused unless it is :data:`SGLANG_VERSION` or the operator named
+    exactly it in ``HSX_ALLOW_SGLANG_VERSION``. Another release can keep every name the glue
+    reads and change what a row means (layer numbering, batch order, padding); its dumps
+    would pass every client check and train a drafter on the wrong rows."""
+    version = installed or "unknown"
+    if version == SGLANG_VERSION:
+        return version
+    if env.get(ENV_ALLOW_SGLANG_VERSION) == version:
+        logger.warning(
+            "hsx hook is checked against sglang %s, running %s (allowed by %s)",
+            SGLANG_VERSION,
+            version,
+            ENV_ALLOW_SGLANG_VERSION,
+        )
+        return version
+    raise ConfigError(
+        "",
+        f"the hsx hook is checked against sglang {SGLANG_VERSION}, but sglang {version} is "
+        f"installed: install sglang=={SGLANG_VERSION}, or set {ENV_ALLOW_SGLANG_VERSION}="
+        f"{version} to run it anyway (after checking its dumps, e.g. with the real-SGLang "
+        "test tier)",
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -188,11 +215,7 @@ def hsx_hook_factory(config: Mapping[str, Any] | None = None) -> Callable[[Any, 
             'the hsx hook reads its settings from HSX_* variables; give it "config": {}',
         )
     if _Installed.state is None:
-        version = installed_sglang_version() or "unknown"
-        if version != SGLANG_VERSION:
-            logger.warning(
-                "hsx hook is checked against sglang %s, running %s", SGLANG_VERSION, version
-            )
+        version = check_sglang_version(installed_sglang_version(), os.environ)
         hook_config = HookConfig.from_env(os.environ, server=f"sglang {version}")
         info = _read_server_info()
         check_server_settings(info.settings, hook_config)

@@ -443,6 +443,8 @@ def server_env(
     monkeypatch.delenv("HSX_MODEL_NAME", raising=False)
     monkeypatch.setattr(sglang_hook, "_read_server_info", lambda: info["info"])
     monkeypatch.setattr(sglang_hook, "_load_sglang_api", lambda: api)
+    # The dev environment has no sglang; the factory refuses any other version.
+    monkeypatch.setattr(sglang_hook, "installed_sglang_version", lambda: sglang_hook.SGLANG_VERSION)
     yield info
     state = sglang_hook._Installed.state
     if state is not None and state.background is not None:
@@ -570,15 +572,37 @@ def test_factory_refuses_config_and_bad_env(
     assert sglang_hook._Installed.state is None
 
 
-def test_factory_warns_on_other_sglang(
+def test_factory_refuses_other_sglang(
+    server_env: dict[str, ServerInfo], monkeypatch: pytest.MonkeyPatch, api: SglangApi
+) -> None:
+    monkeypatch.setattr(sglang_hook, "installed_sglang_version", lambda: "0.6.0")
+    monkeypatch.delenv("HSX_ALLOW_SGLANG_VERSION", raising=False)
+    with pytest.raises(ConfigError) as refused:
+        sglang_hook.hsx_hook_factory({})
+    message = str(refused.value)
+    assert "checked against sglang 0.5.23, but sglang 0.6.0 is installed" in message
+    assert "HSX_ALLOW_SGLANG_VERSION=0.6.0" in message
+    assert sglang_hook._Installed.state is None
+    assert api.req_cls("r1", [1], params()).return_hidden_states_mode == NULL
+    # An override naming another version does not cover this one.
+    monkeypatch.setenv("HSX_ALLOW_SGLANG_VERSION", "0.5.24")
+    with pytest.raises(ConfigError, match=re.escape("HSX_ALLOW_SGLANG_VERSION=0.6.0")):
+        sglang_hook.hsx_hook_factory({})
+    monkeypatch.setattr(sglang_hook, "installed_sglang_version", lambda: None)
+    with pytest.raises(ConfigError, match="sglang unknown is installed"):
+        sglang_hook.hsx_hook_factory({})
+
+
+def test_factory_runs_other_sglang_when_allowed(
     server_env: dict[str, ServerInfo],
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(sglang_hook, "installed_sglang_version", lambda: "0.6.0")
+    monkeypatch.setenv("HSX_ALLOW_SGLANG_VERSION", "0.6.0")
     with caplog.at_level(logging.WARNING, logger=sglang_hook.__name__):
         sglang_hook.hsx_hook_factory({})
-    assert "checked against sglang 0.5.23, running 0.6.0" in caplog.text
+    assert "checked against sglang 0.5.23, running 0.6.0 (allowed by" in caplog.text
     state = sglang_hook._Installed.state
     assert state is not None and state.config.server == "sglang 0.6.0"
 
@@ -593,6 +617,12 @@ def test_the_hook_sglang_loads_does_not_import_the_drift_checker() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert done.stdout.strip() == "False"
+
+
+def test_checked_version_needs_no_override(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger=sglang_hook.__name__):
+        assert sglang_hook.check_sglang_version("0.5.23", {}) == "0.5.23"
+    assert not caplog.records
 
 
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,245 @@
+"""The real-SGLang tier: SGLang 0.5.23 on the CPU, from its own environment.
+
+The environment is a separate venv (``bash .ci/sglang-env`` builds ``.venv-sglang`` in the
+repository root; ``HSX_SGLANG_PYTHON`` may name another Python that has sglang==0.5.23,
+the stand-ins of ``standins/`` and hsx). Without it the tier skips, saying how to build
+it, except under ``CI`` (set to anything non-empty), where it fails: CI cannot pass by
+skipping.
+
+Each server is started with the project's own ``deploy/sglang/launch.sh`` plus the CPU
+flags, waited for within a bound, and always killed (its whole process group) afterwards;
+the /dev/shm files it left and its dump root are removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ENV_PYTHON = "HSX_SGLANG_PYTHON"
+DEFAULT_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
+LAUNCH = REPO / "deploy" / "sglang" / "launch.sh"
+SHM = Path("/dev/shm")
+# What serves on this CPU (shared/REAL-ENGINES.md): the native torch paths, a small KV
+# pool (--max-total-tokens caps it; the memory fraction is generous because SGLang measures
+# free host memory around the weight load, which other processes move), no warm-up
+# request. float32, so SGLang does the same float32 math as the Hugging Face forward the
+# dumps are compared with, and the reference server's bf16 tolerance applies.
+CPU_FLAGS = (
+    "--device", "cpu", "--mem-fraction-static", "0.3", "--max-total-tokens", "4096",
+    "--context-length", "1024", "--skip-server-warmup", "--dtype", "float32",
+)  # fmt: skip
+START_TIMEOUT = 240.0  # s; 15-30 s when the machine is idle, TP=2 on 2 busy cores is slower
+STOP_TIMEOUT = 30.0
+# Files SGLang and torch leave in /dev/shm when a server is killed.
+SHM_PREFIXES = ("sglang_", "sgl_shm_", "multi_tokenizer_args_", "nccl-", "sem.loky-", "torch_")
+
+
+def sglang_python() -> Path:
+    """The real SGLang environment's Python; skips (fails under CI) when it is missing."""
+    path = Path(os.environ.get(ENV_PYTHON) or DEFAULT_PYTHON)
+    if path.is_file() and os.access(path, os.X_OK):
+        return path
+    message = (
+        f"no real SGLang environment at {path}: build it with `bash .ci/sglang-env` "
+        f"(or set {ENV_PYTHON} to a Python with sglang==0.5.23 and hsx installed)"
+    )
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def sglang_py() -> Path:
+    return sglang_python()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny realistic-norm Llama as a local Hugging Face directory (bf16 weights)."""
+    from hsx_async.server.reference.model import save_default_model
+
+    return save_default_model(tmp_path_factory.mktemp("model") / "tiny-llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir: Path) -> Any:
+    """The same weights through transformers, in float32 (the ground truth)."""
+    from hsx_async.server.reference.model import load_model
+
+    return load_model(str(model_dir))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Server:
+    url: str
+    dump_root: Path
+    log: Path
+    process: subprocess.Popen[bytes]
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=10) as resp:
+            return orjson.loads(resp.read())
+
+    def post(self, path: str, body: object, timeout: float = 60.0) -> Any:
+        req = urllib.request.Request(
+            self.url + path, data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return orjson.loads(resp.read())
+
+
+def launch_env(sglang_py: Path, dump_root: Path, port: int, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
+    env.update(
+        HSX_PYTHON=str(sglang_py),
+        HSX_AUX_LAYERS="1,3,5",
+        HSX_DUMP_ROOT=str(dump_root),
+        HSX_PORT=str(port),
+        SGLANG_USE_CPU_ENGINE="1",
+        **extra,
+    )
+    return env
+
+
+@contextlib.contextmanager
+def running(command: Sequence[str], env: dict[str, str], log: Path) -> Iterator[Server]:
+    """Start ``command`` in its own process group; kill the group and clean up after."""
+    port = int(env["HSX_PORT"])
+    dump_root = Path(env["HSX_DUMP_ROOT"])
+    dump_root.mkdir(parents=True, exist_ok=True)
+    shm_before = {p.name for p in SHM.iterdir()} if SHM.is_dir() else set()
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            list(command), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        yield Server(f"http://127.0.0.1:{port}", dump_root, log, process)
+    finally:
+        stop(process)
+        shutil.rmtree(dump_root, ignore_errors=True)
+        remove_left_shm(shm_before)
+
+
+def launch_command(model: Path, *flags: str) -> list[str]:
+    return ["bash", str(LAUNCH), str(model), *CPU_FLAGS, *flags]
+
+
+def wait_ready(server: Server, timeout: float = START_TIMEOUT) -> None:
+    """Until /health answers 200; fails with the log's tail if the server exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(
+                f"SGLang exited ({server.process.returncode}):\n{server.log_text()[-4000:]}"
+            )
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        # Polling a starting server: nothing to wait on but the clock (bounded above).
+        time.sleep(0.5)
+    pytest.fail(f"SGLang not ready after {timeout:.0f} s:\n{server.log_text()[-4000:]}")
+
+
+def wait_exit(server: Server, timeout: float = START_TIMEOUT) -> int:
+    try:
+        return server.process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"SGLang still running after {timeout:.0f} s:\n{server.log_text()[-4000:]}")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's process group, SIGKILL to what is left after a bound."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        if _group_gone(process, STOP_TIMEOUT):
+            return
+
+
+def _group_gone(process: subprocess.Popen[bytes], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        process.poll()  # reap the launcher: a zombie leader keeps its group alive
+        if not _group_alive(process.pid):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_left_shm(before: set[str]) -> None:
+    """Remove SGLang's /dev/shm files that appeared since ``before`` and that no live
+    process holds open or mapped (another test's server may run beside this one)."""
+    if not SHM.is_dir():
+        return
+    new = [
+        p.name for p in SHM.iterdir() if p.name not in before and p.name.startswith(SHM_PREFIXES)
+    ]
+    if not new:
+        return
+    held = _paths_in_use()
+    for name in new:
+        path = SHM / name
+        if str(path) not in held:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def _paths_in_use() -> set[str]:
+    held: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    held.add(str(fd.readlink()))
+        with contextlib.suppress(OSError):
+            for line in (proc / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    held.add(line[line.index("/dev/shm/") :].removesuffix(" (deleted)"))
+    return held
+
+
+def new_dump_root() -> Path:
+    base = SHM if SHM.is_dir() else Path("/tmp")
+    return base / f"hsx-real-sglang-{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,260 @@
+"""Real SGLang 0.5.23 with the hsx hook, started by ``deploy/sglang/launch.sh`` and driven
+by ``hsx run`` from a config file: the dataset equals a direct Hugging Face forward of the
+same model (aux layer k == ``hidden_states[k]``, final == the output of ``model.norm``,
+same rows and ids), with chunked prefill and several concurrent samples, overlap
+scheduling on, under TP=1 and TP=2, while plain requests share the server and get their
+normal answers with nothing dumped for them.
+
+One server per configuration (module-scoped, parametrised by TP), started and killed once.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hsx_async.dataset.layout import canonical_id
+from hsx_async.dataset.manifest import read_manifest
+from hsx_async.server.reference.model import TINY_HIDDEN, bf16_mismatch, reference_hidden_states
+from tests.e2e import config_raw, write_config
+from tests.real_sglang.conftest import (
+    Server,
+    free_port,
+    launch_command,
+    launch_env,
+    new_dump_root,
+    running,
+    wait_ready,
+)
+
+pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(600)]
+
+AUX = (1, 3, 5)
+CHUNK = 16  # --chunked-prefill-size: every prompt longer than this is split into parts
+PLAIN_NEW_TOKENS = 6
+HSX_TIMEOUT = 300.0
+
+
+def sample_ids(seed: int) -> dict[str, list[int]]:
+    """Prompts of the tiny vocabulary (ids 3..1023): one token, exactly one chunk, one row
+    over, and lengths up to ~6 chunks."""
+    rng = random.Random(seed)
+    lengths = [1, CHUNK, CHUNK + 1, 3 * CHUNK + 5] + [rng.randint(2, 90) for _ in range(6)]
+    return {f"s{i}": [rng.randrange(3, 1024) for _ in range(n)] for i, n in enumerate(lengths)}
+
+
+PLAIN_PROMPTS = [[5 + 7 * i + j for j in range(20 + 9 * i)] for i in range(3)]
+
+
+@dataclass
+class Plain:
+    """A plain (unmarked) request: greedy, a few new tokens, no custom_params."""
+
+    input_ids: list[int]
+    alone: dict[str, Any] = field(default_factory=dict)  # sent to an idle server
+    beside: list[dict[str, Any]] = field(default_factory=list)  # sent during `hsx run`
+
+
+@dataclass
+class Run:
+    tp: int
+    server: Server
+    out: Path
+    samples: dict[str, list[int]]
+    plain: list[Plain]
+    hsx: subprocess.CompletedProcess[str]
+    info: dict[str, Any]
+    dump_root_after: list[str]
+
+
+def generate_plain(server: Server, ids: list[int]) -> dict[str, Any]:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": PLAIN_NEW_TOKENS, "temperature": 0},
+    }
+    answer: dict[str, Any] = server.post("/generate", body)
+    return answer
+
+
+def hsx_command() -> list[str]:
+    """The dev environment's ``hsx`` (the one pytest runs in), not the SGLang venv's."""
+    exe = shutil.which("hsx", path=str(Path(sys.executable).parent))
+    assert exe is not None, f"no hsx next to {sys.executable}: pip install -e ."
+    return [exe]
+
+
+def run_hsx_beside_plain_traffic(server: Server, config: Path, plain: list[Plain]) -> Any:
+    """``hsx run`` in a subprocess while plain requests keep arriving, so both kinds are
+    scheduled into the same prefill batches; bounded by HSX_TIMEOUT."""
+    proc = subprocess.Popen(
+        [*hsx_command(), "run", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    done = threading.Event()
+
+    def plain_traffic() -> None:
+        # Rounds of all plain prompts at once until hsx is done (at most 3 rounds).
+        with ThreadPoolExecutor(len(plain)) as pool:
+            for _ in range(3):
+                answers = list(pool.map(lambda p: generate_plain(server, p.input_ids), plain))
+                for p, answer in zip(plain, answers, strict=True):
+                    p.beside.append(answer)
+                if done.is_set():
+                    return
+
+    with ThreadPoolExecutor(1) as traffic:
+        sent = traffic.submit(plain_traffic)
+        try:
+            output, _ = proc.communicate(timeout=HSX_TIMEOUT)
+        finally:
+            done.set()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        sent.result(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output, None)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def run(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    sglang_py: Path,
+    model_dir: Path,
+) -> Iterator[Run]:
+    tp: int = request.param
+    tmp = tmp_path_factory.mktemp(f"tp{tp}")
+    extra = {"HSX_TP_SIZE": str(tp), "HSX_CHUNKED_PREFILL_SIZE": str(CHUNK)}
+    if tp == 2:
+        extra["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank
+    env = launch_env(sglang_py, new_dump_root(), free_port(), **extra)
+    samples = sample_ids(seed=tp)
+    lines = [orjson.dumps({"id": sid, "input_ids": ids}) for sid, ids in samples.items()]
+    (tmp / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    with running(launch_command(model_dir), env, tmp / "sglang.log") as server:
+        wait_ready(server)
+        raw = config_raw(
+            tmp, tmp / "in.jsonl", [server.url], server.dump_root,
+            hidden_size=TINY_HIDDEN, aux_layers=AUX,
+            server={"request_timeout": 120.0, "health_interval": 0.5},
+            dump={"timeout": 60.0}, workers={"concurrency": 6},
+        )  # fmt: skip
+        config = write_config(tmp, raw)
+        plain = [Plain(ids) for ids in PLAIN_PROMPTS]
+        for p in plain:
+            p.alone = generate_plain(server, p.input_ids)
+        hsx = run_hsx_beside_plain_traffic(server, config, plain)
+        info = server.get("/get_server_info")
+        left = sorted(p.name for p in server.dump_root.iterdir())
+    # The server is gone before the checks: its idle schedulers would take the CPU the
+    # Hugging Face forwards need (SGLang binds its threads to the cores under TP=2).
+    yield Run(tp, server, tmp / "out", samples, plain, hsx, info, left)
+
+
+def test_server_runs_the_configuration(run: Run) -> None:
+    info = run.info
+    assert info["version"] == "0.5.23"
+    assert info["tp_size"] == run.tp
+    assert info["chunked_prefill_size"] == CHUNK
+    assert info["disable_overlap_schedule"] is False, "overlap scheduling must be on"
+    assert info["disable_radix_cache"] is True
+    assert info["dtype"] == "float32"
+    log = run.server.log_text()
+    assert log.count("hsx hook installed: aux layers [1, 3, 5]") == run.tp
+    assert ("non-writing rank" in log) == (run.tp > 1)
+
+
+def test_hsx_run_writes_every_sample(run: Run) -> None:
+    assert run.hsx.returncode == 0, run.hsx.stdout[-3000:]
+    entries = {canonical_id(e.id): e for e in read_manifest(run.out)}
+    assert set(entries) == set(run.samples)
+    assert "samples_retried" in run.hsx.stdout
+    assert '"samples_retried":0' in run.hsx.stdout, "a dump was refused and retried"
+
+
+def test_prompts_were_chunked_and_batched(run: Run) -> None:
+    """SGLang's own per-pass log: full chunks of CHUNK rows, and passes that held several
+    new requests (concurrent samples and plain requests together)."""
+    passes = [
+        (int(m[1]), int(m[2]))
+        for m in re.finditer(
+            r"Prefill batch, #new-seq: (\d+), #new-token: (\d+)", run.server.log_text()
+        )
+    ]
+    assert any(tokens == CHUNK for _, tokens in passes), passes[:20]
+    assert max(seqs for seqs, _ in passes) >= 2, "no pass batched two requests"
+    assert any(len(ids) > 3 * CHUNK for ids in run.samples.values())
+
+
+def test_dataset_equals_a_direct_hugging_face_forward(run: Run, hf_model: Any) -> None:
+    for entry in read_manifest(run.out):
+        ids = run.samples[canonical_id(entry.id)]
+        tensors = load_file(run.out / entry.path)
+        np.testing.assert_array_equal(tensors["input_ids"].numpy(), np.array(ids))
+        got = tensors["hidden_states"]
+        truth = reference_hidden_states(hf_model, ids, AUX)
+        assert got.dtype == torch.bfloat16 and got.shape == truth.shape == (len(ids), 4, 256)
+        problem = bf16_mismatch(got, truth)
+        assert problem is None, f"{entry.id} (TP={run.tp}): {problem}"
+
+
+def test_final_slot_is_the_output_of_model_norm(run: Run, hf_model: Any) -> None:
+    """The final slot is post-norm: not the residual entering the norm, and not normed
+    twice (the model's norm gains are drawn from U(0.2, 3), so either mix-up shows)."""
+    longest = max(run.samples, key=lambda s: len(run.samples[s]))
+    ids = run.samples[longest]
+    entry = next(e for e in read_manifest(run.out) if canonical_id(e.id) == longest)
+    final = load_file(run.out / entry.path)["hidden_states"][:, -1]
+    seen: dict[str, torch.Tensor] = {}
+    hook = hf_model.model.norm.register_forward_hook(
+        lambda _m, args, out: seen.update(pre=args[0][0], post=out[0])
+    )
+    try:
+        with torch.inference_mode():
+            hf_model.model(input_ids=torch.tensor([ids]), use_cache=False)
+    finally:
+        hook.remove()
+    twice = hf_model.model.norm(seen["post"][None])[0]
+    assert bf16_mismatch(final, seen["post"].to(torch.bfloat16)) is None
+    assert bf16_mismatch(final, seen["pre"].to(torch.bfloat16)) is not None
+    assert bf16_mismatch(final, twice.to(torch.bfloat16)) is not None
+
+
+def greedy(hf_model: Any, ids: list[int], steps: int) -> list[int]:
+    out = list(ids)
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = hf_model(input_ids=torch.tensor([out]), use_cache=False).logits
+            out.append(int(logits[0, -1].argmax()))
+    return out[len(ids) :]
+
+
+def test_plain_requests_are_served_as_usual_and_dump_nothing(run: Run, hf_model: Any) -> None:
+    for p in run.plain:
+        assert p.beside, "no plain request was answered during the run"
+        want = greedy(hf_model, p.input_ids, PLAIN_NEW_TOKENS)
+        assert p.alone["output_ids"] == want
+        for answer in p.beside:
+            assert answer["output_ids"] == want, "a plain request's answer changed"
+            assert "hidden_states" not in answer["meta_info"]
+            assert answer["meta_info"]["prompt_tokens"] == len(p.input_ids)
+    # hsx removed each of its dumps once written; a plain request would have left one.
+    assert run.dump_root_after == []
+    assert "hsx: no dump for rid" not in run.server.log_text()
