@@ -50,3 +50,10 @@ def fresh_structlog() -> Iterator[None]:
         yield
     finally:
         structlog.configure(**saved)
+
+
+@pytest.fixture(scope="session")
+def engine_datasets() -> dict[str, tuple[Path, dict[str, list[int]]]]:
+    """Datasets the real-engine tiers wrote in this session, by engine: (output directory,
+    the samples by id), so a later tier can run the same samples and compare engines."""
+    return {}

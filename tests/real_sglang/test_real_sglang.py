@@ -138,6 +138,7 @@ def run(
     tmp_path_factory: pytest.TempPathFactory,
     sglang_py: Path,
     model_dir: Path,
+    engine_datasets: dict[str, tuple[Path, dict[str, list[int]]]],
 ) -> Iterator[Run]:
     tp: int = request.param
     tmp = tmp_path_factory.mktemp(f"tp{tp}")
@@ -165,6 +166,8 @@ def run(
         left = sorted(p.name for p in server.dump_root.iterdir())
     # The server is gone before the checks: its idle schedulers would take the CPU the
     # Hugging Face forwards need (SGLang binds its threads to the cores under TP=2).
+    if tp == 1 and hsx.returncode == 0:
+        engine_datasets["sglang"] = (tmp / "out", samples)  # tests/real_vllm compares
     yield Run(tp, server, tmp / "out", samples, plain, hsx, info, left)
 
 
