@@ -47,8 +47,8 @@ def _rms_norm(x: torch.Tensor, model: Any) -> torch.Tensor:
     norm = model.model.norm
     x32 = x.float()
     eps = float(getattr(norm, "variance_epsilon", model.config.rms_norm_eps))
-    normed: torch.Tensor = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return normed * norm.weight.float()
+    weight: torch.Tensor = norm.weight.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
