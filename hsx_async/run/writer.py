@@ -205,11 +205,16 @@ class FileWriter:
 
     def discard_temps(self) -> None:
         """Delete the temp files of samples staged but never published (the run failed
-        or was cut short before their commit). Call once no stage or publish runs."""
-        for tmp in self._temps:
+        or was cut short before their commit). Call once no stage or publish runs; a
+        shielded commit still finishing on the event loop may yet drop one from the set, so
+        each is taken out atomically (set.pop) rather than iterated."""
+        while self._temps:
+            try:
+                tmp = self._temps.pop()
+            except KeyError:  # emptied by a late publish between the test and the pop
+                break
             with contextlib.suppress(OSError):
                 tmp.unlink()
-        self._temps.clear()
 
     def _ensure_dir(self, directory: Path) -> tuple[Path, ...]:
         """Create the bucket directory if needed. Returns the directories, outermost first,
