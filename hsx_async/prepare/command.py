@@ -194,10 +194,22 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--tokenizer", type=Path, required=True, help="local tokenizer directory")
     p.add_argument("--out", type=Path, required=True, help="samples JSONL to write")
     p.add_argument("--chat-template", type=Path, default=None, help="a Jinja template file")
-    p.add_argument("--system", choices=("keep", "drop", "override"), default="keep")
+    p.add_argument(
+        "--system",
+        choices=("keep", "drop", "override"),
+        default="keep",
+        help="the records' system prompts: keep them, drop them, or replace them with "
+        "--system-prompt (default: keep)",
+    )
     p.add_argument("--system-prompt", default=None, help="added when absent (keep), or the one")
     p.add_argument("--max-tokens", type=int, default=None, help="default: [input].max_tokens")
-    p.add_argument("--length-policy", choices=("skip", "truncate"), default="skip")
+    p.add_argument(
+        "--length-policy",
+        choices=("skip", "truncate"),
+        default="skip",
+        help="a conversation over --max-tokens: quarantine it (skip) or cut it at the limit "
+        "(truncate); either is counted in the summary (default: skip)",
+    )
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes")
     p.add_argument("--quarantine", type=Path, default=None, help="default: OUT's stem")
     p.add_argument("--config", type=Path, default=None, help="job.toml: size estimate")
