@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ import xxhash
 from hsx_async import __version__
 from hsx_async.config import Config, flatten_public
 from hsx_async.dataset.durable import write_atomic
+from hsx_async.dataset.manifest import MANIFEST, QUARANTINE, log_files, shard_count_of
 from hsx_async.errors import DatasetError
 from hsx_async.protocol import PROTOCOL_VERSION
 
@@ -29,17 +32,31 @@ PROVENANCE = "provenance.json"
 _CHUNK = 8 << 20
 
 
-def fingerprint(path: Path) -> dict[str, Any]:
-    """Size and XXH3-64 of the whole input file (blocking; ~0.1 s/GB from page cache)."""
+def fingerprint(fh: io.BufferedIOBase, path: Path, *, prefix: int | None = None) -> dict[str, Any]:
+    """Size and XXH3-64 of the whole input file, read from ``fh`` (blocking; ~0.1 s/GB
+    from page cache). With ``prefix`` (the size a dataset recorded), also the XXH3-64 of
+    the first ``prefix`` bytes as ``prefix_xxh3_64``: an input that only grew since (lines
+    appended, as while a run reads it) is the same input, extended."""
     hasher = xxhash.xxh3_64()
     size = 0
+    head = None
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with path.open("rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
+    while n := fh.readinto(buf):
+        if prefix is not None and size <= prefix < size + n:
+            hasher.update(view[: prefix - size])
+            head = hasher.hexdigest()
+            hasher.update(view[prefix - size : n])
+        else:
             hasher.update(view[:n])
-            size += n
-    return {"path": str(path), "bytes": size, "xxh3_64": hasher.hexdigest()}
+        size += n
+    whole = hasher.hexdigest()
+    found: dict[str, Any] = {"path": str(path), "bytes": size, "xxh3_64": whole}
+    if prefix is not None and prefix == size:
+        head = whole
+    if head is not None:
+        found["prefix_xxh3_64"] = head
+    return found
 
 
 def _json_safe(value: Any) -> Any:
@@ -108,7 +125,7 @@ def mismatches(old: dict[str, Any], new: Provenance) -> list[str]:
     """Why ``new`` may not extend the dataset recorded in ``old`` (empty: it may)."""
     found = []
     old_in = old.get("input", {})
-    if (old_in.get("bytes"), old_in.get("xxh3_64")) != (new.input["bytes"], new.input["xxh3_64"]):
+    if not _same_input(old_in, new.input):
         found.append(
             f"input differs: the dataset was made from {old_in.get('path')} "
             f"({old_in.get('bytes')} bytes, xxh3 {old_in.get('xxh3_64')}), this run reads "
@@ -125,6 +142,16 @@ def mismatches(old: dict[str, Any], new: Provenance) -> list[str]:
             f"{new.model!r}"
         )
     return found
+
+
+def _same_input(old: Any, new: dict[str, Any]) -> bool:
+    """The same input, or the same one with lines appended (its first ``old["bytes"]``
+    bytes hash as recorded: :func:`fingerprint` with ``prefix``)."""
+    if not isinstance(old, dict):
+        return False
+    if (old.get("bytes"), old.get("xxh3_64")) == (new["bytes"], new["xxh3_64"]):
+        return True
+    return new.get("prefix_xxh3_64") is not None and new["prefix_xxh3_64"] == old.get("xxh3_64")
 
 
 def write_provenance(out_dir: Path, data: bytes) -> None:
@@ -151,6 +178,50 @@ def record_input_count(out_dir: Path, samples: int) -> None:
     if old is not None and old.get("input_samples") != samples:
         old["input_samples"] = samples
         write_provenance(out_dir, orjson.dumps(old, option=orjson.OPT_INDENT_2))
+
+
+def check_shard_layout(out_dir: Path, count: int) -> None:
+    """An output directory belongs to one shard layout: the one its logs were made with.
+    A run with another ``[shard].count`` (or an unsharded run beside sharded ones) would
+    list ids twice and delete the other run's files as orphans, so it is refused. Call it
+    under :func:`directory_lock`, and create this run's logs before releasing it."""
+    for kind in (MANIFEST, QUARANTINE):
+        for path in log_files(out_dir, kind):
+            theirs = shard_count_of(path)
+            if theirs != count:
+                layout = f"[shard] count = {theirs}" if theirs > 1 else "an unsharded run"
+                ours = f"[shard] count = {count}" if count > 1 else "unsharded"
+                raise DatasetError(
+                    f"{out_dir} was made by {layout} ({path.name}); this run is {ours}. "
+                    "Use another output.dir, or the directory's [shard] count"
+                )
+
+
+_DIR_LOCK_WAIT = 60.0
+
+
+@contextlib.contextmanager
+def directory_lock(out_dir: Path) -> Iterator[None]:
+    """The whole output directory, briefly: held while a run checks the shard layout,
+    records provenance, creates its logs and cleans orphans, so two runs starting at once
+    see each other's logs. Waits for another holder up to a minute, then refuses."""
+    fd = os.open(out_dir / ".hsx-dir.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        deadline = time.monotonic() + _DIR_LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise DatasetError(
+                        f"another hsx process has held {out_dir / '.hsx-dir.lock'} for over "
+                        f"{_DIR_LOCK_WAIT:g} s; is one stopped (SIGSTOP)?"
+                    ) from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

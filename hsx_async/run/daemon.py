@@ -30,7 +30,8 @@ from hsx_async.config import Config, ConfigDiff, diff_config, load_config, redac
 from hsx_async.dataset.manifest import MANIFEST, QUARANTINE, AppendLog, DoneSet, load_done, log_name
 from hsx_async.dataset.provenance import (
     check_and_record,
-    fingerprint,
+    check_shard_layout,
+    directory_lock,
     provenance_for,
     read_provenance,
     record_input_count,
@@ -39,14 +40,22 @@ from hsx_async.dataset.provenance import (
 from hsx_async.errors import ConfigError, ForcedExit, HsxError
 from hsx_async.logs import configure_logging
 from hsx_async.run.client import ServerPool, SGLangClient
+from hsx_async.run.dump import namespace_lock
 from hsx_async.run.guard import DiskGuard, FreeFn, free_bytes
 from hsx_async.run.metrics import Metrics
 from hsx_async.run.notify import Notifier, watchdog_loop
 from hsx_async.run.observe import progress_line, progress_loop, serve_http
-from hsx_async.run.pool import EOF, Pipeline
+from hsx_async.run.pool import EOF, Pipeline, namespace_base
+from hsx_async.run.preflight import operator_problem
 from hsx_async.run.resume import check_entries, clean_orphans
 from hsx_async.run.retry import RetryPolicy
-from hsx_async.run.source import BadLine, SampleReader, count_pending, shard_of
+from hsx_async.run.source import (
+    BadLine,
+    SampleReader,
+    count_pending,
+    fingerprint_input,
+    shard_of,
+)
 
 log = structlog.get_logger("hsx.daemon")
 
@@ -110,32 +119,44 @@ class Daemon:
 
     # -- start --------------------------------------------------------------------------
 
-    def _prepare_output(self) -> DoneSet:
-        out = self.config.output.dir
-        input_fp = fingerprint(self.config.input.path)
-        record = provenance_for(self.config, input_fp)
-        check_and_record(out, record, allow_change=self.allow_provenance_change)
-        done = load_done(out)
-        check_entries(out, done.manifest)
-        clean_orphans(out, done.manifest, self.config.shard)
-        return done
-
-    def _open_logs(self) -> tuple[AppendLog, AppendLog]:
-        out, shard = self.config.output.dir, self.config.shard
-        return (
-            AppendLog(out / log_name(MANIFEST, shard.index, shard.count)),
-            AppendLog(out / log_name(QUARANTINE, shard.index, shard.count)),
+    def _prepare_output(self, stack: contextlib.ExitStack) -> tuple[DoneSet, AppendLog, AppendLog]:
+        """Under the directory lock: the shard layout is checked, provenance recorded and
+        this run's logs created (so a run starting next sees them), then the directory is
+        made to agree with its manifests. The logs close with ``stack``."""
+        cfg = self.config
+        out, shard = cfg.output.dir, cfg.shard
+        old = read_provenance(out)
+        recorded = old.get("input", {}).get("bytes") if old else None
+        input_fp = fingerprint_input(
+            cfg.input.path, prefix=recorded if type(recorded) is int else None
         )
+        record = provenance_for(cfg, input_fp)
+        with directory_lock(out):
+            check_shard_layout(out, shard.count)
+            check_and_record(out, record, allow_change=self.allow_provenance_change)
+            manifest = AppendLog(out / log_name(MANIFEST, shard.index, shard.count))
+            stack.callback(manifest.close)
+            quarantine = AppendLog(out / log_name(QUARANTINE, shard.index, shard.count))
+            stack.callback(quarantine.close)
+            done = load_done(out)
+            check_entries(out, done.manifest)
+            clean_orphans(out, done.manifest, shard)
+        return done, manifest, quarantine
 
     async def run(self) -> RunSummary:
         started = time.monotonic()
-        out = self.config.output.dir
-        out.mkdir(parents=True, exist_ok=True)
-        with shard_lock(out, self.config.shard.index), contextlib.ExitStack() as stack:
-            done = await asyncio.to_thread(self._prepare_output)
-            manifest, quarantine = await asyncio.to_thread(self._open_logs)
-            stack.callback(manifest.close)
-            stack.callback(quarantine.close)
+        cfg = self.config
+        # The operator mistakes `hsx check` reports, said the same way (one line, exit 2).
+        problem = await asyncio.to_thread(operator_problem, cfg)
+        if problem:
+            raise ConfigError("", problem)
+        out = cfg.output.dir
+        with (
+            shard_lock(out, cfg.shard.index),
+            namespace_lock(cfg.dump.root, namespace_base(cfg)),
+            contextlib.ExitStack() as stack,
+        ):
+            done, manifest, quarantine = await asyncio.to_thread(self._prepare_output, stack)
             await self._connect_and_serve(done, manifest, quarantine)
         t = self.metrics.totals
         return RunSummary(

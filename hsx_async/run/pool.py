@@ -75,6 +75,18 @@ class _Handoff:
     job: WriteJob
     ns: str
     need: int
+    tries: _Tries  # the attempts behind this dump, counting it
+
+
+@dataclass(slots=True)
+class _Tries:
+    """Attempts of one sample so far. ``rids``: requests sent (each rid is used once, also
+    when the writer hands a sample back); ``failed``: the failures that count against
+    ``workers.max_attempts``, wherever they happened — a request, a dump, or a dump that
+    changed before its copy. A paused disk (ENOSPC) counts in ``rids`` only."""
+
+    rids: int = 0
+    failed: int = 0
 
 
 @dataclass(slots=True)
@@ -207,6 +219,7 @@ class Pipeline:
             maxsize=2 * config.workers.concurrency
         )
         self.requeued: collections.deque[Sample] = collections.deque()
+        self.tries: dict[int, _Tries] = {}  # line → attempts, for requeued samples only
         self.write_queue: asyncio.Queue[_Handoff | _Eof] = asyncio.Queue(
             maxsize=config.writer.queue_depth
         )
@@ -260,9 +273,7 @@ class Pipeline:
             remove_tree(ns_dir)
 
     def namespace(self, index: int) -> str:
-        prefix = self.config.dump.namespace_prefix
-        shard = self.config.shard
-        return f"{prefix}-s{shard.index}-w{index}" if shard.count > 1 else f"{prefix}-w{index}"
+        return f"{namespace_base(self.config)}{index}"
 
     async def quarantine(self, line: int, sample_id: Any, reason: str) -> None:
         entry = QuarantineEntry(sample_id, line, reason)
@@ -340,9 +351,9 @@ class Pipeline:
         self.metrics.in_flight.set(self.in_flight)
         handed_off = False
         try:
-            dump = await self._extract(sample, ns, ns_dir)
-            if dump is not None:
-                await self._hand_off(sample, dump, ns, need)
+            extracted = await self._extract(sample, ns, ns_dir)
+            if extracted is not None:
+                await self._hand_off(sample, *extracted, ns, need)
                 handed_off = True
         finally:
             if not handed_off:
@@ -355,12 +366,13 @@ class Pipeline:
         self.metrics.in_flight.set(self.in_flight)
         self.wake_workers()
 
-    async def _extract(self, sample: Sample, ns: str, ns_dir: Path) -> Dump | None:
-        """Attempts until one yields a valid dump; None once the sample is quarantined."""
-        attempt = 0
+    async def _extract(self, sample: Sample, ns: str, ns_dir: Path) -> tuple[Dump, _Tries] | None:
+        """Attempts until one yields a valid dump; None once the sample is quarantined.
+        A sample the writer handed back goes on from its earlier attempts."""
+        tries = self.tries.pop(sample.line, None) or _Tries()
         while True:
-            attempt += 1
-            rid = f"{self.nonce}-{sample.line}-{attempt}"
+            tries.rids += 1
+            rid = f"{self.nonce}-{sample.line}-{tries.rids}"
             started = time.monotonic()
             try:
                 dump = await self._attempt(sample, rid, ns, ns_dir)
@@ -370,18 +382,27 @@ class Pipeline:
                 await self.to_thread(sweep_namespace, ns_dir, set(self.live_rids[ns]))
                 kind = "request" if isinstance(exc, RequestError) else "dump"
                 self.metrics.attempt_failed(kind)
-                log.info("attempt_failed", id=sample.id, rid=rid, attempt=attempt, error=str(exc))
-                if self.retry.exhausted(attempt):
-                    reason = f"{attempt} attempts failed; last: {exc}"
-                    await self.quarantine(sample.line, sample.id, reason)
-                    self.settled += 1
+                log.info(
+                    "attempt_failed", id=sample.id, rid=rid, attempt=tries.rids, error=str(exc)
+                )
+                if await self._count_failure(sample, tries, str(exc)):
                     return None
-                if attempt == 1:
-                    self.metrics.totals.samples_retried += 1
-                await asyncio.sleep(self.retry.delay(attempt))
+                await asyncio.sleep(self.retry.delay(tries.failed))
                 continue
             self.metrics.request_latency.observe(time.monotonic() - started)
-            return dump
+            return dump, tries
+
+    async def _count_failure(self, sample: Sample, tries: _Tries, error: str) -> bool:
+        """Count one failed attempt; True once the sample is quarantined for it."""
+        tries.failed += 1
+        if self.retry.exhausted(tries.failed):
+            reason = f"{tries.failed} attempts failed; last: {error}"
+            await self.quarantine(sample.line, sample.id, reason)
+            self.settled += 1
+            return True
+        if tries.failed == 1:
+            self.metrics.totals.samples_retried += 1
+        return False
 
     async def _attempt(self, sample: Sample, rid: str, ns: str, ns_dir: Path) -> Dump:
         cfg = self.config
@@ -443,7 +464,9 @@ class Pipeline:
         assert dump is not None
         return dump
 
-    async def _hand_off(self, sample: Sample, dump: Dump, ns: str, need: int) -> None:
+    async def _hand_off(
+        self, sample: Sample, dump: Dump, tries: _Tries, ns: str, need: int
+    ) -> None:
         layout = build_layout(
             sample_id=sample.id,
             num_tokens=sample.num_tokens,
@@ -459,10 +482,16 @@ class Pipeline:
             f"s{self.config.shard.index}-{self.nonce}",
         )
         self.live_rids[ns].add(dump.path.name)
-        await self.write_queue.put(_Handoff(job, ns, need))
+        await self.write_queue.put(_Handoff(job, ns, need, tries))
         self.metrics.writer_queue.set(self.write_queue.qsize())
 
     # -- writers ------------------------------------------------------------------------
+
+    def _requeue(self, sample: Sample, tries: _Tries) -> None:
+        """Hand a sample back to the workers, with its attempts so far."""
+        self.tries[sample.line] = tries
+        self.requeued.append(sample)
+        self.wake_workers()
 
     async def close_writers(self) -> None:
         """After the last worker: let the writers finish the queue and stop."""
@@ -478,30 +507,34 @@ class Pipeline:
                 return
             deleted = False
             try:
-                deleted = await asyncio.shield(self._finish(item.job))
+                deleted = await asyncio.shield(self._finish(item.job, item.tries))
             finally:
                 if not deleted:
                     await self.to_thread(delete_dump, item.job.dump.path)
                 self.live_rids[item.ns].discard(item.job.dump.path.name)
                 self._release(item.need)
 
-    async def _finish(self, job: WriteJob) -> bool:
+    async def _finish(self, job: WriteJob, tries: _Tries) -> bool:
         """Write, then commit the manifest line: shielded so a drain never cuts it in half.
         True once committed (the commit deleted the dump too)."""
         started = time.monotonic()
         loop = asyncio.get_running_loop()
+        sample = job.sample
         try:
             staged = await loop.run_in_executor(self.copy_executor, self.file_writer.stage, job)
         except DumpError as exc:
-            log.warning("dump_changed_before_copy", id=job.sample.id, error=str(exc))
-            self.requeued.append(job.sample)  # a fresh attempt; nothing was written
-            self.wake_workers()
+            # Nothing was written. A failed attempt like any other: it counts, so a dump
+            # that keeps changing (a hostile or still-writing server) ends in quarantine.
+            log.warning("dump_changed_before_copy", id=sample.id, error=str(exc))
+            self.metrics.attempt_failed("dump")
+            if not await self._count_failure(sample, tries, str(exc)):
+                self._requeue(sample, tries)
             return False
         except DiskFullError as exc:
             # The temp file is gone; pause intake and extract this sample again later.
+            # Not the sample's fault: ENOSPC pauses are unbounded by design.
             self.guard.trip(str(exc))
-            self.requeued.append(job.sample)
-            self.wake_workers()
+            self._requeue(sample, tries)
             return False
         try:
             await self.committer.commit_sample(staged, job.dump.path)
@@ -516,6 +549,14 @@ class Pipeline:
         self.metrics.sample_done(entry.num_tokens, entry.size)
         log.debug("sample_done", id=entry.id, tokens=entry.num_tokens, bytes=entry.size)
         return True
+
+
+def namespace_base(config: Config) -> str:
+    """What every worker namespace of this run starts with; a worker's number follows.
+    Names made from different prefixes never collide (a base ends in ``-w``, the rest is
+    digits), so one lock per base (:func:`~hsx_async.run.dump.namespace_lock`) covers them."""
+    prefix, shard = config.dump.namespace_prefix, config.shard
+    return f"{prefix}-s{shard.index}-w" if shard.count > 1 else f"{prefix}-w"
 
 
 def delete_dump(path: Path) -> None:

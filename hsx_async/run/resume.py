@@ -75,7 +75,15 @@ def clean_orphans(out_dir: Path, entries: Iterable[ManifestEntry], shard: ShardC
             if not is_temp and (rel in named or not entry.name.endswith(FILE_SUFFIX)):
                 continue
             path = Path(entry.path)
-            if not _owned(path, shard):
+            if entry.is_dir(follow_symlinks=False):
+                raise DatasetError(
+                    f"{path} is a directory where a sample file belongs; hsx deletes only "
+                    "files: remove it by hand, then run again"
+                )
+            # A link or FIFO in a file's place is never opened (a FIFO would block): only
+            # an unsharded run, which owns every name, removes it.
+            regular = entry.is_file(follow_symlinks=False)
+            if not (_owned(path, shard) if regular else shard.count == 1):
                 foreign += 1
                 continue
             path.unlink(missing_ok=True)
