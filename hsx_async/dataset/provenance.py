@@ -35,7 +35,7 @@ _CHUNK = 8 << 20
 def fingerprint(fh: io.BufferedIOBase, path: Path, *, prefix: int | None = None) -> dict[str, Any]:
     """Size and XXH3-64 of the whole input file, read from ``fh`` (blocking; ~0.1 s/GB
     from page cache). With ``prefix`` (the size a dataset recorded), also the XXH3-64 of
-    the first ``prefix`` bytes as ``prefix_xxh3_64``: an input that only grew since (lines
+    the first ``prefix`` bytes, as ``extends``: an input that only grew since (lines
     appended, as while a run reads it) is the same input, extended."""
     hasher = xxhash.xxh3_64()
     size = 0
@@ -52,10 +52,8 @@ def fingerprint(fh: io.BufferedIOBase, path: Path, *, prefix: int | None = None)
         size += n
     whole = hasher.hexdigest()
     found: dict[str, Any] = {"path": str(path), "bytes": size, "xxh3_64": whole}
-    if prefix is not None and prefix == size:
-        head = whole
-    if head is not None:
-        found["prefix_xxh3_64"] = head
+    if head is not None and prefix != size:
+        found["extends"] = {"bytes": prefix, "xxh3_64": head}
     return found
 
 
@@ -151,7 +149,7 @@ def _same_input(old: Any, new: dict[str, Any]) -> bool:
         return False
     if (old.get("bytes"), old.get("xxh3_64")) == (new["bytes"], new["xxh3_64"]):
         return True
-    return new.get("prefix_xxh3_64") is not None and new["prefix_xxh3_64"] == old.get("xxh3_64")
+    return new.get("extends") == {"bytes": old.get("bytes"), "xxh3_64": old.get("xxh3_64")}
 
 
 def write_provenance(out_dir: Path, data: bytes) -> None:
@@ -167,8 +165,17 @@ def check_and_record(out_dir: Path, record: Provenance, *, allow_change: bool) -
                 f"{out_dir} belongs to another run: " + "; ".join(problems) + ". Use a new "
                 "output.dir, or pass --allow-provenance-change if this is intended"
             )
+        old_in = old.get("input") or {}
+        grown = (old_in.get("bytes"), old_in.get("xxh3_64")) != (
+            record.input["bytes"],
+            record.input["xxh3_64"],
+        )
+        if grown and not problems:
+            # The same input with lines appended: from now on the whole of it is the input.
+            old["input"] = record.input
+            write_provenance(out_dir, orjson.dumps(old, option=orjson.OPT_INDENT_2))
         if not problems and (old.get("model") or not record.model):
-            return  # nothing new to record
+            return  # nothing (else) new to record
     write_provenance(out_dir, record.to_json())
 
 
