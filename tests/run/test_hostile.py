@@ -134,20 +134,33 @@ def huge_root(tmp_path: Path) -> Iterator[Path]:
 def test_a_part_truncated_during_the_copy_on_huge_pages_is_a_dump_error(
     huge_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
-    """Truncated after its size was re-checked on the descriptor, before the bytes were
-    copied: it used to raise ValueError (mmap past the end) out of the writer, and a
-    truncation inside a mapped window could SIGBUS the process."""
+    """Truncated after its size was re-checked on the descriptor: before its bytes are
+    read (``auto``, the O_DIRECT copy), or after the kernel copied it and before it is
+    hashed (``sendfile``). Both used to map the part and raise ValueError (mmap past the
+    end) out of the writer; a truncation inside a mapped window could SIGBUS."""
     out = tmp_path / "out"
     out.mkdir()
     case = make_case(huge_root, ALIGNED, parts=BIG_PARTS)
-    real_open = writer_module._open_part
+    if method == "auto":
+        real_open = writer_module._open_part
 
-    def open_then_truncate(path: Path, expected: int) -> int:
-        fd = real_open(path, expected)
-        os.truncate(path, expected // 2)
-        return fd
+        def open_then_truncate(path: Path, expected: int) -> int:
+            fd = real_open(path, expected)
+            os.truncate(path, expected // 2)
+            return fd
 
-    monkeypatch.setattr(writer_module, "_open_part", open_then_truncate)
+        monkeypatch.setattr(writer_module, "_open_part", open_then_truncate)
+    else:
+        real_sendfile = os.sendfile
+
+        def send_then_truncate(out_fd: int, in_fd: int, offset: int, count: int) -> int:
+            sent = real_sendfile(out_fd, in_fd, offset, count)
+            if offset + sent == os.fstat(in_fd).st_size:  # the whole part is copied
+                # The part's descriptor is read-only: truncate the file it names.
+                os.truncate(f"/proc/self/fd/{in_fd}", 4096)
+            return sent
+
+        monkeypatch.setattr(os, "sendfile", send_then_truncate)
     fw = FileWriter(out, method=method, fsync=False, row_bytes=ALIGNED.row)
     with pytest.raises(DumpError, match="shrank while it was copied"):
         fw.write(case.job)
