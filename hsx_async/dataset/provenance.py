@@ -180,11 +180,24 @@ def check_and_record(out_dir: Path, record: Provenance, *, allow_change: bool) -
 
 
 def record_input_count(out_dir: Path, samples: int) -> None:
-    """Add the number of input samples (for ``hsx status``) once a run has counted them."""
-    old = read_provenance(out_dir)
-    if old is not None and old.get("input_samples") != samples:
-        old["input_samples"] = samples
-        write_provenance(out_dir, orjson.dumps(old, option=orjson.OPT_INDENT_2))
+    """Add the number of input samples (for ``hsx status``) once a run has counted them.
+    Under :func:`directory_lock`, like every write of the record."""
+    with directory_lock(out_dir):
+        old = read_provenance(out_dir)
+        if old is not None and old.get("input_samples") != samples:
+            old["input_samples"] = samples
+            write_provenance(out_dir, orjson.dumps(old, option=orjson.OPT_INDENT_2))
+
+
+def remove_stale_temps(out_dir: Path) -> int:
+    """Delete temp files of ``provenance.json`` left by a process killed mid-write. Call
+    under :func:`directory_lock`: every writer of the record holds it, so none is live."""
+    removed = 0
+    for tmp in out_dir.glob(f".{PROVENANCE}.*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+            removed += 1
+    return removed
 
 
 def check_shard_layout(out_dir: Path, count: int) -> None:

@@ -35,6 +35,7 @@ from hsx_async.dataset.provenance import (
     provenance_for,
     read_provenance,
     record_input_count,
+    remove_stale_temps,
     shard_lock,
 )
 from hsx_async.errors import ConfigError, ForcedExit, HsxError
@@ -132,6 +133,7 @@ class Daemon:
         )
         record = provenance_for(cfg, input_fp)
         with directory_lock(out):
+            remove_stale_temps(out)
             check_shard_layout(out, shard.count)
             check_and_record(out, record, allow_change=self.allow_provenance_change)
             manifest = AppendLog(out / log_name(MANIFEST, shard.index, shard.count))

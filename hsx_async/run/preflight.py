@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 import secrets
 import time
@@ -113,13 +114,26 @@ def output_problem(out: Path) -> str:
         return f"output.dir {out} cannot be created: {exc.strerror}; fix it or pick another"
     if not out.is_dir():
         return f"output.dir {out} is not a directory; point output.dir at a directory"
-    probe = out / f".hsx-probe-{secrets.token_hex(4)}.tmp"
     try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
-        probe.unlink()
+        _probe_write(out)
     except OSError as exc:
         return f"output.dir {out} is not writable: {exc.strerror}; fix its permissions or mount"
     return ""
+
+
+def _probe_write(directory: Path) -> None:
+    """Create a file in ``directory``: unnamed (O_TMPFILE) where the file system allows,
+    so a process killed here leaves nothing behind; else a named one, removed at once."""
+    try:
+        os.close(os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    else:
+        return
+    probe = directory / f".hsx-probe-{secrets.token_hex(4)}.tmp"
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    probe.unlink()
 
 
 def dump_root_problem(root: Path) -> str:
