@@ -334,12 +334,7 @@ def validate(c: Config) -> None:
     """Cross-field checks; each failure names the key and what to change."""
     _check(bool(c.server.urls), "server.urls", "list at least one server URL")
     for i, url in enumerate(c.server.urls):
-        parts = urllib.parse.urlsplit(url)
-        _check(
-            parts.scheme in ("http", "https") and bool(parts.hostname),
-            f"server.urls[{i}]",
-            f"{url!r} must be http(s)://HOST[:PORT]",
-        )
+        _check(_url_ok(url), f"server.urls[{i}]", f"{url!r} must be http(s)://HOST[:PORT]")
     _check(len(set(c.server.urls)) == len(c.server.urls), "server.urls", "lists a URL twice")
     _check(
         not c.server.engines or len(c.server.engines) == len(c.server.urls),
@@ -407,6 +402,20 @@ def validate(c: Config) -> None:
     )
 
 
+def _url_ok(url: str) -> bool:
+    """An http(s) URL with a host, a valid port if any, and nothing that cannot be sent:
+    urlsplit raises on ``http://[::1`` and ``.port`` on ``:99999``, so both are asked here
+    rather than first in a worker."""
+    if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
+        return False
+    try:
+        parts = urllib.parse.urlsplit(url)
+        _ = parts.port
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
 def _listen_ok(value: str) -> bool:
     if value == "":
         return True
@@ -416,7 +425,13 @@ def _listen_ok(value: str) -> bool:
 
 def redact_url(url: str) -> str:
     """A URL fit for logs, status and provenance: any password replaced by ``***``."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        _ = parts.port
+    except ValueError:
+        return (
+            "<invalid URL>"  # only before validation: never shown in full, it may hold a password
+        )
     if parts.password is None:
         return url
     host = parts.hostname or ""

@@ -266,13 +266,14 @@ def check_response(body: object, *, rid: str, num_tokens: int) -> None:
         raise DumpError("response has no meta_info")
     if meta.get("id") != rid:
         raise DumpError(f"response meta_info.id is {meta.get('id')!r}, expected {rid!r}")
-    if meta.get("prompt_tokens") != num_tokens:
+    # ``type(...) is int``: a JSON boolean is an int to Python (True == 1, False == 0).
+    prompt = meta.get("prompt_tokens")
+    if type(prompt) is not int or prompt != num_tokens:
         raise DumpError(
-            f"response meta_info.prompt_tokens is {meta.get('prompt_tokens')!r}, "
-            f"the request had {num_tokens} tokens"
+            f"response meta_info.prompt_tokens is {prompt!r}, the request had {num_tokens} tokens"
         )
     cached = meta.get("cached_tokens", 0)
-    if cached not in (0, None):
+    if cached is not None and (type(cached) is not int or cached != 0):
         raise DumpError(
             f"response meta_info.cached_tokens is {cached!r}: a prefix-cache hit skips rows; "
             "start the server with --disable-radix-cache"

@@ -232,9 +232,30 @@ def repair(out_dir: Path, bad_paths: Iterable[str]) -> int:
             locks.enter_context(shard_lock(out_dir, index))
         for log_path in files:
             dropped += _rewrite_without(log_path, bad)
-    for rel in bad:
-        (out_dir / rel).unlink(missing_ok=True)
+    left = [rel for rel in sorted(bad) if not _delete_sample_file(out_dir / rel)]
+    if left:
+        raise DatasetError(
+            f"dropped {dropped} manifest entries, but {left[0]}"
+            + (f" and {len(left) - 1} more" if len(left) > 1 else "")
+            + f" in {out_dir} is a directory, not a sample file: hsx deletes only files; "
+            "remove it by hand, then run again"
+        )
     return dropped
+
+
+def _delete_sample_file(path: Path) -> bool:
+    """Unlink a sample file (or a link or other non-directory in its place); False when a
+    directory stands there (never deleted: hsx did not make it)."""
+    try:
+        path.unlink(missing_ok=True)
+    except IsADirectoryError:
+        return False
+    except PermissionError:
+        # Linux answers unlink(2) of a directory with EISDIR, some systems with EPERM.
+        if path.is_dir() and not path.is_symlink():
+            return False
+        raise
+    return True
 
 
 def _rewrite_without(log_path: Path, bad: set[str]) -> int:

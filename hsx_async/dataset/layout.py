@@ -28,6 +28,12 @@ _SAFE_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 DATA_DIR = "data"
 FILE_SUFFIX = ".safetensors"
+# What data_relpath(sample_key(id)) can produce, and nothing else (a safe key, or a
+# sanitised stem of at most 81 characters with ``~`` and a hash).
+_MANIFEST_PATH = re.compile(
+    rf"{DATA_DIR}/[0-9a-f]{{2}}/[A-Za-z0-9_][A-Za-z0-9._-]{{0,99}}(?:~[0-9a-f]{{16}})?"
+    + re.escape(FILE_SUFFIX)
+)
 
 
 def canonical_id(sample_id: SampleId) -> str:
@@ -60,6 +66,21 @@ def data_relpath(key: str) -> str:
     """``data/<2 hex>/<key>.safetensors``: 256 fan-out directories keep each one small."""
     bucket = xxhash.xxh3_64_hexdigest(key.encode())[:2]
     return f"{DATA_DIR}/{bucket}/{key}{FILE_SUFFIX}"
+
+
+def manifest_path_problem(path: object) -> str:
+    """Why ``path`` is not of the form hsx writes, ``data/<2 hex>/<key>.safetensors``
+    ('' if it is). A manifest line may come from another node (shard outputs are merged),
+    so readers accept only that form: no ``..``, no absolute path, no link-free escape,
+    no NUL byte, nothing over-long. Every reader of a manifest (merge, verify and its
+    repair, resume, the Dataset reader) gets its entries through the manifest parser,
+    which checks this."""
+    if not isinstance(path, str):
+        return f"path {path!r} is not a string"
+    if _MANIFEST_PATH.fullmatch(path) is None:
+        shown = repr(path if len(path) <= 120 else path[:120] + "…")
+        return f"path {shown} is not of the dataset's form {DATA_DIR}/<2 hex>/<key>{FILE_SUFFIX}"
+    return ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 import xxhash
 
-from hsx_async.dataset.layout import SampleId, canonical_id
+from hsx_async.dataset.layout import SampleId, canonical_id, manifest_path_problem
 from hsx_async.errors import DatasetError
 
 MANIFEST = "manifest"
@@ -53,6 +53,12 @@ def shard_index_of(path: Path) -> int:
     """The shard a log file belongs to (0 for an unsharded ``manifest.jsonl``)."""
     m = _SHARD_FILE.fullmatch(path.name)
     return int(m.group(2)) if m and m.group(2) else 0
+
+
+def shard_count_of(path: Path) -> int:
+    """The shard count a log file was written with (1 for an unsharded log)."""
+    m = _SHARD_FILE.fullmatch(path.name)
+    return int(m.group(3)) if m and m.group(3) else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +133,7 @@ def _manifest_entry(rec: Any, where: str) -> ManifestEntry:
     try:
         entry = ManifestEntry(
             id=_id_of(rec["id"], where),
-            path=str(rec["path"]),
+            path=rec["path"],
             num_tokens=int(rec["num_tokens"]),
             size=int(rec["bytes"]),
             xxh3_64=str(rec["xxh3_64"]),
@@ -136,6 +142,12 @@ def _manifest_entry(rec: Any, where: str) -> ManifestEntry:
         raise DatasetError(f"{where}: manifest line is missing or mistypes {exc}") from None
     if not _XXH.fullmatch(entry.xxh3_64):
         raise DatasetError(f"{where}: xxh3_64 {entry.xxh3_64!r} is not 16 hex digits")
+    problem = manifest_path_problem(entry.path)
+    if problem:
+        raise DatasetError(
+            f"{where}: {problem}; hsx did not write this line: move it aside (its sample is "
+            "extracted again)"
+        )
     return entry
 
 

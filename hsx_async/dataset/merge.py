@@ -32,7 +32,14 @@ from hsx_async.dataset.manifest import (
     read_manifest,
     read_quarantine,
 )
-from hsx_async.dataset.provenance import PROVENANCE, read_provenance, shard_lock, write_provenance
+from hsx_async.dataset.provenance import (
+    PROVENANCE,
+    check_shard_layout,
+    directory_lock,
+    read_provenance,
+    shard_lock,
+    write_provenance,
+)
 from hsx_async.errors import DatasetError
 
 
@@ -83,7 +90,8 @@ def merge(sources: list[Path], dest: Path) -> MergeResult:
     prov = _check_provenance(sources)
     dest.mkdir(parents=True, exist_ok=True)
     result = MergeResult()
-    with shard_lock(dest, 0):
+    with directory_lock(dest), shard_lock(dest, 0):
+        check_shard_layout(dest, 1)  # merge writes the unsharded logs
         have = {canonical_id(e.id): e for e in read_manifest(dest)}
         have_q = {(q.id, q.line) for q in read_quarantine(dest)}
         manifest = AppendLog(dest / log_name(MANIFEST))

@@ -15,30 +15,55 @@ into the other.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import io
+import os
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
+import xxhash
 
 from hsx_async import __version__
 from hsx_async.config import Config, flatten_public
 from hsx_async.dataset.durable import exclusive_lock, write_atomic
-from hsx_async.dataset.manifest import hash_file
+from hsx_async.dataset.manifest import MANIFEST, QUARANTINE, log_files, shard_count_of
 from hsx_async.errors import DatasetError, DumpError
 from hsx_async.protocol import NORM_KINDS, POST_NORM, PROTOCOL_VERSION, parse_final_state
 
 PROVENANCE = "provenance.json"
+_CHUNK = 8 << 20
 # Keys a later rewrite of provenance.json keeps (learnt during a run, not from the config).
 _LEARNT_KEYS = ("final_state", "final_norm", "input_samples")
 
 
-def fingerprint(path: Path) -> dict[str, Any]:
-    """Size and XXH3-64 of the whole input file (blocking; ~0.1 s/GB from page cache)."""
-    size, digest = hash_file(path, follow_symlinks=True)
-    return {"path": str(path), "bytes": size, "xxh3_64": digest}
+def fingerprint(fh: io.BufferedIOBase, path: Path, *, prefix: int | None = None) -> dict[str, Any]:
+    """Size and XXH3-64 of the whole input file, read from ``fh`` (blocking; ~0.1 s/GB
+    from page cache). With ``prefix`` (the size a dataset recorded), also the XXH3-64 of
+    the first ``prefix`` bytes, as ``extends``: an input that only grew since (lines
+    appended, as while a run reads it) is the same input, extended."""
+    hasher = xxhash.xxh3_64()
+    size = 0
+    head = None
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    while n := fh.readinto(buf):
+        if prefix is not None and size <= prefix < size + n:
+            hasher.update(view[: prefix - size])
+            head = hasher.hexdigest()
+            hasher.update(view[prefix - size : n])
+        else:
+            hasher.update(view[:n])
+        size += n
+    whole = hasher.hexdigest()
+    found: dict[str, Any] = {"path": str(path), "bytes": size, "xxh3_64": whole}
+    if head is not None and prefix != size:
+        found["extends"] = {"bytes": prefix, "xxh3_64": head}
+    return found
 
 
 def _json_safe(value: Any) -> Any:
@@ -142,7 +167,7 @@ def mismatches(old: dict[str, Any], new: Provenance) -> list[str]:
     """Why ``new`` may not extend the dataset recorded in ``old`` (empty: it may)."""
     found = []
     old_in = old.get("input", {})
-    if (old_in.get("bytes"), old_in.get("xxh3_64")) != (new.input["bytes"], new.input["xxh3_64"]):
+    if not _same_input(old_in, new.input):
         found.append(
             f"input differs: the dataset was made from {old_in.get('path')} "
             f"({old_in.get('bytes')} bytes, xxh3 {old_in.get('xxh3_64')}), this run reads "
@@ -161,6 +186,16 @@ def mismatches(old: dict[str, Any], new: Provenance) -> list[str]:
     return found
 
 
+def _same_input(old: Any, new: dict[str, Any]) -> bool:
+    """The same input, or the same one with lines appended (its first ``old["bytes"]``
+    bytes hash as recorded: :func:`fingerprint` with ``prefix``)."""
+    if not isinstance(old, dict):
+        return False
+    if (old.get("bytes"), old.get("xxh3_64")) == (new["bytes"], new["xxh3_64"]):
+        return True
+    return new.get("extends") == {"bytes": old.get("bytes"), "xxh3_64": old.get("xxh3_64")}
+
+
 def write_provenance(out_dir: Path, data: bytes) -> None:
     write_atomic(out_dir / PROVENANCE, data)
 
@@ -174,9 +209,18 @@ def check_and_record(out_dir: Path, record: Provenance, *, allow_change: bool) -
                 f"{out_dir} belongs to another run: " + "; ".join(problems) + ". Use a new "
                 "output.dir, or pass --allow-provenance-change if this is intended"
             )
+        old_in = old.get("input") or {}
+        grown = (old_in.get("bytes"), old_in.get("xxh3_64")) != (
+            record.input["bytes"],
+            record.input["xxh3_64"],
+        )
+        if grown and not problems:
+            # The same input with lines appended: from now on the whole of it is the input.
+            old["input"] = record.input
+            write_provenance(out_dir, orjson.dumps(old, option=orjson.OPT_INDENT_2))
         news_norm = record.final_norm is not None and old.get("final_norm") != record.final_norm
         if not problems and (old.get("model") or not record.model) and not news_norm:
-            return  # nothing new to record
+            return  # nothing (else) new to record
     new = record.to_dict()
     for key in _LEARNT_KEYS:
         if old is not None and key in old and key not in new:
@@ -214,9 +258,11 @@ class FinalStateGuard:
 
 
 def _record_key(out_dir: Path, key: str, value: Any) -> None:
-    old = read_provenance(out_dir) or {"protocol": PROTOCOL_VERSION, "hsx": __version__}
-    old[key] = value
-    write_provenance(out_dir, orjson.dumps(old, option=orjson.OPT_INDENT_2))
+    """One learnt key added to the record, under :func:`directory_lock` like every write."""
+    with directory_lock(out_dir):
+        old = read_provenance(out_dir) or {"protocol": PROTOCOL_VERSION, "hsx": __version__}
+        old[key] = value
+        write_provenance(out_dir, orjson.dumps(old, option=orjson.OPT_INDENT_2))
 
 
 def record_input_count(out_dir: Path, samples: int) -> None:
@@ -224,6 +270,61 @@ def record_input_count(out_dir: Path, samples: int) -> None:
     old = read_provenance(out_dir)
     if old is not None and old.get("input_samples") != samples:
         _record_key(out_dir, "input_samples", samples)
+
+
+def remove_stale_temps(out_dir: Path) -> int:
+    """Delete temp files of ``provenance.json`` left by a process killed mid-write. Call
+    under :func:`directory_lock`: every writer of the record holds it, so none is live."""
+    removed = 0
+    for tmp in out_dir.glob(f".{PROVENANCE}.*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+            removed += 1
+    return removed
+
+
+def check_shard_layout(out_dir: Path, count: int) -> None:
+    """An output directory belongs to one shard layout: the one its logs were made with.
+    A run with another ``[shard].count`` (or an unsharded run beside sharded ones) would
+    list ids twice and delete the other run's files as orphans, so it is refused. Call it
+    under :func:`directory_lock`, and create this run's logs before releasing it."""
+    for kind in (MANIFEST, QUARANTINE):
+        for path in log_files(out_dir, kind):
+            theirs = shard_count_of(path)
+            if theirs != count:
+                layout = f"[shard] count = {theirs}" if theirs > 1 else "an unsharded run"
+                ours = f"[shard] count = {count}" if count > 1 else "unsharded"
+                raise DatasetError(
+                    f"{out_dir} was made by {layout} ({path.name}); this run is {ours}. "
+                    "Use another output.dir, or the directory's [shard] count"
+                )
+
+
+_DIR_LOCK_WAIT = 60.0
+
+
+@contextlib.contextmanager
+def directory_lock(out_dir: Path) -> Iterator[None]:
+    """The whole output directory, briefly: held while a run checks the shard layout,
+    records provenance, creates its logs and cleans orphans, so two runs starting at once
+    see each other's logs. Waits for another holder up to a minute, then refuses."""
+    fd = os.open(out_dir / ".hsx-dir.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        deadline = time.monotonic() + _DIR_LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise DatasetError(
+                        f"another hsx process has held {out_dir / '.hsx-dir.lock'} for over "
+                        f"{_DIR_LOCK_WAIT:g} s; is one stopped (SIGSTOP)?"
+                    ) from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ sample's side never depends on the manifest order, on sharding, or on samples ad
 from __future__ import annotations
 
 import math
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +147,7 @@ def read_tensors(
     unknown = set(names) - set(_STORED)
     if unknown:
         raise ValueError(f"unknown stored tensor(s) {sorted(unknown)}; known: {sorted(_STORED)}")
+    _check_regular(path)
     try:
         with safe_open(str(path), framework="pt") as handle:
             header = _header(handle, path, num_tokens)
@@ -154,11 +156,24 @@ def read_tensors(
             }
     except FileNotFoundError:
         raise DatasetError(f"{path}: listed in the manifest but missing; run hsx verify") from None
-    except SafetensorError as exc:
+    except (SafetensorError, OSError) as exc:
         raise DatasetError(
             f"{path}: not a readable safetensors file ({exc}); run hsx verify"
         ) from None
     return header, tensors
+
+
+def _check_regular(path: Path) -> None:
+    """A sample file must be a regular file: a directory fails with a raw OSError deep in
+    safetensors, and opening a FIFO would block for good."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise DatasetError(f"{path}: listed in the manifest but missing; run hsx verify") from None
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot be read ({exc.strerror}); run hsx verify") from None
+    if not stat.S_ISREG(mode):
+        raise DatasetError(f"{path}: listed in the manifest but not a regular file; run hsx verify")
 
 
 def read_header(path: Path, *, num_tokens: int | None = None) -> SampleHeader:

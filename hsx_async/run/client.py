@@ -15,6 +15,7 @@ import contextlib
 import functools
 import time
 import urllib.parse
+import zlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,15 @@ log = structlog.get_logger("hsx.client")
 # connection takes it out at once.
 SOFT_FAILURES_TO_EVICT = 3
 _BODY_EXCERPT = 300
-_JSON = {"Content-Type": "application/json"}
+# Every response body is read up to a bound, and inflated (gzip, deflate) only up to it: a
+# prefill-only reply is a few KB, /health a few bytes, the info calls some KB. A body past
+# the bound fails that call with a reason; nothing larger is ever held in memory.
+MAX_BODY = 1 << 20
+_READ_PIECE = 64 << 10
+_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "gzip, deflate"}
+_GET_HEADERS = {"Accept-Encoding": "gzip, deflate"}
+# zlib window bits: 16 + 15 gzip only, 15 zlib, -15 raw deflate (some servers send that).
+_WBITS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
 
 
 @dataclass(eq=False)
@@ -195,9 +204,13 @@ class SGLangClient:
         body = orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)
         try:
             async with self.session.post(
-                server.generate_url, data=body, headers=_JSON, timeout=_timeout(timeout)
+                server.generate_url,
+                data=body,
+                headers=_HEADERS,
+                timeout=_timeout(timeout),
+                auto_decompress=False,
             ) as resp:
-                payload = await resp.read()
+                payload = await read_body(resp, server.display)
                 status = resp.status
         except TimeoutError:
             raise RequestError(
@@ -221,19 +234,27 @@ class SGLangClient:
         """'' when ``GET /health`` answers 200, else why not."""
         try:
             async with self.session.get(
-                f"{url}/health", timeout=aiohttp.ClientTimeout(total=timeout)
+                f"{url}/health",
+                headers=_GET_HEADERS,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+                auto_decompress=False,
             ) as resp:
-                await resp.read()
+                await read_body(resp, redact_url(url))
                 return "" if resp.status == 200 else f"/health answered {resp.status}"
+        except RequestError as exc:
+            return str(exc)
         except (aiohttp.ClientError, TimeoutError) as exc:
             text = _redact_text(str(exc), url)
             return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
     async def get_json(self, url: str, path: str, timeout: float = 10.0) -> object:
         async with self.session.get(
-            f"{url}{path}", timeout=aiohttp.ClientTimeout(total=timeout)
+            f"{url}{path}",
+            headers=_GET_HEADERS,
+            timeout=aiohttp.ClientTimeout(total=timeout),
+            auto_decompress=False,
         ) as resp:
-            payload = await resp.read()
+            payload = await read_body(resp, redact_url(url))
             _raise_for_status(redact_url(url), resp.status, payload)
             return orjson.loads(payload)
 
@@ -256,6 +277,35 @@ class SGLangClient:
             if error:
                 server.last_error = error
                 await self.pool.evict(server, error)
+
+
+async def read_body(resp: aiohttp.ClientResponse, where: str, limit: int = MAX_BODY) -> bytes:
+    """The response body, at most ``limit`` bytes once decoded; a longer one (announced,
+    sent or inflated) is a :class:`RequestError` and is never read further. The response
+    must have been requested with ``auto_decompress=False``: the inflating happens here,
+    ``limit + 1`` bytes at most."""
+    encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
+    wbits = _WBITS.get(encoding)
+    if wbits is None and encoding not in ("", "identity"):
+        raise RequestError(f"{where}: response body has Content-Encoding {encoding!r}")
+    if resp.content_length is not None and resp.content_length > limit:
+        raise _too_large(where, f"announces {resp.content_length} bytes")
+    inflate = None if wbits is None else zlib.decompressobj(wbits)
+    body = bytearray()
+    while piece := await resp.content.read(_READ_PIECE):
+        if inflate is not None:
+            try:
+                piece = inflate.decompress(piece, limit + 1 - len(body))
+            except zlib.error as exc:
+                raise RequestError(f"{where}: response body is bad {encoding}: {exc}") from None
+        body += piece
+        if len(body) > limit:
+            raise _too_large(where, "inflates" if inflate is not None else "runs")
+    return bytes(body)
+
+
+def _too_large(where: str, how: str) -> RequestError:
+    return RequestError(f"{where}: response body {how} past {MAX_BODY} bytes; refused")
 
 
 @functools.lru_cache(maxsize=8)

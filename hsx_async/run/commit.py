@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +32,9 @@ from hsx_async.run.dump import remove_tree
 from hsx_async.run.failpoints import failpoint
 from hsx_async.run.guard import DiskGuard
 from hsx_async.run.metrics import Metrics
+from hsx_async.run.report import reason_kind
 from hsx_async.run.source import Sample
-from hsx_async.run.workers import EOF, Handoff, _Eof
+from hsx_async.run.workers import EOF, Handoff, Tries, _Eof
 from hsx_async.run.writer import FileWriter, Staged, WriteJob
 
 log = structlog.get_logger("hsx.pool")
@@ -167,7 +168,8 @@ class Writers:
         quarantine: AppendLog,
         guard: DiskGuard,
         executor: ThreadPoolExecutor,
-        requeue: Callable[[Sample], None],
+        requeue: Callable[[Sample, Tries], None],
+        count_failure: Callable[[Sample, Tries, str], Awaitable[bool]],
         release: Callable[[Handoff], None],
     ) -> None:
         self.config = config
@@ -175,6 +177,7 @@ class Writers:
         self.guard = guard
         self.executor = executor  # deletes and commits (not owned)
         self._requeue = requeue
+        self._count_failure = count_failure  # True once the sample is quarantined
         self._release = release
         self.queue: asyncio.Queue[Handoff | _Eof] = asyncio.Queue(maxsize=config.writer.queue_depth)
         # Copies never wait behind the small blocking calls: writer.threads of their own.
@@ -234,7 +237,7 @@ class Writers:
                 return
             deleted = False
             try:
-                deleted = await asyncio.shield(self._finish(item.job))
+                deleted = await asyncio.shield(self._finish(item.job, item.tries))
             finally:
                 if not deleted:
                     await asyncio.get_running_loop().run_in_executor(
@@ -242,21 +245,27 @@ class Writers:
                     )
                 self._release(item)
 
-    async def _finish(self, job: WriteJob) -> bool:
+    async def _finish(self, job: WriteJob, tries: Tries) -> bool:
         """Write, then commit the manifest line: shielded so a drain never cuts it in half.
         True once committed (the commit deleted the dump too)."""
         started = time.monotonic()
         loop = asyncio.get_running_loop()
+        sample = job.sample
         try:
             staged = await loop.run_in_executor(self.copy_executor, self.file_writer.stage, job)
         except DumpError as exc:
-            log.warning("dump_changed_before_copy", id=job.sample.id, error=str(exc))
-            self._requeue(job.sample)  # a fresh attempt; nothing was written
+            # Nothing was written. A failed attempt like any other: it counts, so a dump
+            # that keeps changing (a hostile or still-writing server) ends in quarantine.
+            log.warning("dump_changed_before_copy", id=sample.id, error=str(exc))
+            self.metrics.attempt_failed("dump", reason_kind(str(exc)))
+            if not await self._count_failure(sample, tries, str(exc)):
+                self._requeue(sample, tries)
             return False
         except DiskFullError as exc:
             # The temp file is gone; pause intake and extract this sample again later.
+            # Not the sample's fault: ENOSPC pauses are unbounded by design.
             await self.guard.trip(str(exc))
-            self._requeue(job.sample)
+            self._requeue(sample, tries)
             return False
         try:
             await self.committer.commit_sample(staged, job.dump.path)

@@ -31,22 +31,24 @@ from hsx_async.config import Config, load_config
 from hsx_async.dataset.inspection import human_bytes
 from hsx_async.dataset.manifest import AppendLog
 from hsx_async.dataset.provenance import shard_lock
-from hsx_async.errors import HsxError
+from hsx_async.errors import ConfigError, HsxError
 from hsx_async.logs import configure_logging
 from hsx_async.run.autotune import ConcurrencyController, Reading, TuneSettings, shm_ceiling
 from hsx_async.run.client import ServerPool, SGLangClient
+from hsx_async.run.dump import namespace_lock
 from hsx_async.run.feed import Feeder
 from hsx_async.run.guard import DiskGuard, FreeFn, free_bytes
 from hsx_async.run.metrics import Metrics
 from hsx_async.run.notify import Notifier, watchdog_loop
 from hsx_async.run.observe import progress_line, progress_loop, serve_http
 from hsx_async.run.pool import Pipeline
+from hsx_async.run.preflight import operator_problem
 from hsx_async.run.reload import reload_config
 from hsx_async.run.report import RunRecorder, Tick
 from hsx_async.run.signals import DrainExpired, Stopper
-from hsx_async.run.startup import open_logs, prepare_output, record_server, wait_for_server
+from hsx_async.run.startup import prepare_output, record_server, wait_for_server
 from hsx_async.run.status import RunStatus, StatusCollector, take_status
-from hsx_async.run.workers import Workers
+from hsx_async.run.workers import Workers, namespace_base
 
 log = structlog.get_logger("hsx.daemon")
 
@@ -125,18 +127,21 @@ class Daemon:
 
     async def run(self) -> RunSummary:
         started = time.monotonic()
-        out = self.config.output.dir
-        out.mkdir(parents=True, exist_ok=True)
-        with shard_lock(out, self.config.shard.index), contextlib.ExitStack() as stack:
-            done = await asyncio.to_thread(
-                prepare_output, self.config, allow_provenance_change=self.allow_provenance_change
+        cfg = self.config
+        # The operator mistakes `hsx check` reports, said the same way (one line, exit 2).
+        problem = await asyncio.to_thread(operator_problem, cfg)
+        if problem:
+            raise ConfigError("", problem)
+        out = cfg.output.dir
+        with (
+            shard_lock(out, cfg.shard.index),
+            namespace_lock(cfg.dump.root, namespace_base(cfg)),
+            contextlib.ExitStack() as stack,
+        ):
+            done, manifest, quarantine = await asyncio.to_thread(
+                prepare_output, cfg, stack, allow_provenance_change=self.allow_provenance_change
             )
-            self.feeder = Feeder(
-                self.config, done, self.metrics, on_input_read=self.recorder.input_read
-            )
-            manifest, quarantine = await asyncio.to_thread(open_logs, self.config)
-            stack.callback(manifest.close)
-            stack.callback(quarantine.close)
+            self.feeder = Feeder(cfg, done, self.metrics, on_input_read=self.recorder.input_read)
             try:
                 await self._connect_and_serve(self.feeder, manifest, quarantine)
             finally:

@@ -12,14 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import os
 import shutil
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx_async.errors import DumpError
+from hsx_async.errors import ConfigError, DumpError
 from hsx_async.protocol import (
     META_NAME,
     DumpMeta,
@@ -34,6 +35,10 @@ from hsx_async.run.mounts import tmpfs_mounts
 _META_MAX = 1 << 20
 _POLL_FIRST = 0.001
 _POLL_MAX = 0.05
+
+
+class DumpLinkError(DumpError):
+    """A name in a dump is a symbolic link (never followed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +101,64 @@ def prepare_namespace(root: Path, ns: str) -> Path:
     return ns_dir
 
 
+@contextlib.contextmanager
+def namespace_lock(root: Path, base: str) -> Iterator[None]:
+    """Hold the namespaces ``<base><n>`` of ``root`` for one run: two runs on one machine
+    with the same dump root and prefix would clear and sweep each other's dumps. The lock
+    is ``<root>/.hsx-ns-<base>.lock`` (a leading ``.``: never a namespace), flocked, and
+    removed at the end by its holder; a holder checks it locked the file still at that
+    name, so a removal racing a new run's open never leaves two holders.
+    :class:`ConfigError` (``dump.namespace_prefix``) when another run holds it."""
+    path = root / f".hsx-ns-{base}.lock"
+    while True:
+        fd = _open_lock(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(
+                "dump.namespace_prefix",
+                f"another hsx run on this machine uses the dump namespaces {base}* in {root} "
+                f"(it holds {path.name}); give each run its own dump.namespace_prefix",
+            ) from None
+        if _same_file(path, fd):
+            break
+        os.close(fd)  # removed by its last holder between our open and our lock: again
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if _same_file(path, fd):
+                path.unlink()
+        os.close(fd)
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _open_lock(path: Path) -> int:
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        try:
+            fd = os.open(path, flags | os.O_CREAT, 0o644)
+        except PermissionError:  # another user's file in a sticky root (protected_regular)
+            fd = os.open(path, flags)
+    except OSError as exc:
+        raise ConfigError(
+            "dump.root", f"cannot open the lock {path}: {exc.strerror}; remove it or fix dump.root"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError("dump.root", f"{path} is not a regular file; remove it")
+    return fd
+
+
 def sweep_namespace(ns_dir: Path, keep: Iterable[str]) -> int:
     """Remove everything in the namespace but the ``keep`` rids; returns entries removed.
 
@@ -155,6 +218,33 @@ def _open_nofollow(path: Path | str, flags: int, dir_fd: int | None = None) -> i
         raise
 
 
+def open_dump_file(dir_fd: int, name: str) -> int:
+    """A read descriptor of a file in a dump, opened so that nothing can block or be
+    followed: ``O_NONBLOCK`` (opening a FIFO for reading would otherwise wait, forever,
+    for a writer, on whatever thread called it — the event loop for tmpfs dumps) and
+    ``O_NOFOLLOW``. Anything but a regular file is a :class:`DumpError`; FileNotFoundError
+    passes through. O_NONBLOCK changes nothing for a regular file's reads."""
+    try:
+        fd = os.open(
+            name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd
+        )
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DumpLinkError(f"{name} is a link; refusing it") from None
+        if exc.errno in (errno.ENOTDIR, errno.ENXIO, errno.EISDIR):
+            raise DumpError(f"{name} is not a regular file; refusing it") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise DumpError(f"{name} is not a regular file; refusing it")
+    return fd
+
+
 def open_dump_dir(rid_dir: Path) -> int:
     """A descriptor of ``<root>/<ns>/<rid>`` opened one component at a time with
     O_NOFOLLOW below the (operator-owned) root, so neither a namespace nor a request
@@ -195,14 +285,14 @@ def _look(rid_dir: Path, *, sizes: bool) -> tuple[bytes, dict[tuple[int, int], i
         raise DumpError(f"{rid_dir.name}: meta.json or its directory is a link") from None
     try:
         try:
-            fd = _open_nofollow(META_NAME, os.O_RDONLY, dir_fd=dir_fd)
+            fd = open_dump_file(dir_fd, META_NAME)
         except FileNotFoundError:
             return None
-        except DumpError:
+        except DumpLinkError:
             raise DumpError(f"{rid_dir.name}: meta.json or its directory is a link") from None
+        except DumpError:
+            raise DumpError(f"{rid_dir.name}: meta.json is not a regular file") from None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise DumpError(f"{rid_dir.name}: meta.json is not a regular file")
             data = os.read(fd, _META_MAX + 1)
         finally:
             os.close(fd)

@@ -67,7 +67,8 @@ class Pipeline:
             quarantine=quarantine,
             guard=guard,
             executor=self.executor,
-            requeue=self.workers.intake.requeue,
+            requeue=self.workers.requeue,
+            count_failure=self.workers.count_failure,
             release=self.workers.release,
         )
         self._writer_tasks: list[asyncio.Task[None]] = []

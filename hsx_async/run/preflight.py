@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import os
 import secrets
 import time
@@ -30,14 +31,14 @@ import xxhash
 from hsx_async.config import Config, load_config
 from hsx_async.dataset.inspection import human_bytes
 from hsx_async.dataset.target import read_config
-from hsx_async.errors import DatasetError, DumpError, HsxError, RequestError
+from hsx_async.errors import DatasetError, DumpError, HsxError, InputError, RequestError
 from hsx_async.layer_ids import architecture_of, draft_ids, num_layers_of
 from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.dump import prepare_namespace, remove_tree, validate_dump, wait_for_meta
 from hsx_async.run.guard import free_bytes
 from hsx_async.run.mounts import fs_type
 from hsx_async.run.observe import eta_text
-from hsx_async.run.source import BadLine, SampleReader
+from hsx_async.run.source import BadLine, SampleReader, open_input
 
 _PROBE_BYTES = 64 << 20
 _PROBE_SAMPLES = 4  # real samples sent at once to each server to measure its prefill rate
@@ -111,10 +112,68 @@ def check_disk_write(path: Path) -> float:
     return _PROBE_BYTES / max(time.monotonic() - started, 1e-6)
 
 
-def check_output(config: Config, report: Report, need: int) -> float:
-    out = config.output.dir
+def output_problem(out: Path) -> str:
+    """'' when hsx can make files in ``out`` (created if missing), else one line saying
+    why not: ``hsx check`` reports it, ``hsx run`` refuses to start with it."""
     try:
         out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        return f"output.dir {out} exists and is not a directory; point output.dir at a directory"
+    except OSError as exc:
+        return f"output.dir {out} cannot be created: {exc.strerror}; fix it or pick another"
+    if not out.is_dir():
+        return f"output.dir {out} is not a directory; point output.dir at a directory"
+    try:
+        _probe_write(out)
+    except OSError as exc:
+        return f"output.dir {out} is not writable: {exc.strerror}; fix its permissions or mount"
+    return ""
+
+
+def _probe_write(directory: Path) -> None:
+    """Create a file in ``directory``: unnamed (O_TMPFILE) where the file system allows,
+    so a process killed here leaves nothing behind; else a named one, removed at once."""
+    try:
+        os.close(os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    else:
+        return
+    probe = directory / f".hsx-probe-{secrets.token_hex(4)}.tmp"
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    probe.unlink()
+
+
+def dump_root_problem(root: Path) -> str:
+    """'' when ``dump.root`` exists as a directory (created if missing), else why not."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"dump.root {root} cannot be created: {exc.strerror or exc}"
+    if not root.is_dir():
+        return f"dump.root {root} is not a directory; point dump.root at the servers' HSX_DUMP_ROOT"
+    return ""
+
+
+def operator_problem(config: Config) -> str:
+    """The first operator mistake ``hsx check`` would report as a FAIL before any server
+    is asked (one line naming the key), or '': ``hsx run`` refuses to start with the same
+    words instead of a traceback. Blocking (a probe file, a stat)."""
+    try:
+        open_input(config.input.path).close()
+    except InputError as exc:
+        return str(exc)
+    return output_problem(config.output.dir) or dump_root_problem(config.dump.root)
+
+
+def check_output(config: Config, report: Report, need: int) -> float:
+    out = config.output.dir
+    problem = output_problem(out)
+    if problem:
+        report.add("FAIL", "output", problem)
+        return 0.0
+    try:
         rate = check_disk_write(out)
     except OSError as exc:
         report.add("FAIL", "output", f"{out} is not writable: {exc}")
@@ -133,10 +192,9 @@ def check_output(config: Config, report: Report, need: int) -> float:
 
 def check_dump_root(config: Config, report: Report) -> None:
     root = config.dump.root
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        report.add("FAIL", "dump root", f"cannot create {root}: {exc}")
+    problem = dump_root_problem(root)
+    if problem:
+        report.add("FAIL", "dump root", problem)
         return
     kind = fs_type(root)
     free = free_bytes(root)

@@ -55,27 +55,43 @@ def _owned(path: Path, shard: ShardConfig) -> bool:
 def clean_orphans(out_dir: Path, entries: Iterable[ManifestEntry], shard: ShardConfig) -> Cleanup:
     """Delete temp files and unnamed data files of this shard under ``out_dir/data``."""
     named = {e.path for e in entries}
-    temp = orphans = foreign = 0
+    counts = {"temp": 0, "orphan": 0, "foreign": 0}
     data = out_dir / DATA_DIR
     if not data.is_dir():
         return Cleanup(0, 0, 0)
-    for bucket in os.scandir(data):
-        if not bucket.is_dir(follow_symlinks=False):
-            continue
-        for entry in os.scandir(bucket.path):
-            rel = f"{DATA_DIR}/{bucket.name}/{entry.name}"
-            is_temp = entry.name.startswith(".") and entry.name.endswith(".tmp")
-            if not is_temp and (rel in named or not entry.name.endswith(FILE_SUFFIX)):
-                continue
-            path = Path(entry.path)
-            if not _owned(path, shard):
-                foreign += 1
-                continue
-            path.unlink(missing_ok=True)
-            temp, orphans = (temp + 1, orphans) if is_temp else (temp, orphans + 1)
+    with os.scandir(data) as buckets:
+        for bucket in buckets:
+            if bucket.is_dir(follow_symlinks=False):
+                with os.scandir(bucket.path) as names:
+                    for entry in names:
+                        kind = _clean_entry(entry, f"{DATA_DIR}/{bucket.name}", named, shard)
+                        if kind:
+                            counts[kind] += 1
+    temp, orphans, foreign = counts["temp"], counts["orphan"], counts["foreign"]
     if temp or orphans:
         log.info("resume_cleanup", temp_files=temp, orphans=orphans, foreign=foreign)
     return Cleanup(temp, orphans, foreign)
+
+
+def _clean_entry(entry: os.DirEntry[str], bucket: str, named: set[str], shard: ShardConfig) -> str:
+    """Delete one bucket entry if it is this shard's temp file or orphan; what it was
+    ('temp', 'orphan', 'foreign': another shard's, left alone) or '' (kept)."""
+    is_temp = entry.name.startswith(".") and entry.name.endswith(".tmp")
+    if not is_temp and (f"{bucket}/{entry.name}" in named or not entry.name.endswith(FILE_SUFFIX)):
+        return ""
+    path = Path(entry.path)
+    if entry.is_dir(follow_symlinks=False):
+        raise DatasetError(
+            f"{path} is a directory where a sample file belongs; hsx deletes only files: "
+            "remove it by hand, then run again"
+        )
+    # A link or FIFO in a file's place is never opened (a FIFO would block): only an
+    # unsharded run, which owns every name, removes it.
+    regular = entry.is_file(follow_symlinks=False)
+    if not (_owned(path, shard) if regular else shard.count == 1):
+        return "foreign"
+    path.unlink(missing_ok=True)
+    return "temp" if is_temp else "orphan"
 
 
 def check_entries(out_dir: Path, entries: Iterable[ManifestEntry]) -> None:

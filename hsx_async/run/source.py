@@ -9,6 +9,9 @@ memory). Line numbers are 0-based, like the default id.
 from __future__ import annotations
 
 import asyncio
+import io
+import os
+import stat
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +22,7 @@ import numpy.typing as npt
 import orjson
 
 from hsx_async.dataset.layout import SampleId, canonical_id, shard_of_id
+from hsx_async.dataset.provenance import fingerprint
 from hsx_async.errors import InputError
 
 _BATCH_BYTES = 4 << 20
@@ -128,6 +132,47 @@ def parse_line(raw: bytes, line: int, max_tokens: int) -> Item:
     return Sample(sid, line, ids, mask)
 
 
+def open_input(path: Path) -> io.BufferedReader:
+    """The input file, opened for reading; :class:`InputError` (one line naming
+    ``input.path``) unless it is a readable regular file. Opened non-blocking, so a FIFO
+    is refused instead of waiting for a writer; a device such as ``/dev/zero`` (endless)
+    or a directory is refused too: resuming needs a file that can be read again."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise InputError(f"cannot read input.path {path}: {exc.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    raise InputError(
+        f"cannot read input.path {path}: it is {_kind(mode)}, not a regular file; point "
+        "input.path at the JSONL file"
+    )
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a socket" if stat.S_ISSOCK(mode) else "not a file"
+
+
+def fingerprint_input(path: Path, prefix: int | None = None) -> dict[str, Any]:
+    """:func:`hsx_async.dataset.provenance.fingerprint` of the input, opened as
+    :func:`open_input` opens it (blocking: call from a thread)."""
+    with open_input(path) as fh:
+        return fingerprint(fh, path, prefix=prefix)
+
+
 def shard_of(item: Item, count: int) -> int:
     """Stable shard of an item: by id for samples, by line for quarantined lines."""
     if isinstance(item, Sample):
@@ -145,10 +190,7 @@ class SampleReader:
         self._first_line: dict[str, int] = {}
 
     def _open(self) -> IO[bytes]:
-        try:
-            return self.path.open("rb")
-        except OSError as exc:
-            raise InputError(f"cannot read input.path {self.path}: {exc.strerror}") from None
+        return open_input(self.path)
 
     def _read_line(self, fh: IO[bytes]) -> bytes | None:
         """One line without its newline; None at EOF; :data:`TOO_LONG` for an over-long

@@ -13,37 +13,47 @@ from hsx_async.config import Config, redact_url
 from hsx_async.dataset.manifest import MANIFEST, QUARANTINE, AppendLog, DoneSet, load_done, log_name
 from hsx_async.dataset.provenance import (
     check_and_record,
-    fingerprint,
+    check_shard_layout,
+    directory_lock,
     parse_final_norm,
     provenance_for,
     read_provenance,
+    remove_stale_temps,
 )
 from hsx_async.errors import HsxError
 from hsx_async.run.client import SGLangClient
 from hsx_async.run.notify import Notifier
 from hsx_async.run.resume import check_entries, clean_orphans
+from hsx_async.run.source import fingerprint_input
 
 log = structlog.get_logger("hsx.daemon")
 
 
-def prepare_output(config: Config, *, allow_provenance_change: bool) -> DoneSet:
-    """Blocking: the provenance check, then what earlier runs finished (resume)."""
-    out = config.output.dir
-    record = provenance_for(config, fingerprint(config.input.path))
-    check_and_record(out, record, allow_change=allow_provenance_change)
-    done = load_done(out)
-    check_entries(out, done.manifest)
-    clean_orphans(out, done.manifest, config.shard)
-    return done
-
-
-def open_logs(config: Config) -> tuple[AppendLog, AppendLog]:
-    """Blocking: this shard's manifest and quarantine, opened for appending."""
+def prepare_output(
+    config: Config, stack: contextlib.ExitStack, *, allow_provenance_change: bool
+) -> tuple[DoneSet, AppendLog, AppendLog]:
+    """Blocking. Under the directory lock: the shard layout is checked, provenance recorded
+    and this run's logs created (so a run starting next sees them), then the directory is
+    made to agree with its manifests (resume). The logs close with ``stack``."""
     out, shard = config.output.dir, config.shard
-    return (
-        AppendLog(out / log_name(MANIFEST, shard.index, shard.count)),
-        AppendLog(out / log_name(QUARANTINE, shard.index, shard.count)),
+    old = read_provenance(out)
+    recorded = old.get("input", {}).get("bytes") if old else None
+    input_fp = fingerprint_input(
+        config.input.path, prefix=recorded if type(recorded) is int else None
     )
+    record = provenance_for(config, input_fp)
+    with directory_lock(out):
+        remove_stale_temps(out)
+        check_shard_layout(out, shard.count)
+        check_and_record(out, record, allow_change=allow_provenance_change)
+        manifest = AppendLog(out / log_name(MANIFEST, shard.index, shard.count))
+        stack.callback(manifest.close)
+        quarantine = AppendLog(out / log_name(QUARANTINE, shard.index, shard.count))
+        stack.callback(quarantine.close)
+        done = load_done(out)
+        check_entries(out, done.manifest)
+        clean_orphans(out, done.manifest, shard)
+    return done, manifest, quarantine
 
 
 async def wait_for_server(client: SGLangClient, config: Config, notifier: Notifier) -> None:

@@ -62,6 +62,18 @@ class Handoff:
     job: WriteJob
     ns: str
     need: int
+    tries: Tries  # the attempts behind this dump, counting it
+
+
+@dataclass(slots=True)
+class Tries:
+    """Attempts of one sample so far. ``rids``: requests sent (each rid is used once, also
+    when the writer hands a sample back); ``failed``: the failures that count against
+    ``workers.max_attempts``, wherever they happened — a request, a dump, or a dump that
+    changed before its copy. A paused disk (ENOSPC) counts in ``rids`` only."""
+
+    rids: int = 0
+    failed: int = 0
 
 
 def retry_policy(config: Config) -> RetryPolicy:
@@ -137,6 +149,7 @@ class Workers:
         self.budget = ByteBudget(config.dump.shm_budget)
         self.final_states = FinalStateGuard(config.output.dir)  # one kind per dataset
         self.intake = Intake(maxsize=2 * config.workers.start_concurrency)
+        self.tries: dict[int, Tries] = {}  # line → attempts, for handed-back samples only
         self.retry = retry_policy(config)
         self.target_workers = config.workers.start_concurrency
         self.live_rids: dict[str, set[str]] = collections.defaultdict(set)  # ns → rids
@@ -226,9 +239,9 @@ class Workers:
         self.in_flight += 1
         handed_off = False
         try:
-            dump = await self._extract(sample, ns, ns_dir)
-            if dump is not None:
-                await self._hand_off(sample, dump, ns, need)
+            extracted = await self._extract(sample, ns, ns_dir)
+            if extracted is not None:
+                await self._hand_off(sample, *extracted, ns, need)
                 handed_off = True
         finally:
             if not handed_off:
@@ -239,26 +252,27 @@ class Workers:
         self.in_flight -= 1
         self.intake.wake()
 
-    async def _extract(self, sample: Sample, ns: str, ns_dir: Path) -> Dump | None:
-        """Attempts until one yields a valid dump; None once the sample is quarantined."""
-        attempt = 0
+    async def _extract(self, sample: Sample, ns: str, ns_dir: Path) -> tuple[Dump, Tries] | None:
+        """Attempts until one yields a valid dump; None once the sample is quarantined.
+        A sample the writer handed back goes on from its earlier attempts."""
+        tries = self.tries.pop(sample.line, None) or Tries()
         while True:
-            attempt += 1
-            rid = f"{self.nonce}-{sample.line}-{attempt}"
+            tries.rids += 1
+            rid = f"{self.nonce}-{sample.line}-{tries.rids}"
             started = time.monotonic()
             # Every event of this attempt, here and in the modules it calls, names it.
-            with structlog.contextvars.bound_contextvars(id=sample.id, rid=rid, attempt=attempt):
+            with structlog.contextvars.bound_contextvars(id=sample.id, rid=rid, attempt=tries.rids):
                 try:
                     dump = await self._attempt(sample, rid, ns, ns_dir)
                 except (RequestError, DumpError) as exc:
-                    if await self._failed_attempt(sample, attempt, ns, ns_dir, exc):
+                    if await self._failed_attempt(sample, tries, ns, ns_dir, exc):
                         return None
                     continue
             self.metrics.request_latency.observe(time.monotonic() - started)
-            return dump
+            return dump, tries
 
     async def _failed_attempt(
-        self, sample: Sample, attempt: int, ns: str, ns_dir: Path, exc: RequestError | DumpError
+        self, sample: Sample, tries: Tries, ns: str, ns_dir: Path, exc: RequestError | DumpError
     ) -> bool:
         """Clean up after a failed attempt and back off; True once the sample is
         quarantined (the last attempt failed)."""
@@ -268,15 +282,28 @@ class Workers:
         kind = "request" if isinstance(exc, RequestError) else "dump"
         self.metrics.attempt_failed(kind, reason_kind(str(exc)))
         log.info("attempt_failed", error=str(exc))
-        if self.retry.exhausted(attempt):
-            reason = f"{attempt} attempts failed; last: {exc}"
+        if await self.count_failure(sample, tries, str(exc)):
+            return True
+        await asyncio.sleep(self.retry.delay(tries.failed))
+        return False
+
+    async def count_failure(self, sample: Sample, tries: Tries, error: str) -> bool:
+        """Count one failed attempt (here, or a dump that changed before its copy); True
+        once the sample is quarantined for it."""
+        tries.failed += 1
+        if self.retry.exhausted(tries.failed):
+            reason = f"{tries.failed} attempts failed; last: {error}"
             await self._quarantine(sample.line, sample.id, reason)
             self.settled += 1
             return True
-        if attempt == 1:
+        if tries.failed == 1:
             self.metrics.totals.samples_retried += 1
-        await asyncio.sleep(self.retry.delay(attempt))
         return False
+
+    def requeue(self, sample: Sample, tries: Tries) -> None:
+        """Hand a sample back to the workers, with its attempts so far."""
+        self.tries[sample.line] = tries
+        self.intake.requeue(sample)
 
     async def _attempt(self, sample: Sample, rid: str, ns: str, ns_dir: Path) -> Dump:
         cfg = self.config
@@ -304,16 +331,23 @@ class Workers:
             final_states=self.final_states,
         )
 
-    async def _hand_off(self, sample: Sample, dump: Dump, ns: str, need: int) -> None:
+    async def _hand_off(self, sample: Sample, dump: Dump, tries: Tries, ns: str, need: int) -> None:
         job = write_job(self.config, sample, dump, self.nonce)
         self.live_rids[ns].add(dump.path.name)
-        await self._hand_off_fn(Handoff(job, ns, need))
+        await self._hand_off_fn(Handoff(job, ns, need, tries))
+
+
+def namespace_base(config: Config) -> str:
+    """What every worker namespace of this run starts with; a worker's number follows.
+    Names made from different prefixes never collide (a base ends in ``-w``, the rest is
+    digits), so one lock per base (:func:`~hsx_async.run.dump.namespace_lock`) covers them."""
+    prefix, shard = config.dump.namespace_prefix, config.shard
+    return f"{prefix}-s{shard.index}-w" if shard.count > 1 else f"{prefix}-w"
 
 
 def namespace(config: Config, index: int) -> str:
     """Worker ``index``'s dump namespace (shards of one job never share one)."""
-    prefix, shard = config.dump.namespace_prefix, config.shard
-    return f"{prefix}-s{shard.index}-w{index}" if shard.count > 1 else f"{prefix}-w{index}"
+    return f"{namespace_base(config)}{index}"
 
 
 def write_job(config: Config, sample: Sample, dump: Dump, nonce: str) -> WriteJob:

@@ -16,9 +16,6 @@ Copy methods:
   (``preadv``) ``SUB`` bytes at a time, each piece hashed while it is still in the CPU
   cache, and each full buffer is written with ``O_DIRECT`` at a ``CHUNK`` boundary of the
   file: one memory copy, no page-cache pollution, the device sees whole aligned writes.
-  On a tmpfs mounted with huge pages each part is mapped ``CHUNK`` bytes at a time instead
-  and written straight from the mapping, the hash running beside the write in a helper
-  thread.
   Needs every part to start on a 4 KiB boundary in the file, which holds when L × H × 2 is
   a multiple of 4096 (any real model); the layout pads the header so ``hidden_states``
   starts aligned.
@@ -28,10 +25,13 @@ Copy methods:
 ``auto`` picks ``direct`` when the shape allows and the file system accepts O_DIRECT, and
 falls back to ``sendfile`` for good on the first EINVAL.
 
-Why not map 4 KiB-page tmpfs parts: on the machine the benchmarks ran on (kernel 6.18,
-bench/README.md) faulting small tmpfs pages into a mapping cost ~0.7 CPU-s/GB, the read
-copy ~0.3 (hash included), and the copy was faster too. Nothing is mapped or read whole,
-so a 32k-token sample adds nothing to the RSS but the buffer.
+Why no part is ever mapped: a dump belongs to an untrusted server, and a part truncated
+under a mapping makes the next access to it raise SIGBUS, which kills the process (and
+Python's ``mmap`` refuses a window past a shrunken end with ``ValueError``). A read
+(``preadv``, ``sendfile``) of a shrunken part just comes back short, which fails the
+attempt. Mapping was only ever cheaper on a huge-page tmpfs (2 MiB faults); on 4 KiB pages
+faulting cost ~0.7 CPU-s/GB against ~0.3 for the read copy (bench/README.md, "Findings").
+Nothing is read whole either, so a 32k-token sample adds nothing to the RSS but the buffer.
 """
 
 from __future__ import annotations
@@ -53,15 +53,13 @@ from hsx_async.dataset.durable import fsync_dir, write_error
 from hsx_async.dataset.layout import ALIGN, FileLayout
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DumpError, WriteError
-from hsx_async.run.dump import Dump, open_dump_dir
+from hsx_async.run.dump import Dump, DumpLinkError, open_dump_dir, open_dump_file
 from hsx_async.run.failpoints import failpoint
-from hsx_async.run.mounts import tmpfs_mounts
 from hsx_async.run.source import Sample
 
 CHUNK = 8 << 20  # bytes per O_DIRECT write: large enough to keep the device streaming
 SUB = 256 << 10  # bytes read then hashed at once: still in the L2 cache when hashed
 Hasher = xxhash.xxh3_64
-_SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
@@ -133,14 +131,11 @@ class FileWriter:
         self._names_durable: set[Path] = set()  # ... and their names synced by a publish
         self._temps: set[Path] = set()  # staged, not yet published
         self._lock = threading.Lock()
-        # Threads hashing mapped chunks while the copy threads write them, and syncing the
-        # directories of one publish side by side (each started on first use).
-        self._hash_pool = futures.ThreadPoolExecutor(4, thread_name_prefix="hsx-hash")
+        # Threads syncing the directories of one publish side by side (started on first use).
         self._dir_sync_pool = futures.ThreadPoolExecutor(16, thread_name_prefix="hsx-dirsync")
 
     def close(self) -> None:
         """Stop the writer's threads (once no stage or publish runs)."""
-        self._hash_pool.shutdown(wait=True)
         self._dir_sync_pool.shutdown(wait=True)
 
     def stage(self, job: WriteJob) -> Staged:
@@ -249,7 +244,7 @@ class FileWriter:
             fd = os.open(tmp, _NEW_FILE, 0o644)
         try:
             if self.direct:
-                _write_direct(fd, job, hasher, self._hash_pool)
+                _write_direct(fd, job, hasher)
             else:
                 _write_buffered(fd, job, hasher)
             size = os.fstat(fd).st_size
@@ -311,18 +306,19 @@ def _open_part(path: Path, expected: int) -> int:
         # Component by component: a request dir swapped for a link is not followed either.
         dir_fd = open_dump_dir(path.parent)
         try:
-            fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            # Non-blocking, no link followed, regular files only: a part swapped for a
+            # FIFO or a link after validation fails the attempt (the dump's fault).
+            fd = open_dump_file(dir_fd, path.name)
         finally:
             os.close(dir_fd)
     except FileNotFoundError:
         raise DumpError(f"{path.name} vanished before it was copied") from None
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        # Swapped for a link after validation: the dump's fault, not the disk's.
+    except DumpLinkError:
         raise DumpError(f"{path.name} became a link after validation") from None
+    except DumpError as exc:
+        raise DumpError(f"{exc} (after validation)") from None
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != expected:
+    if st.st_size != expected:
         os.close(fd)
         raise DumpError(f"{path.name} changed after validation ({st.st_size} bytes)")
     return fd
@@ -353,11 +349,6 @@ def _read_hashed(part_fd: int, name: str, view: memoryview, offset: int, hasher:
 
 
 def _hash_part(part_fd: int, name: str, size: int, hasher: Hasher) -> None:
-    if _on_huge_pages(part_fd):
-        for offset in range(0, size, CHUNK):
-            with _map(part_fd, offset, min(CHUNK, size - offset)) as mm:
-                hasher.update(mm)
-        return
     with memoryview(_buffers.get(SUB)) as whole:
         for offset in range(0, size, SUB):
             with whole[: min(SUB, size - offset)] as view:
@@ -369,13 +360,11 @@ class _AlignedFile:
     the file: every write but the last is a whole CHUNK, starting on a CHUNK boundary, as
     in a plain copy of the parts. (Written after the header and ``input_ids``, the hidden
     states were shifted off those boundaries; on the virtio disk here that cost 5–7% of a
-    raw copy's rate: bench/README.md.) XXH3 runs over the same bytes, in the same order.
-    Parts on a huge-page tmpfs are the exception: see :meth:`_write_mapped`."""
+    raw copy's rate: bench/README.md.) XXH3 runs over the same bytes, in the same order,
+    from the buffer: what is hashed is what is written, even if the part changes."""
 
-    def __init__(
-        self, fd: int, whole: memoryview, hasher: Hasher, hash_pool: futures.ThreadPoolExecutor
-    ) -> None:
-        self.fd, self.whole, self.hasher, self.hash_pool = fd, whole, hasher, hash_pool
+    def __init__(self, fd: int, whole: memoryview, hasher: Hasher) -> None:
+        self.fd, self.whole, self.hasher = fd, whole, hasher
         self.fill = 0  # bytes in the buffer, not yet written
 
     def put(self, data: bytes) -> None:
@@ -391,11 +380,7 @@ class _AlignedFile:
                     self._write_buffer()
 
     def copy_part(self, part_fd: int, name: str, size: int) -> None:
-        """A dump part, read into the buffer in pieces, each hashed while in the cache
-        (on a huge-page tmpfs: :meth:`_write_mapped`)."""
-        if _on_huge_pages(part_fd):
-            self._write_mapped(part_fd, size)
-            return
+        """A dump part, read into the buffer in pieces, each hashed while in the cache."""
         pos = 0
         while pos < size:
             n = min(size - pos, CHUNK - self.fill)
@@ -404,24 +389,6 @@ class _AlignedFile:
             self.fill, pos = self.fill + n, pos + n
             if self.fill == CHUNK:
                 self._write_buffer()
-
-    def _write_mapped(self, part_fd: int, size: int) -> None:
-        """On a huge-page tmpfs: the part written straight from mappings of it, CHUNK by
-        CHUNK from its start, so each mapping is made of whole 2 MiB pages (one fault
-        each), and hashed beside the write (both release the GIL). These writes follow
-        the header unaligned: aligning them through the buffer measured no better there
-        (bench/README.md). A part truncated under the mapping would fault; committed
-        parts never change. One hash in flight per file keeps it in order."""
-        assert self.fill % ALIGN == 0  # header and parts are whole blocks
-        self._write_buffer()
-        for pos in range(0, size, CHUNK):
-            with _map(part_fd, pos, min(CHUNK, size - pos)) as mm:
-                hashed = self.hash_pool.submit(self.hasher.update, mm)
-                try:
-                    _write_all(self.fd, mm)
-                finally:
-                    futures.wait([hashed])
-                hashed.result()
 
     def finish(self, total: int) -> None:
         """The last, partial block: O_DIRECT writes whole blocks, so it is written
@@ -443,37 +410,6 @@ class _AlignedFile:
         self.fill = 0
 
 
-def _map(part_fd: int, offset: int, length: int) -> mmap.mmap:
-    return mmap.mmap(part_fd, length, prot=mmap.PROT_READ, offset=offset)
-
-
-_huge_devices: dict[int, bool] = {}  # st_dev -> backed by huge pages (a benign race)
-
-
-def _on_huge_pages(fd: int) -> bool:
-    """Whether the tmpfs holding ``fd`` backs files with transparent huge pages. Then
-    mapping a part costs one fault per 2 MiB, and freeing it next to nothing."""
-    dev = os.fstat(fd).st_dev
-    known = _huge_devices.get(dev)
-    if known is None:
-        known = _huge_devices[dev] = dev in _huge_tmpfs_devices()
-    return known
-
-
-def _huge_tmpfs_devices() -> set[int]:
-    """Devices of the tmpfs mounts with ``huge=always`` or ``huge=within_size`` (or every
-    tmpfs, when the kernel forces huge pages on all of them)."""
-    forced = False
-    with contextlib.suppress(OSError):
-        forced = "[force]" in Path(_SHMEM_ENABLED).read_text()
-    devices: set[int] = set()
-    for mount, options in tmpfs_mounts():
-        if forced or "huge=always" in options or "huge=within_size" in options:
-            with contextlib.suppress(OSError):
-                devices.add(mount.stat().st_dev)
-    return devices
-
-
 def _parts(job: WriteJob) -> list[tuple[Path, int]]:
     per_row = job.layout.hidden_bytes // job.layout.num_tokens
     return [
@@ -482,11 +418,9 @@ def _parts(job: WriteJob) -> list[tuple[Path, int]]:
     ]
 
 
-def _write_direct(
-    fd: int, job: WriteJob, hasher: Hasher, hash_pool: futures.ThreadPoolExecutor
-) -> None:
+def _write_direct(fd: int, job: WriteJob, hasher: Hasher) -> None:
     with memoryview(_buffers.get(CHUNK)) as whole:
-        out = _AlignedFile(fd, whole, hasher, hash_pool)
+        out = _AlignedFile(fd, whole, hasher)
         out.put(_head(job))  # a multiple of ALIGN long, by construction of the layout
         for path, size in _parts(job):
             part_fd = _open_part(path, size)

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hsx_async.dataset.layout import data_relpath, sample_key
 from hsx_async.dataset.manifest import (
     MANIFEST,
     QUARANTINE,
@@ -30,7 +31,7 @@ XXH = "0123456789abcdef"
 
 
 def _entry(i: int | str, path: str | None = None) -> ManifestEntry:
-    return ManifestEntry(i, path or f"data/00/{i}.safetensors", 10, 1000 + len(str(i)), XXH)
+    return ManifestEntry(i, path or data_relpath(sample_key(i)), 10, 1000 + len(str(i)), XXH)
 
 
 @pytest.fixture
@@ -89,7 +90,7 @@ def test_append_then_read(tmp_path: Path, log: AppendLog) -> None:
     log.append([])  # nothing to write is not an error
     assert read_manifest(tmp_path) == entries
     raw = orjson.loads((tmp_path / "manifest.jsonl").read_bytes().splitlines()[0])
-    assert raw == {"id": 1, "path": "data/00/1.safetensors", "num_tokens": 10, "bytes": 1001,
+    assert raw == {"id": 1, "path": data_relpath("1"), "num_tokens": 10, "bytes": 1001,
                    "xxh3_64": XXH}  # fmt: skip
 
 
@@ -107,9 +108,8 @@ def test_quarantine_round_trip(tmp_path: Path) -> None:
 @given(
     st.lists(
         st.builds(
-            ManifestEntry,
+            lambda sid, *rest: ManifestEntry(sid, data_relpath(sample_key(sid)), *rest),
             st.one_of(st.integers(0, 2**64 - 1), st.text(max_size=20)),
-            st.text(max_size=40),
             st.integers(0, 2**40),
             st.integers(0, 2**50),
             st.integers(0, 2**64 - 1).map("{:016x}".format),

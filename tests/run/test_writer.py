@@ -215,7 +215,6 @@ def test_direct_writes_whole_chunks_at_chunk_boundaries(
     whole chunk at a chunk-aligned file offset, and the file and its hash are those of
     the bytes in order."""
     _direct_or_skip("auto", out)
-    monkeypatch.setattr(writer_module, "_on_huge_pages", lambda fd: False)
     case = make_case(shm_root, ALIGNED, parts=BIG_PARTS)
     writes: list[tuple[int, int]] = []
 
@@ -231,29 +230,6 @@ def test_direct_writes_whole_chunks_at_chunk_boundaries(
     assert len(whole) == 2
     assert all(at % chunk == 0 and size == chunk for at, size in whole), writes
     assert last_at == 2 * chunk and last_size % 4096 == 0
-
-
-def test_parts_on_huge_pages_are_written_from_whole_huge_page_mappings(
-    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Each mapping starts on a chunk boundary of its part (so on 2 MiB pages), the header
-    and ids go first in a write of their own, and the file and hash are exact."""
-    _direct_or_skip("auto", out)
-    monkeypatch.setattr(writer_module, "_on_huge_pages", lambda fd: True)
-    maps: list[tuple[int, int]] = []
-    real_map = writer_module._map
-
-    def record(part_fd: int, offset: int, length: int) -> Any:
-        maps.append((offset, length))
-        return real_map(part_fd, offset, length)
-
-    monkeypatch.setattr(writer_module, "_map", record)
-    case = make_case(shm_root, ALIGNED, parts=BIG_PARTS)
-    fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
-    check_written(out, case, write_one(fw, case.job))
-    chunk = writer_module.CHUNK
-    first = BIG_ROWS * ALIGNED.row
-    assert maps == [(0, chunk), (chunk, chunk), (2 * chunk, first - 2 * chunk), (0, 3 * 4096)]
 
 
 def test_direct_needs_an_aligned_row(out: Path) -> None:
@@ -348,26 +324,17 @@ def test_enospc_on_write_leaves_nothing(
 
 # A sample of two parts, the first spanning more than two chunks. Read into the buffer,
 # O_DIRECT writes 1: the header, ids and the start of the part; 2: a whole chunk; 3: the
-# rest, the second part and the loss mask, zero-padded. Mapped (huge-page tmpfs): 1: the
-# header and ids; 2, 3: whole chunks from mappings of the part.
+# rest, the second part and the loss mask, zero-padded.
 BIG_ROWS = 2 * writer_module.CHUNK // ALIGNED.row + 10
 BIG_PARTS = ((0, BIG_ROWS), (BIG_ROWS, BIG_ROWS + 3))
 
 
-@pytest.fixture(params=[False, True], ids=["read", "mapped"])
-def mapped(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Both copy paths: parts read into the buffer, or (as on a huge-page tmpfs) whole
-    chunks written from a mapping of the part, hashed beside the write."""
-    monkeypatch.setattr(writer_module, "_on_huge_pages", lambda fd: request.param)
-    return bool(request.param)
-
-
 @pytest.mark.parametrize("call", [1, 2, 3], ids=["first-block", "middle", "padded-last"])
 def test_enospc_on_a_direct_write_leaves_nothing(
-    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch, mapped: bool, call: int
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch, call: int
 ) -> None:
-    """Failing inside a part's mapping too: a view left alive would turn ENOSPC into
-    BufferError when the mapping closes."""
+    """Failing inside a part's copy too: a view left alive would turn ENOSPC into
+    BufferError when the buffer is resized or closed."""
     _direct_or_skip("auto", out)
     case = make_case(shm_root, ALIGNED, parts=BIG_PARTS)
     fw = FileWriter(out, method="auto", fsync=True, row_bytes=ALIGNED.row)
