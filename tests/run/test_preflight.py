@@ -64,7 +64,7 @@ def test_output_that_is_not_a_directory_fails(tmp_path: Path) -> None:
     report = Report()
     assert check_output(config, report, need=1) == 0.0
     ((level, _, detail),) = report.lines
-    assert level == "FAIL" and "is not writable" in detail
+    assert level == "FAIL" and "exists and is not a directory" in detail
 
 
 def test_dump_root_on_tmpfs_passes_and_elsewhere_warns(tmp_path: Path, shm_root: Path) -> None:
