@@ -47,7 +47,7 @@ def _rms_norm(x: torch.Tensor, model: Any) -> torch.Tensor:
     norm = model.model.norm
     x32 = x.float()
     eps = float(getattr(norm, "variance_epsilon", model.config.rms_norm_eps))
-    weight: torch.Tensor = norm.weight.float()
+    weight: torch.Tensor = norm.weight.detach().float()
     return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
