@@ -30,9 +30,11 @@ from safetensors.torch import load_file
 
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import read_manifest
+from hsx_async.prepare.template import ChatEncoder, load_tokenizer
 from hsx_async.server.reference.model import TINY_HIDDEN, bf16_mismatch, reference_hidden_states
 from tests.e2e import config_raw, write_config
 from tests.real_sglang.conftest import (
+    REPO,
     Server,
     free_port,
     launch_command,
@@ -80,6 +82,8 @@ class Run:
     hsx: subprocess.CompletedProcess[str]
     info: dict[str, Any]
     dump_root_after: list[str]
+    regen: subprocess.CompletedProcess[str] | None = None  # hsx regenerate (TP=1 only)
+    regen_out: Path | None = None
 
 
 def generate_plain(server: Server, ids: list[int]) -> dict[str, Any]:
@@ -162,13 +166,14 @@ def run(
         for p in plain:
             p.alone = generate_plain(server, p.input_ids)
         hsx = run_hsx_beside_plain_traffic(server, config, plain)
+        regen = run_regenerate(server, tmp, model_dir) if tp == 1 else None
         info = server.get("/get_server_info")
         left = sorted(p.name for p in server.dump_root.iterdir())
     # The server is gone before the checks: its idle schedulers would take the CPU the
     # Hugging Face forwards need (SGLang binds its threads to the cores under TP=2).
     if tp == 1 and hsx.returncode == 0:
         engine_datasets["sglang"] = (tmp / "out", samples)  # tests/real_vllm compares
-    yield Run(tp, server, tmp / "out", samples, plain, hsx, info, left)
+    yield Run(tp, server, tmp / "out", samples, plain, hsx, info, left, regen, tmp / "regen.jsonl")
 
 
 def test_server_runs_the_configuration(run: Run) -> None:
@@ -240,6 +245,26 @@ def test_final_slot_is_the_output_of_model_norm(run: Run, hf_model: Any) -> None
     assert bf16_mismatch(final, twice.to(torch.bfloat16)) is not None
 
 
+REGEN_CONVERSATIONS = 3
+REGEN_NEW_TOKENS = 4
+
+
+def run_regenerate(server: Server, tmp: Path, model_dir: Path) -> Any:
+    """``hsx regenerate`` of a few bundled conversations through this SGLang server."""
+    lines = (REPO / "deploy" / "examples" / "tiny-conversations.jsonl").read_bytes().splitlines()
+    (tmp / "conversations.jsonl").write_bytes(b"\n".join(lines[:REGEN_CONVERSATIONS]) + b"\n")
+    raw = config_raw(
+        tmp, tmp / "conversations.jsonl", [server.url], server.dump_root,
+        hidden_size=TINY_HIDDEN, aux_layers=AUX,
+        server={"request_timeout": 120.0}, output={"dir": str(tmp / "regen-unused")},
+        regenerate={"tokenizer": str(model_dir), "max_new_tokens": REGEN_NEW_TOKENS},
+    )  # fmt: skip
+    config = write_config(tmp, raw, "regen.toml")
+    cmd = [*hsx_command(), "regenerate", str(tmp / "conversations.jsonl"),
+           "--config", str(config), "--out", str(tmp / "regen.jsonl")]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=HSX_TIMEOUT, check=False)
+
+
 def greedy(hf_model: Any, ids: list[int], steps: int) -> list[int]:
     out = list(ids)
     with torch.inference_mode():
@@ -261,3 +286,27 @@ def test_plain_requests_are_served_as_usual_and_dump_nothing(run: Run, hf_model:
     # hsx removed each of its dumps once written; a plain request would have left one.
     assert run.dump_root_after == []
     assert "hsx: no dump for rid" not in run.server.log_text()
+
+
+def test_regenerate_answers_are_the_models_own(run: Run, hf_model: Any, model_dir: Path) -> None:
+    """``hsx regenerate`` through real SGLang: each assistant turn becomes the model's own
+    greedy answer to the history before it (regenerated turns included), as a Hugging Face
+    greedy decode of the same prompt ids gives it."""
+    if run.regen is None:
+        pytest.skip("hsx regenerate runs against the TP=1 server only")
+    assert run.regen.returncode == 0, run.regen.stdout + run.regen.stderr
+    assert run.regen_out is not None
+    tok = load_tokenizer(model_dir)
+    enc = ChatEncoder(tok, tok.chat_template)
+    records = [orjson.loads(line) for line in run.regen_out.read_bytes().splitlines()]
+    assert len(records) == REGEN_CONVERSATIONS
+    answered = 0
+    for rec in records:
+        history: list[dict[str, str]] = []
+        for turn in rec["messages"]:
+            if turn["role"] == "assistant":
+                want = greedy(hf_model, enc.prompt_ids(history), REGEN_NEW_TOKENS)
+                assert turn["content"] == tok.decode(want, skip_special_tokens=True)
+                answered += 1
+            history.append({"role": turn["role"], "content": turn["content"]})
+    assert answered >= REGEN_CONVERSATIONS
