@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 import xxhash
@@ -261,16 +261,36 @@ class AppendLog:
 _HASH_CHUNK = 8 << 20
 
 
+class Readable(Protocol):
+    """A binary file read into a buffer (a raw or buffered file object)."""
+
+    def readinto(self, buffer: bytearray, /) -> int | None: ...
+
+
 def hash_file(path: Path, *, follow_symlinks: bool = False) -> tuple[int, str]:
     """Size and XXH3-64 (hex) of a whole file, as a manifest line records them; read in
     chunks, so memory stays flat whatever the size. Links are refused unless asked for."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    with os.fdopen(os.open(path, flags), "rb", buffering=0) as fh:
+        size, digest, _ = hash_stream(fh)
+    return size, digest
+
+
+def hash_stream(fh: Readable, *, prefix: int | None = None) -> tuple[int, str, str | None]:
+    """Size and XXH3-64 (hex) of everything ``fh`` reads, in chunks; with ``prefix``, also
+    the XXH3-64 of its first ``prefix`` bytes (None when the stream is shorter)."""
     hasher = xxhash.xxh3_64()
     buf = bytearray(_HASH_CHUNK)
     view = memoryview(buf)
-    size = 0
-    flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
-    with os.fdopen(os.open(path, flags), "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
+    size, head = 0, None
+    while n := fh.readinto(buf):
+        if prefix is not None and size <= prefix < size + n:
+            hasher.update(view[: prefix - size])
+            head = hasher.hexdigest()
+            hasher.update(view[prefix - size : n])
+        else:
             hasher.update(view[:n])
-            size += n
-    return size, hasher.hexdigest()
+        size += n
+    if prefix is not None and prefix == size:
+        head = hasher.hexdigest()
+    return size, hasher.hexdigest(), head

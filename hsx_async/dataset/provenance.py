@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import io
 import os
 import threading
 import time
@@ -26,40 +25,32 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import xxhash
 
 from hsx_async import __version__
 from hsx_async.config import Config, flatten_public
 from hsx_async.dataset.durable import exclusive_lock, write_atomic
-from hsx_async.dataset.manifest import MANIFEST, QUARANTINE, log_files, shard_count_of
+from hsx_async.dataset.manifest import (
+    MANIFEST,
+    QUARANTINE,
+    Readable,
+    hash_stream,
+    log_files,
+    shard_count_of,
+)
 from hsx_async.errors import DatasetError, DumpError
 from hsx_async.protocol import NORM_KINDS, POST_NORM, PROTOCOL_VERSION, parse_final_state
 
 PROVENANCE = "provenance.json"
-_CHUNK = 8 << 20
 # Keys a later rewrite of provenance.json keeps (learnt during a run, not from the config).
 _LEARNT_KEYS = ("final_state", "final_norm", "input_samples")
 
 
-def fingerprint(fh: io.BufferedIOBase, path: Path, *, prefix: int | None = None) -> dict[str, Any]:
+def fingerprint(fh: Readable, path: Path, *, prefix: int | None = None) -> dict[str, Any]:
     """Size and XXH3-64 of the whole input file, read from ``fh`` (blocking; ~0.1 s/GB
     from page cache). With ``prefix`` (the size a dataset recorded), also the XXH3-64 of
     the first ``prefix`` bytes, as ``extends``: an input that only grew since (lines
     appended, as while a run reads it) is the same input, extended."""
-    hasher = xxhash.xxh3_64()
-    size = 0
-    head = None
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    while n := fh.readinto(buf):
-        if prefix is not None and size <= prefix < size + n:
-            hasher.update(view[: prefix - size])
-            head = hasher.hexdigest()
-            hasher.update(view[prefix - size : n])
-        else:
-            hasher.update(view[:n])
-        size += n
-    whole = hasher.hexdigest()
+    size, whole, head = hash_stream(fh, prefix=prefix)
     found: dict[str, Any] = {"path": str(path), "bytes": size, "xxh3_64": whole}
     if head is not None and prefix != size:
         found["extends"] = {"bytes": prefix, "xxh3_64": head}
