@@ -25,6 +25,17 @@ def shm_root() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_shm_left_by_kills() -> Iterator[None]:
+    """What processes killed during the session (crash tests, stopped servers) could not
+    unlink in /dev/shm is removed at its end."""
+    from tests.shm import LEAKED_BY_KILLS, remove_left_shm, shm_names
+
+    before = shm_names()
+    yield
+    remove_left_shm(before, LEAKED_BY_KILLS)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_logs() -> Iterator[None]:
     """Each test starts with warning-level JSON logs; a test that reconfigures logging

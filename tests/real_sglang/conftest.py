@@ -31,6 +31,8 @@ from typing import Any
 import orjson
 import pytest
 
+from tests.shm import LEAKED_BY_KILLS, remove_left_shm, shm_names
+
 REPO = Path(__file__).resolve().parents[2]
 ENV_PYTHON = "HSX_SGLANG_PYTHON"
 DEFAULT_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
@@ -48,7 +50,10 @@ CPU_FLAGS = (
 START_TIMEOUT = 240.0  # s; 15-30 s when the machine is idle, TP=2 on 2 busy cores is slower
 STOP_TIMEOUT = 30.0
 # Files SGLang and torch leave in /dev/shm when a server is killed.
-SHM_PREFIXES = ("sglang_", "sgl_shm_", "multi_tokenizer_args_", "nccl-", "sem.loky-", "torch_")
+SHM_PREFIXES = (
+    "sglang_", "sgl_shm_", "multi_tokenizer_args_", "nccl-", "sem.loky-", "torch_",
+    *LEAKED_BY_KILLS,
+)  # fmt: skip
 
 
 def sglang_python() -> Path:
@@ -134,7 +139,7 @@ def running(command: Sequence[str], env: dict[str, str], log: Path) -> Iterator[
     port = int(env["HSX_PORT"])
     dump_root = Path(env["HSX_DUMP_ROOT"])
     dump_root.mkdir(parents=True, exist_ok=True)
-    shm_before = {p.name for p in SHM.iterdir()} if SHM.is_dir() else set()
+    shm_before = shm_names()
     with log.open("wb") as out:
         process = subprocess.Popen(
             list(command), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -144,7 +149,7 @@ def running(command: Sequence[str], env: dict[str, str], log: Path) -> Iterator[
     finally:
         stop(process)
         shutil.rmtree(dump_root, ignore_errors=True)
-        remove_left_shm(shm_before)
+        remove_left_shm(shm_before, SHM_PREFIXES)
 
 
 def launch_command(model: Path, *flags: str) -> list[str]:
@@ -204,40 +209,6 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def remove_left_shm(before: set[str]) -> None:
-    """Remove SGLang's /dev/shm files that appeared since ``before`` and that no live
-    process holds open or mapped (another test's server may run beside this one)."""
-    if not SHM.is_dir():
-        return
-    new = [
-        p.name for p in SHM.iterdir() if p.name not in before and p.name.startswith(SHM_PREFIXES)
-    ]
-    if not new:
-        return
-    held = _paths_in_use()
-    for name in new:
-        path = SHM / name
-        if str(path) not in held:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-
-
-def _paths_in_use() -> set[str]:
-    held: set[str] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            for fd in (proc / "fd").iterdir():
-                with contextlib.suppress(OSError):
-                    held.add(str(fd.readlink()))
-        with contextlib.suppress(OSError):
-            for line in (proc / "maps").read_text().splitlines():
-                if "/dev/shm/" in line:
-                    held.add(line[line.index("/dev/shm/") :].removesuffix(" (deleted)"))
-    return held
 
 
 def new_dump_root() -> Path:
