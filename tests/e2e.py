@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,13 @@ class SampleSet:
     path: Path
     good: dict[str, dict[str, Any]]  # canonical id -> the sample's JSON object
     bad_lines: dict[int, bytes]  # line number -> raw line
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (every test server listens there)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def write_samples(

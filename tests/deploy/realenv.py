@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -34,12 +33,6 @@ def require_tools(*names: str) -> dict[str, str]:
             pytest.fail(message + " (CI is set: not skipping)")
         pytest.skip(message)
     return {name: path for name, path in found.items() if path is not None}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(what: str, check: Callable[[], T | None], timeout: float, every: float = 0.2) -> T:

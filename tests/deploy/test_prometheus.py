@@ -30,8 +30,8 @@ from prometheus_client.core import Metric
 
 from hsx_async.run.metrics import Metrics
 from hsx_async.run.status import RunStatus, StatusCollector
-from tests.deploy.realenv import free_port, http_get, process, require_tools, stop, wait_for
-from tests.e2e import config_raw, write_config, write_samples
+from tests.deploy.realenv import http_get, process, require_tools, stop, wait_for
+from tests.e2e import config_raw, free_port, write_config, write_samples
 
 pytestmark = pytest.mark.prometheus
 

@@ -24,8 +24,15 @@ from pathlib import Path
 import pytest
 
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
-from tests.deploy.realenv import free_port, process, require_tools, wait_for
-from tests.e2e import check_dataset, config_raw, shm_leftovers, write_config, write_samples
+from tests.deploy.realenv import process, require_tools, wait_for
+from tests.e2e import (
+    check_dataset,
+    config_raw,
+    free_port,
+    shm_leftovers,
+    write_config,
+    write_samples,
+)
 
 pytestmark = pytest.mark.slurm
 

@@ -17,7 +17,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -89,13 +88,6 @@ def hf_model(model_dir: Path) -> Any:
     from hsx_async.server.reference.model import load_model
 
     return load_model(str(model_dir))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e import free_port
 from tests.real_sglang.conftest import (
     CPU_FLAGS,
     LAUNCH,
-    free_port,
     launch_env,
     new_dump_root,
     running,

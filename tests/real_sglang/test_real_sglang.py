@@ -32,11 +32,10 @@ from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.prepare.template import ChatEncoder, load_tokenizer
 from hsx_async.server.reference.model import TINY_HIDDEN, bf16_mismatch, reference_hidden_states
-from tests.e2e import config_raw, write_config
+from tests.e2e import config_raw, free_port, write_config
 from tests.real_sglang.conftest import (
     REPO,
     Server,
-    free_port,
     launch_command,
     launch_env,
     new_dump_root,

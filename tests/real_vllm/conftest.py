@@ -9,7 +9,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from hsx_async.server.reference.model import TINY_AUX_LAYERS, save_default_model
+from tests.e2e import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("HSX_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -47,13 +47,6 @@ class VllmServer:
     log: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
@@ -76,7 +69,7 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     python = vllm_python()
     root = Path("/dev/shm") / f"hsx-vllm-test-{uuid.uuid4().hex[:10]}"
     root.mkdir()
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     env = {
         **os.environ,

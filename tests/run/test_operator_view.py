@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import socket
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from hsx_async.run.metrics import Totals
 from hsx_async.run.notify import Notifier
 from hsx_async.run.observe import progress_line, progress_loop
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
-from tests.e2e import make_config, write_samples
+from tests.e2e import free_port, make_config, write_samples
 
 H, AUX = 64, (1, 3, 5)
 
@@ -38,20 +37,13 @@ class _WaitSeen(Notifier):
             self.waiting.set()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 async def test_a_server_started_after_the_run_is_used_at_once(
     tmp_path: Path, shm_root: Path
 ) -> None:
     """`hsx fake-server & hsx run`: the first probe is refused; the run must not wait
     for server.unreachable_timeout before it probes again."""
     samples = write_samples(tmp_path / "in.jsonl", 5, max_len=8)
-    port = _free_port()
+    port = free_port()
     config = make_config(
         tmp_path,
         samples.path,

@@ -4,7 +4,6 @@ task's own server starting beside hsx) is waited for, probed, and used once it a
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import pytest
@@ -12,20 +11,14 @@ import pytest
 from hsx_async.run.client import SGLangClient
 from hsx_async.run.daemon import Daemon
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
-from tests.e2e import check_dataset, make_config, shm_leftovers, write_samples
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.e2e import check_dataset, free_port, make_config, shm_leftovers, write_samples
 
 
 async def test_run_waits_for_a_server_that_starts_late(
     tmp_path: Path, shm_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     samples = write_samples(tmp_path / "in.jsonl", 20, max_len=16)
-    port = _free_port()
+    port = free_port()
     config = make_config(tmp_path, samples.path, [f"http://127.0.0.1:{port}"], shm_root)
     refused = asyncio.Event()
     probes_failed = 0

@@ -23,7 +23,7 @@ from torch import nn
 
 from hsx_async.errors import ConfigError
 from hsx_async.protocol import META_NAME, check_meta, parse_meta
-from hsx_async.server.hook_core import HookConfig, PrefillDumper, ServerSettings
+from hsx_async.server.hook_core import HookConfig, PrefillDumper
 from hsx_async.server.hook_writer import BackgroundWriter
 from hsx_async.server.sglang import hook as sglang_hook
 from hsx_async.server.sglang.hook import (
@@ -50,6 +50,7 @@ from tests.server.sglang.standins import (
     params,
     reference_rows,
 )
+from tests.server.test_hook_core import GOOD
 
 REPO = Path(__file__).resolve().parents[3]
 LAUNCH = REPO / "deploy" / "sglang" / "launch.sh"
@@ -420,17 +421,6 @@ def test_tensor_bits_converts_to_bfloat16() -> None:
 # --------------------------------------------------------------------------------------
 # The factory SGLang calls
 # --------------------------------------------------------------------------------------
-
-GOOD = ServerSettings(
-    radix_cache=False,
-    attn_dp_size=1,
-    pp_size=1,
-    two_batch_overlap=False,
-    moe_a2a_backend="none",
-    aux_capture="eagle3",
-    aux_layer_ids_flag=None,
-    disaggregation_mode="null",
-)
 
 
 @pytest.fixture
