@@ -24,7 +24,17 @@ from typing import Any, Literal, get_args, get_origin
 
 from hsx_async.engines import EngineName
 from hsx_async.errors import ConfigError
-from hsx_async.protocol import DEFAULT_DUMP_ROOT, NS_PATTERN, row_bytes, valid_ns
+from hsx_async.protocol import (
+    BF16,
+    BF16_STORAGE,
+    DEFAULT_DUMP_ROOT,
+    FP8,
+    NS_PATTERN,
+    Storage,
+    num_layers,
+    row_bytes,
+    valid_ns,
+)
 
 Size = typing.NewType("Size", int)  # bytes; TOML gives an integer or a string like "16GiB"
 
@@ -79,6 +89,11 @@ class InputConfig:
 class OutputConfig:
     dir: Path
     disk_reserve: Size = Size(20 << 30)
+    # How hidden states are stored (PROTOCOL §4): bfloat16, bit-exact; or float8_e4m3fn with
+    # a float32 scale per (token, layer) for the slots `quantize` names: "all" (about half
+    # the bytes) or "aux" (the final state, which sets the teacher's logits, stays bf16).
+    dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
+    quantize: Literal["all", "aux"] = "all"
 
 
 @dataclass(frozen=True)
@@ -185,7 +200,23 @@ class Config:
 
     @property
     def sample_bytes_per_token(self) -> int:
+        """Bytes per token of a dump in /dev/shm: bfloat16, the most a server may dump (a
+        hook that does not quantize dumps bf16 and the client quantizes)."""
         return self.model.row_bytes
+
+    @property
+    def storage(self) -> Storage:
+        """How the dataset stores hidden states ([output].dtype and .quantize)."""
+        if self.output.dtype == BF16:
+            return BF16_STORAGE
+        layers = num_layers(self.model.aux_layers)
+        slots = range(layers) if self.output.quantize == "all" else range(layers - 1)
+        return Storage(FP8, tuple(slots))
+
+    @property
+    def dataset_bytes_per_token(self) -> int:
+        """Bytes per token of a dataset file's hidden states, in its storage."""
+        return self.storage.row_bytes(num_layers(self.model.aux_layers), self.model.hidden_size)
 
 
 # --- generic loading -------------------------------------------------------------------

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from hsx_async.errors import DumpError
-from hsx_async.protocol import CUSTOM_PARAM_NS, check_response, generate_body
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    CUSTOM_PARAM_NS,
+    Storage,
+    check_response,
+    generate_body,
+    storage_params,
+)
 
 EngineName = Literal["sglang", "vllm"]
 ENGINE_NAMES: tuple[EngineName, ...] = ("sglang", "vllm")
@@ -32,7 +39,7 @@ VLLM_PARAM_RID = "hsx_rid"
 class Engine:
     name: EngineName
     generate_path: str
-    build_body: Callable[[str, str, Any], dict[str, Any]]
+    build_body: Callable[[str, str, Any, Storage], dict[str, Any]]
     check: Callable[[object, str, int], None]
     model_info_path: str
     model_of: Callable[[object], str]
@@ -49,13 +56,14 @@ def _sglang_model(info: object) -> str:
     return str(info.get("model_path", "")) if isinstance(info, dict) else ""
 
 
-def vllm_body(rid: str, ns: str, input_ids: Any) -> dict[str, Any]:
+def vllm_body(rid: str, ns: str, input_ids: Any, storage: Storage = BF16_STORAGE) -> dict[str, Any]:
     """``POST /v1/completions`` for one marked prompt (``input_ids`` may be numpy)."""
+    params = {CUSTOM_PARAM_NS: ns, VLLM_PARAM_RID: rid, **storage_params(storage)}
     return {
         "prompt": input_ids,
         "max_tokens": 1,
         "temperature": 0.0,
-        "kv_transfer_params": {CUSTOM_PARAM_NS: ns, VLLM_PARAM_RID: rid},
+        "kv_transfer_params": params,
         "stream": False,
     }
 

@@ -1,4 +1,4 @@
-"""The hsx protocol, version 2 (``PROTOCOL.md``): names, patterns and dump checks.
+"""The hsx protocol, version 3 (``PROTOCOL.md``): names, patterns and dump checks.
 
 Pure functions only: nothing here touches a socket or a file. The client, the built-in
 servers and the SGLang hook all import this module, so a rule lives in exactly one place.
@@ -16,9 +16,10 @@ import orjson
 
 from hsx_async.errors import DumpError
 
-PROTOCOL_VERSION = 2
-# Versions a client accepts in meta.json: version 1 differs only in having no final_state.
-ACCEPTED_VERSIONS = (1, 2)
+PROTOCOL_VERSION = 3
+# Versions a client accepts in meta.json: version 1 differs only in having no final_state,
+# version 2 only in having no FP8 storage (its dumps are bfloat16).
+ACCEPTED_VERSIONS = (1, 2, 3)
 
 # Which final hidden state the last layer slot holds (PROTOCOL §3): the output of the
 # model's final norm (the LM head's input, what SGLang's logits processor sees), or the
@@ -58,9 +59,21 @@ _RID_RE = re.compile(RID_PATTERN)
 _PART_RE = re.compile(r"part-([0-9]{10})-([0-9]{10})\.bin")  # ASCII digits only
 
 META_NAME = "meta.json"
-DTYPE = "bfloat16"
+BF16 = "bfloat16"
+FP8 = "float8_e4m3fn"
+DTYPES = (BF16, FP8)
+DTYPE = BF16  # what every version-1/2 dump and dataset holds
 BYTES_PER_ELEMENT = 2
+SCALE_BYTES = 4  # one float32 scale per (token, quantized layer slot)
 CUSTOM_PARAM_NS = "hsx_ns"
+# The storage a request asks the hook for (PROTOCOL §2, version 3). A hook that does not
+# know them dumps bfloat16, and the client quantizes (§3).
+CUSTOM_PARAM_DTYPE = "hsx_dtype"
+CUSTOM_PARAM_QUANTIZED = "hsx_quantized"
+# Tensor names of a dataset file (§4); the dump's part sections have the same names.
+HIDDEN = "hidden_states"
+SCALES = "hidden_states_scales"
+UNQUANTIZED = "hidden_states_unquantized"
 DEFAULT_DUMP_ROOT = "/dev/shm/hsx"
 
 
@@ -82,6 +95,112 @@ def num_layers(aux_layers: Sequence[int]) -> int:
 def row_bytes(hidden_size: int, aux_layers: Sequence[int]) -> int:
     """Bytes of one token's rows in a dump: L × H bf16 values."""
     return num_layers(aux_layers) * hidden_size * BYTES_PER_ELEMENT
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """One tensor of a sample's rows: per token it holds ``row_shape`` values of ``dtype``
+    (a safetensors dtype code). A dump part is its sections back to back for its rows; a
+    dataset file holds each section as one tensor over all rows (PROTOCOL §3, §4)."""
+
+    name: str
+    dtype: str  # "BF16" | "F8_E4M3" | "F32"
+    row_shape: tuple[int, int]
+    row_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Storage:
+    """How hidden states are stored (PROTOCOL §3, §4): ``bfloat16`` (all slots, bit-exact),
+    or ``float8_e4m3fn`` for the layer slots in ``quantized`` (indices into the L axis,
+    ascending), each (token, slot) vector with its own float32 scale; the other slots stay
+    bfloat16."""
+
+    dtype: str = BF16
+    quantized: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        q = self.quantized
+        if self.dtype == BF16 and q:
+            raise ValueError("a bfloat16 storage quantizes no slot")
+        if self.dtype == FP8 and (not q or list(q) != sorted(set(q)) or q[0] < 0):
+            raise ValueError(f"quantized slots {list(q)} are not ascending, distinct and ≥ 0")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == FP8
+
+    def check_slots(self, layers: int) -> None:
+        if self.quantized and self.quantized[-1] >= layers:
+            raise ValueError(
+                f"quantized slot {self.quantized[-1]} is past the {layers} layer slots"
+            )
+
+    def kept(self, layers: int) -> tuple[int, ...]:
+        """The slots stored as bfloat16, ascending."""
+        quantized = set(self.quantized)
+        return tuple(i for i in range(layers) if i not in quantized)
+
+    def sections(self, layers: int, hidden_size: int) -> tuple[Section, ...]:
+        if not self.is_fp8:
+            return (Section(HIDDEN, "BF16", (layers, hidden_size), layers * hidden_size * 2),)
+        lq, lk = len(self.quantized), layers - len(self.quantized)
+        out = [
+            Section(HIDDEN, "F8_E4M3", (lq, hidden_size), lq * hidden_size),
+            Section(SCALES, "F32", (lq, 1), lq * SCALE_BYTES),
+        ]
+        if lk:
+            out.append(Section(UNQUANTIZED, "BF16", (lk, hidden_size), lk * hidden_size * 2))
+        return tuple(out)
+
+    def row_bytes(self, layers: int, hidden_size: int) -> int:
+        return sum(s.row_bytes for s in self.sections(layers, hidden_size))
+
+    def describe(self) -> str:
+        if not self.is_fp8:
+            return BF16
+        return f"{FP8} (slots {','.join(map(str, self.quantized))})"
+
+
+BF16_STORAGE = Storage()
+
+
+def parse_storage(dtype: object, quantized: object, where: str) -> Storage:
+    """A storage as meta.json, a file's metadata or provenance.json names it; absent
+    (None, None) is bfloat16 (versions 1 and 2)."""
+    if dtype is None or dtype == BF16:
+        if quantized not in (None, [], ()):
+            raise DumpError(f"{where}: a bfloat16 storage lists quantized slots {quantized!r}")
+        return BF16_STORAGE
+    if dtype != FP8:
+        raise DumpError(f"{where}: dtype is {dtype!r}, expected one of {', '.join(DTYPES)}")
+    if not isinstance(quantized, list | tuple) or not all(type(x) is int for x in quantized):
+        raise DumpError(f"{where}: quantized is {quantized!r}, expected a list of slot indices")
+    try:
+        return Storage(FP8, tuple(quantized))
+    except ValueError as exc:
+        raise DumpError(f"{where}: {exc}") from None
+
+
+def storage_metadata(storage: Storage) -> dict[str, str]:
+    """The ``__metadata__`` strings of a dataset file that name its storage (§4)."""
+    if not storage.is_fp8:
+        return {"dtype": BF16}
+    return {"dtype": FP8, "quantized": ",".join(map(str, storage.quantized))}
+
+
+def storage_from_metadata(meta: dict[str, str], where: str) -> Storage:
+    """The inverse of :func:`storage_metadata`; a file without ``dtype`` is bfloat16."""
+    raw = meta.get("quantized")
+    slots: list[int] | None = None
+    if raw is not None:
+        try:
+            slots = [int(x) for x in raw.split(",")] if raw else []
+        except ValueError:
+            raise DumpError(f"{where}: quantized {raw!r} is not a list of slot indices") from None
+    return parse_storage(meta.get("dtype"), slots, where)
 
 
 def part_name(start: int, end: int) -> str:
@@ -135,22 +254,29 @@ class DumpMeta:
     model: str
     server: str
     final_state: str = POST_NORM
+    storage: Storage = BF16_STORAGE
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's rows in this dump's parts."""
+        return self.storage.row_bytes(num_layers(self.aux_layers), self.hidden_size)
 
     def to_json(self) -> bytes:
-        return orjson.dumps(
-            {
-                "protocol": PROTOCOL_VERSION,
-                "rid": self.rid,
-                "num_tokens": self.num_tokens,
-                "hidden_size": self.hidden_size,
-                "aux_layers": list(self.aux_layers),
-                "dtype": DTYPE,
-                "parts": [list(p) for p in self.parts],
-                "model": self.model,
-                "server": self.server,
-                "final_state": self.final_state,
-            }
-        )
+        raw: dict[str, Any] = {
+            "protocol": PROTOCOL_VERSION,
+            "rid": self.rid,
+            "num_tokens": self.num_tokens,
+            "hidden_size": self.hidden_size,
+            "aux_layers": list(self.aux_layers),
+            "dtype": self.storage.dtype,
+            "parts": [list(p) for p in self.parts],
+            "model": self.model,
+            "server": self.server,
+            "final_state": self.final_state,
+        }
+        if self.storage.is_fp8:
+            raw["quantized"] = list(self.storage.quantized)
+        return orjson.dumps(raw)
 
 
 def _int_field(raw: dict[str, Any], key: str) -> int:
@@ -172,7 +298,8 @@ def parse_meta(data: bytes) -> DumpMeta:
         raise DumpError(
             f"meta.json protocol is {raw.get('protocol')!r}, expected one of {ACCEPTED_VERSIONS}"
         )
-    if raw.get("dtype") != DTYPE:
+    storage = parse_storage(raw.get("dtype"), raw.get("quantized"), "meta.json")
+    if raw.get("dtype") != DTYPE and raw["protocol"] < 3:
         raise DumpError(f"meta.json dtype is {raw.get('dtype')!r}, expected {DTYPE!r}")
     layers = raw.get("aux_layers")
     if not isinstance(layers, list) or not all(type(x) is int for x in layers):
@@ -197,6 +324,7 @@ def parse_meta(data: bytes) -> DumpMeta:
         model=str(raw.get("model", "")),
         server=str(raw.get("server", "")),
         final_state=parse_final_state(raw.get("final_state"), "meta.json final_state"),
+        storage=storage,
     )
 
 
@@ -227,11 +355,29 @@ def check_meta(
             f"meta.json aux_layers is {list(meta.aux_layers)}, config [model].aux_layers is "
             f"{list(aux_layers)}"
         )
+    if meta.storage.is_fp8 and meta.storage.quantized[-1] >= num_layers(aux_layers):
+        raise DumpError(
+            f"meta.json quantized slot {meta.storage.quantized[-1]} is past the "
+            f"{num_layers(aux_layers)} layer slots"
+        )
     check_tiling(meta.parts, meta.num_tokens)
 
 
+def check_storage(meta: DumpMeta, wanted: Storage) -> None:
+    """A dump holds the dataset's storage, or bfloat16 (which the client quantizes); an
+    FP8 dump of other slots, or one for a bfloat16 dataset, cannot be turned into it."""
+    if meta.storage == wanted or not meta.storage.is_fp8:
+        return
+    raise DumpError(
+        f"the dump is stored as {meta.storage.describe()} but this dataset is "
+        f"{wanted.describe()}; the hook honours the request's {CUSTOM_PARAM_DTYPE} "
+        f"and {CUSTOM_PARAM_QUANTIZED}, so the server's hook is not hsx's"
+    )
+
+
 def check_part_sizes(meta: DumpMeta, sizes: dict[tuple[int, int], int], per_row: int) -> None:
-    """Every listed part exists with exactly ``rows × L × H × 2`` bytes; nothing else is there."""
+    """Every listed part exists with exactly ``rows × row bytes`` (its storage's sections
+    for one row: L × H × 2 for bfloat16); nothing else is there."""
     for start, end in meta.parts:
         size = sizes.get((start, end))
         if size is None:
@@ -247,12 +393,37 @@ def check_part_sizes(meta: DumpMeta, sizes: dict[tuple[int, int], int], per_row:
         raise DumpError(f"part {part_name(*extra[0])} is not listed in meta.json")
 
 
-def generate_body(rid: str, ns: str, input_ids: Any) -> dict[str, Any]:
+def storage_params(storage: Storage) -> dict[str, Any]:
+    """What a request adds to ``custom_params`` (vLLM: ``kv_transfer_params``) to ask the
+    hook for ``storage`` (PROTOCOL §2); nothing for bfloat16."""
+    if not storage.is_fp8:
+        return {}
+    return {CUSTOM_PARAM_DTYPE: storage.dtype, CUSTOM_PARAM_QUANTIZED: list(storage.quantized)}
+
+
+def requested_storage(params: dict[str, Any], layers: int) -> tuple[Storage, str]:
+    """The storage a request asks for, as the hook reads it: (storage, '') or, for a
+    request it cannot honour, (bfloat16, why): the client then quantizes itself."""
+    dtype = params.get(CUSTOM_PARAM_DTYPE)
+    if dtype is None or dtype == BF16:
+        return BF16_STORAGE, ""
+    try:
+        storage = parse_storage(dtype, params.get(CUSTOM_PARAM_QUANTIZED), "request")
+        storage.check_slots(layers)
+    except (DumpError, ValueError) as exc:
+        return BF16_STORAGE, str(exc)
+    return storage, ""
+
+
+def generate_body(
+    rid: str, ns: str, input_ids: Any, storage: Storage = BF16_STORAGE
+) -> dict[str, Any]:
     """The ``POST /generate`` body of PROTOCOL §2 (``input_ids`` may be a numpy array)."""
+    custom = {CUSTOM_PARAM_NS: ns, **storage_params(storage)}
     return {
         "rid": rid,
         "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": 0, "custom_params": {CUSTOM_PARAM_NS: ns}},
+        "sampling_params": {"max_new_tokens": 0, "custom_params": custom},
         "stream": False,
     }
 

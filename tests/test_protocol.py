@@ -226,7 +226,7 @@ def test_meta_json_round_trips(
     parts, n = tiling
     meta = DumpMeta(rid, n, hidden, tuple(layers), tuple(parts), model, "srv")
     raw = orjson.loads(meta.to_json())
-    assert raw["protocol"] == 2
+    assert raw["protocol"] == 3
     assert raw["dtype"] == "bfloat16"
     assert parse_meta(meta.to_json()) == meta
     check_meta(meta, rid=rid, num_tokens=n, hidden_size=hidden, aux_layers=layers)
@@ -237,7 +237,7 @@ def test_meta_json_round_trips(
     [
         (b"{", "not valid JSON"),
         (b"[1, 2]", "not a JSON object"),
-        (_meta_json(protocol=3), "protocol is 3"),
+        (_meta_json(protocol=4), "protocol is 4"),
         (_meta_json(final_state="prenorm"), "final_state is 'prenorm'"),
         (_meta_json(final_state=1), "final_state is 1"),
         (_meta_json(protocol=None), "protocol is None"),

@@ -301,7 +301,7 @@ def _one_dump(root: Path, rid: str, tokens: int = 4) -> Dump:
     rid_dir = root / "ns" / rid
     meta = (rid_dir / "meta.json").read_bytes()
     return validate_dump(rid_dir, meta, rid=rid, num_tokens=tokens, hidden_size=H,
-                         aux_layers=AUX, row_bytes=RB)  # fmt: skip
+                         aux_layers=AUX)  # fmt: skip
 
 
 def _job(dump: Dump, sample_id: str = "x") -> WriteJob:

@@ -4,7 +4,12 @@ Pure: the writer does the I/O. The file is a standard safetensors file, ordered 
 bulk tensor starts on a 4 KiB boundary (the header is padded with spaces, which the format
 allows), which lets the writer copy dump parts with O_DIRECT:
 
-    [u64 header length][JSON header, space padded][input_ids i64][hidden_states bf16][loss_mask u8]
+    [u64 header length][JSON header, space padded][input_ids i64][hidden sections][loss_mask u8]
+
+The hidden sections are those of the dataset's storage (protocol ``Storage.sections``):
+``hidden_states`` bf16 ``[T, L, H]``; or, stored as FP8, ``hidden_states`` e4m3fn
+``[T, Lq, H]``, ``hidden_states_scales`` f32 ``[T, Lq, 1]`` and, where some slots stay
+bf16, ``hidden_states_unquantized`` bf16 ``[T, L - Lq, H]``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,14 @@ from typing import Any
 import orjson
 import xxhash
 
-from hsx_async.protocol import BYTES_PER_ELEMENT, POST_NORM, PROTOCOL_VERSION, num_layers
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    POST_NORM,
+    PROTOCOL_VERSION,
+    Storage,
+    num_layers,
+    storage_metadata,
+)
 
 ALIGN = 4096
 SampleId = str | int
@@ -90,8 +102,10 @@ class FileLayout:
     header: bytes  # u64 length + padded JSON
     num_tokens: int
     hidden_offset: int  # where hidden_states starts (a multiple of ALIGN)
-    hidden_bytes: int
+    hidden_bytes: int  # all hidden sections
     mask_bytes: int
+    storage: Storage = BF16_STORAGE
+    section_row_bytes: tuple[int, ...] = ()  # per token, of each hidden section in order
 
     @property
     def total_bytes(self) -> int:
@@ -106,28 +120,36 @@ def build_layout(
     aux_layers: Sequence[int],
     has_loss_mask: bool,
     final_state: str = POST_NORM,
+    storage: Storage = BF16_STORAGE,
 ) -> FileLayout:
     """The safetensors header for a sample, padded so ``hidden_states`` is 4 KiB aligned."""
     t, layers = num_tokens, num_layers(aux_layers)
     ids_bytes = 8 * t
-    hidden_bytes = t * layers * hidden_size * BYTES_PER_ELEMENT
+    sections = storage.sections(layers, hidden_size)
     mask_bytes = t if has_loss_mask else 0
-    tensors: dict[str, object] = {
-        "__metadata__": {
-            "id": canonical_id(sample_id),
-            "aux_layers": ",".join(str(x) for x in aux_layers),
-            "protocol": str(PROTOCOL_VERSION),
-            "final_state": final_state,
-        },
-        "input_ids": {"dtype": "I64", "shape": [t], "data_offsets": [0, ids_bytes]},
-        "hidden_states": {
-            "dtype": "BF16",
-            "shape": [t, layers, hidden_size],
-            "data_offsets": [ids_bytes, ids_bytes + hidden_bytes],
-        },
+    metadata = {
+        "id": canonical_id(sample_id),
+        "aux_layers": ",".join(str(x) for x in aux_layers),
+        "protocol": str(PROTOCOL_VERSION),
+        "final_state": final_state,
     }
+    if storage.is_fp8:  # a bf16 file reads as every earlier version's
+        metadata |= storage_metadata(storage)
+    tensors: dict[str, object] = {
+        "__metadata__": metadata,
+        "input_ids": {"dtype": "I64", "shape": [t], "data_offsets": [0, ids_bytes]},
+    }
+    end = ids_bytes
+    for section in sections:
+        size = t * section.row_bytes
+        tensors[section.name] = {
+            "dtype": section.dtype,
+            "shape": [t, *section.row_shape],
+            "data_offsets": [end, end + size],
+        }
+        end += size
+    hidden_bytes = end - ids_bytes
     if has_loss_mask:
-        end = ids_bytes + hidden_bytes
         tensors["loss_mask"] = {"dtype": "U8", "shape": [t], "data_offsets": [end, end + t]}
     body = orjson.dumps(tensors)
     # 8 + len(header) + ids_bytes must land on ALIGN; ids_bytes is a multiple of 8, so the
@@ -142,6 +164,8 @@ def build_layout(
         hidden_offset=len(header) + ids_bytes,
         hidden_bytes=hidden_bytes,
         mask_bytes=mask_bytes,
+        storage=storage,
+        section_row_bytes=tuple(s.row_bytes for s in sections),
     )
 
 

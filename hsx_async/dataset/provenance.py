@@ -38,7 +38,15 @@ from hsx_async.dataset.manifest import (
     shard_count_of,
 )
 from hsx_async.errors import DatasetError, DumpError
-from hsx_async.protocol import NORM_KINDS, POST_NORM, PROTOCOL_VERSION, parse_final_state
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    NORM_KINDS,
+    POST_NORM,
+    PROTOCOL_VERSION,
+    Storage,
+    parse_final_state,
+    parse_storage,
+)
 
 PROVENANCE = "provenance.json"
 # Keys a later rewrite of provenance.json keeps (learnt during a run, not from the config).
@@ -74,6 +82,7 @@ class Provenance:
     model: str = ""
     server: str = ""
     final_norm: dict[str, Any] | None = None
+    storage: Storage = BF16_STORAGE
 
     def to_dict(self) -> dict[str, Any]:
         raw: dict[str, Any] = {
@@ -82,6 +91,8 @@ class Provenance:
             "input": self.input,
             "hidden_size": self.hidden_size,
             "aux_layers": self.aux_layers,
+            "dtype": self.storage.dtype,
+            "quantized": list(self.storage.quantized),
             "model": self.model,
             "server": self.server,
             "config": self.config,
@@ -109,7 +120,19 @@ def provenance_for(
         model=model,
         server=server,
         final_norm=final_norm,
+        storage=config.storage,
     )
+
+
+def dataset_storage(prov: Mapping[str, Any] | None) -> Storage:
+    """How a dataset stores hidden states, from its provenance (none recorded, as in
+    every version before 3: bfloat16)."""
+    if prov is None:
+        return BF16_STORAGE
+    try:
+        return parse_storage(prov.get("dtype"), prov.get("quantized"), PROVENANCE)
+    except DumpError as exc:
+        raise DatasetError(str(exc)) from None
 
 
 def parse_final_norm(raw: object) -> dict[str, Any] | None:
@@ -194,6 +217,15 @@ def write_provenance(out_dir: Path, data: bytes) -> None:
 def check_and_record(out_dir: Path, record: Provenance, *, allow_change: bool) -> None:
     old = read_provenance(out_dir)
     if old is not None:
+        have = dataset_storage(old)
+        if have != record.storage:
+            # Not overridable: one dataset holds one storage (its readers, exports and
+            # verify take it from provenance.json), as it holds one final-state kind.
+            raise DatasetError(
+                f"{out_dir} stores hidden states as {have.describe()} (provenance.json); "
+                f"this config asks for {record.storage.describe()}. Set [output].dtype and "
+                "[output].quantize as the dataset was made, or use a new output.dir"
+            )
         problems = mismatches(old, record)
         if problems and not allow_change:
             raise DatasetError(

@@ -29,6 +29,7 @@ import yarl
 from hsx_async.config import ServerConfig, redact_url
 from hsx_async.engines import ENGINES, Engine, EngineName
 from hsx_async.errors import NoServerError, RequestError
+from hsx_async.protocol import BF16_STORAGE, Storage
 
 log = structlog.get_logger("hsx.client")
 
@@ -191,11 +192,20 @@ class SGLangClient:
         self.pool = pool
 
     async def generate(
-        self, server: Server, *, rid: str, ns: str, input_ids: npt.NDArray[np.int64], timeout: float
+        self,
+        server: Server,
+        *,
+        rid: str,
+        ns: str,
+        input_ids: npt.NDArray[np.int64],
+        timeout: float,
+        storage: Storage = BF16_STORAGE,
     ) -> None:
-        """One prefill request; raises RequestError or DumpError (bad response)."""
+        """One prefill request, asking the hook to store the rows as ``storage``; raises
+        RequestError or DumpError (bad response)."""
         engine = server.engine
-        parsed = await self.post_generate(server, engine.build_body(rid, ns, input_ids), timeout)
+        body = engine.build_body(rid, ns, input_ids, storage)
+        parsed = await self.post_generate(server, body, timeout)
         engine.check(parsed, rid, int(input_ids.shape[0]))
 
     async def post_generate(self, server: Server, request: object, timeout: float) -> object:

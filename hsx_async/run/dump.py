@@ -22,10 +22,13 @@ from pathlib import Path
 
 from hsx_async.errors import ConfigError, DumpError
 from hsx_async.protocol import (
+    BF16_STORAGE,
     META_NAME,
     DumpMeta,
+    Storage,
     check_meta,
     check_part_sizes,
+    check_storage,
     parse_meta,
     parse_part_name,
     part_name,
@@ -357,12 +360,14 @@ def validate_dump(
     num_tokens: int,
     hidden_size: int,
     aux_layers: tuple[int, ...],
-    row_bytes: int,
+    storage: Storage = BF16_STORAGE,
     sizes: dict[tuple[int, int], int] | None = None,
 ) -> Dump:
-    """Every check of PROTOCOL §3; any failure raises :class:`DumpError`. ``sizes``: the
-    part sizes :func:`read_dump` saw with ``meta_bytes`` (else the directory is listed)."""
+    """Every check of PROTOCOL §3; any failure raises :class:`DumpError`. ``storage``: the
+    dataset's (the dump holds it, or bfloat16). ``sizes``: the part sizes
+    :func:`read_dump` saw with ``meta_bytes`` (else the directory is listed)."""
     meta = parse_meta(meta_bytes)
     check_meta(meta, rid=rid, num_tokens=num_tokens, hidden_size=hidden_size, aux_layers=aux_layers)
-    check_part_sizes(meta, _part_sizes(rid_dir) if sizes is None else sizes, row_bytes)
+    check_storage(meta, storage)
+    check_part_sizes(meta, _part_sizes(rid_dir) if sizes is None else sizes, meta.row_bytes)
     return Dump(rid_dir, meta)

@@ -75,7 +75,7 @@ class Feeder:
             count_pending, reader, cfg.shard.index, cfg.shard.count, done.is_done
         )
         self.pending = (samples, tokens)
-        need = tokens * cfg.model.row_bytes
+        need = tokens * cfg.dataset_bytes_per_token
         free = await asyncio.to_thread(guard.free_fn, cfg.output.dir)
         log.info(
             "input_counted", samples=samples, tokens=tokens, estimated_bytes=need, free_bytes=free

@@ -217,7 +217,12 @@ async def _dump_once(
     """One request through the whole dump path, its dump validated against the config."""
     rid = f"check-{secrets.token_hex(6)}"
     await client.generate(
-        server, rid=rid, ns=ns_dir.name, input_ids=ids, timeout=config.server.request_timeout
+        server,
+        rid=rid,
+        ns=ns_dir.name,
+        input_ids=ids,
+        timeout=config.server.request_timeout,
+        storage=config.storage,
     )
     meta = await wait_for_meta(ns_dir / rid, config.dump.timeout)
     validate_dump(
@@ -227,7 +232,7 @@ async def _dump_once(
         num_tokens=len(ids),
         hidden_size=config.model.hidden_size,
         aux_layers=config.model.aux_layers,
-        row_bytes=config.model.row_bytes,
+        storage=config.storage,
     )
 
 
@@ -404,7 +409,7 @@ def run_checks(config: Config) -> Report:
     report = Report()
     report.add("OK", "config", f"{config.path}: valid")
     scan = check_input(config, report)
-    row_bytes = config.model.row_bytes
+    row_bytes = config.dataset_bytes_per_token  # in the dataset's storage
     disk = check_output(config, report, scan.tokens * row_bytes)
     check_dump_root(config, report)
     try:

@@ -315,6 +315,7 @@ class Workers:
                     ns=ns,
                     input_ids=sample.input_ids,
                     timeout=cfg.server.request_timeout,
+                    storage=cfg.storage,
                 )
             except RequestError as exc:
                 await self.servers.failed(server, exc)
@@ -359,6 +360,7 @@ def write_job(config: Config, sample: Sample, dump: Dump, nonce: str) -> WriteJo
         aux_layers=config.model.aux_layers,
         has_loss_mask=sample.loss_mask is not None,
         final_state=dump.meta.final_state,
+        storage=config.storage,
     )
     key = sample_key(sample.id)
     return WriteJob(sample, dump, layout, data_relpath(key), f"s{config.shard.index}-{nonce}")
@@ -387,7 +389,7 @@ async def collect_dump(
             num_tokens=sample.num_tokens,
             hidden_size=cfg.model.hidden_size,
             aux_layers=cfg.model.aux_layers,
-            row_bytes=cfg.model.row_bytes,
+            storage=cfg.storage,
             sizes=sizes,
         )
         final_states.accept(dump.meta.final_state)  # one kind per dataset

@@ -42,17 +42,20 @@ import mmap
 import os
 import stat
 import threading
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 import xxhash
 
 from hsx_async.dataset.durable import fsync_dir, write_error
 from hsx_async.dataset.layout import ALIGN, FileLayout
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DumpError, WriteError
+from hsx_async.quantize import quantize
 from hsx_async.run.dump import Dump, DumpLinkError, open_dump_dir, open_dump_file
 from hsx_async.run.failpoints import failpoint
 from hsx_async.run.source import Sample
@@ -348,10 +351,10 @@ def _read_hashed(part_fd: int, name: str, view: memoryview, offset: int, hasher:
         done += got
 
 
-def _hash_part(part_fd: int, name: str, size: int, hasher: Hasher) -> None:
+def _hash_part(part_fd: int, name: str, start: int, length: int, hasher: Hasher) -> None:
     with memoryview(_buffers.get(SUB)) as whole:
-        for offset in range(0, size, SUB):
-            with whole[: min(SUB, size - offset)] as view:
+        for offset in range(start, start + length, SUB):
+            with whole[: min(SUB, start + length - offset)] as view:
                 _read_hashed(part_fd, name, view, offset, hasher)
 
 
@@ -367,7 +370,7 @@ class _AlignedFile:
         self.fd, self.whole, self.hasher = fd, whole, hasher
         self.fill = 0  # bytes in the buffer, not yet written
 
-    def put(self, data: bytes) -> None:
+    def put(self, data: bytes | memoryview) -> None:
         """Small pieces (the header and ids, the loss mask) go through the buffer."""
         self.hasher.update(data)
         with memoryview(data) as view:
@@ -379,11 +382,12 @@ class _AlignedFile:
                 if self.fill == CHUNK:
                     self._write_buffer()
 
-    def copy_part(self, part_fd: int, name: str, size: int) -> None:
-        """A dump part, read into the buffer in pieces, each hashed while in the cache."""
-        pos = 0
-        while pos < size:
-            n = min(size - pos, CHUNK - self.fill)
+    def copy_part(self, part_fd: int, name: str, start: int, length: int) -> None:
+        """A range of a dump part, read into the buffer in pieces, each hashed while in
+        the cache."""
+        pos, end = start, start + length
+        while pos < end:
+            n = min(end - pos, CHUNK - self.fill)
             with self.whole[self.fill : self.fill + n] as view:
                 _read_hashed(part_fd, name, view, pos, self.hasher)
             self.fill, pos = self.fill + n, pos + n
@@ -410,24 +414,106 @@ class _AlignedFile:
         self.fill = 0
 
 
-def _parts(job: WriteJob) -> list[tuple[Path, int]]:
-    per_row = job.layout.hidden_bytes // job.layout.num_tokens
-    return [
-        (p, (e - s) * per_row)
-        for p, (s, e) in zip(job.dump.part_paths(), job.dump.meta.parts, strict=True)
-    ]
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """A byte range of one dump part, copied unchanged into the file."""
+
+    path: Path
+    part_bytes: int  # the whole part's size, re-checked on the descriptor
+    offset: int
+    length: int
+
+
+def _pieces(job: WriteJob) -> list[_Piece]:
+    """What the file's hidden sections are made of when the dump holds the dataset's own
+    storage: each section in turn, each part's range of it in row order (a part holds its
+    rows' sections back to back, the file each section over all rows)."""
+    rows = [e - s for s, e in job.dump.meta.parts]
+    sections = job.layout.section_row_bytes
+    per_row = sum(sections)
+    pieces: list[_Piece] = []
+    before = 0  # bytes per row of the sections before this one
+    for section in sections:
+        for path, n in zip(job.dump.part_paths(), rows, strict=True):
+            pieces.append(_Piece(path, n * per_row, n * before, n * section))
+        before += section
+    return pieces
+
+
+def _transcoded(job: WriteJob) -> bool:
+    """The server dumped bfloat16 for an FP8 dataset: the writer quantizes (PROTOCOL §3)."""
+    return job.dump.meta.storage != job.layout.storage
+
+
+# Rows quantized at once by the writer's fallback: bounded memory, whatever the sample.
+_ENCODE_BYTES = 4 << 20
+
+
+def _encoded(job: WriteJob) -> Iterator[memoryview]:
+    """The hidden sections of an FP8 file from a bfloat16 dump, in file order, a block of
+    rows at a time (the same quantizer as the hook, so the same bytes): pass 1 writes the
+    quantized slots and keeps their scales (T × Lq × 4 bytes), then the scales, then pass 2
+    the slots kept in bfloat16. Memory: one block and the scales, whatever T."""
+    meta, storage = job.dump.meta, job.layout.storage
+    layers, hidden = len(meta.aux_layers) + 1, meta.hidden_size
+    in_row = meta.row_bytes
+    block_rows = max(1, _ENCODE_BYTES // in_row)
+    block = bytearray(block_rows * in_row)
+    scales = torch.empty((meta.num_tokens, len(storage.quantized)), dtype=torch.float32)
+    kept = storage.kept(layers)
+
+    def blocks() -> Iterator[tuple[int, torch.Tensor]]:
+        for path, (start, end) in zip(job.dump.part_paths(), meta.parts, strict=True):
+            size = (end - start) * in_row
+            part_fd = _open_part(path, size)
+            try:
+                for row in range(start, end, block_rows):
+                    n = min(block_rows, end - row)
+                    with memoryview(block)[: n * in_row] as view:
+                        _read_exact(part_fd, path.name, view, (row - start) * in_row)
+                    raw = torch.frombuffer(block, dtype=torch.bfloat16, count=n * layers * hidden)
+                    yield row, raw.view(n, layers, hidden)
+            finally:
+                os.close(part_fd)
+
+    for row, rows in blocks():
+        q, scale = quantize(rows[:, list(storage.quantized), :])
+        scales[row : row + rows.shape[0]] = scale
+        yield _bytes_of(q)
+    yield _bytes_of(scales)
+    if kept:
+        for _, rows in blocks():
+            yield _bytes_of(rows[:, list(kept), :].contiguous())
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return tensor.contiguous().view(torch.uint8).numpy().data.cast("B")
+
+
+def _read_exact(part_fd: int, name: str, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        with view[done:] as rest:
+            got = os.preadv(part_fd, [rest], offset + done)
+        if got == 0:
+            raise DumpError(f"{name} shrank while it was copied")
+        done += got
 
 
 def _write_direct(fd: int, job: WriteJob, hasher: Hasher) -> None:
     with memoryview(_buffers.get(CHUNK)) as whole:
         out = _AlignedFile(fd, whole, hasher)
         out.put(_head(job))  # a multiple of ALIGN long, by construction of the layout
-        for path, size in _parts(job):
-            part_fd = _open_part(path, size)
-            try:
-                out.copy_part(part_fd, path.name, size)
-            finally:
-                os.close(part_fd)
+        if _transcoded(job):
+            for data in _encoded(job):
+                out.put(data)
+        else:
+            for piece in _pieces(job):
+                part_fd = _open_part(piece.path, piece.part_bytes)
+                try:
+                    out.copy_part(part_fd, piece.path.name, piece.offset, piece.length)
+                finally:
+                    os.close(part_fd)
         out.put(_tail(job))
         out.finish(job.layout.total_bytes)
 
@@ -436,17 +522,21 @@ def _write_buffered(fd: int, job: WriteJob, hasher: Hasher) -> None:
     head = _head(job)
     _write_all(fd, head)
     hasher.update(head)
-    for path, size in _parts(job):
-        part_fd = _open_part(path, size)
+    if _transcoded(job):
+        for data in _encoded(job):
+            _write_all(fd, data)
+            hasher.update(data)
+    for piece in [] if _transcoded(job) else _pieces(job):
+        part_fd = _open_part(piece.path, piece.part_bytes)
         try:
-            offset = 0
-            while offset < size:
-                sent = os.sendfile(fd, part_fd, offset, min(size - offset, 1 << 30))
+            offset, end = piece.offset, piece.offset + piece.length
+            while offset < end:
+                sent = os.sendfile(fd, part_fd, offset, min(end - offset, 1 << 30))
                 if sent == 0:
-                    raise DumpError(f"{path.name} shrank while it was copied")
+                    raise DumpError(f"{piece.path.name} shrank while it was copied")
                 offset += sent
             # Hash from the tmpfs copy: RAM-speed, and no read back from the disk.
-            _hash_part(part_fd, path.name, size, hasher)
+            _hash_part(part_fd, piece.path.name, piece.offset, piece.length, hasher)
         finally:
             os.close(part_fd)
     tail = _tail(job)

@@ -13,7 +13,15 @@ from typing import Any
 import pytest
 
 from hsx_async.errors import DumpError
-from hsx_async.protocol import META_NAME, DumpMeta, part_name, row_bytes
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    FP8,
+    META_NAME,
+    DumpMeta,
+    Storage,
+    part_name,
+    row_bytes,
+)
 from hsx_async.run.dump import (
     Dump,
     has_debris,
@@ -60,7 +68,6 @@ def validate(rid_dir: Path, meta: bytes, **changes: Any) -> Dump:
         "num_tokens": 10,
         "hidden_size": HIDDEN,
         "aux_layers": AUX,
-        "row_bytes": ROW,
     }
     expected.update(changes)
     return validate_dump(rid_dir, meta, **expected)
@@ -359,10 +366,24 @@ def test_dump_that_does_not_match_the_request(
         validate(rid_dir, meta, **expected)
 
 
-def test_row_bytes_mismatch(rid_dir: Path) -> None:
+def test_part_sizes_follow_the_dumps_own_storage(rid_dir: Path) -> None:
+    """An FP8 dump with parts of bfloat16 size (48 bytes a row) fails: an FP8 row of the
+    3 slots is 3 × 8 fp8 values + 3 float32 scales = 36 bytes."""
+    fp8 = Storage(FP8, (0, 1, 2))
+    meta = write_dump(rid_dir, storage=fp8)
+    with pytest.raises(DumpError, match=r"expected 144 \(4 rows × 36 bytes\)"):
+        validate(rid_dir, meta, storage=fp8)
+
+
+def test_fp8_dump_of_other_slots_fails_and_bf16_dump_is_accepted(rid_dir: Path) -> None:
+    """The dataset wants slots 0 and 1 quantized: a dump of all three cannot become that;
+    a bfloat16 dump can (the writer quantizes it)."""
+    wanted = Storage(FP8, (0, 1))
+    meta = write_dump(rid_dir, storage=Storage(FP8, (0, 1, 2)))
+    with pytest.raises(DumpError, match="stored as float8_e4m3fn \\(slots 0,1,2\\)"):
+        validate(rid_dir, meta, storage=wanted)
     meta = write_dump(rid_dir)
-    with pytest.raises(DumpError, match="expected 256"):
-        validate(rid_dir, meta, row_bytes=64)
+    assert validate(rid_dir, meta, storage=wanted).meta.storage == BF16_STORAGE
 
 
 def test_meta_that_is_not_json(rid_dir: Path) -> None:

@@ -16,13 +16,24 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+import torch
 import xxhash
+from safetensors import safe_open
 
 from hsx_async.dataset.durable import fsync_dir
 from hsx_async.dataset.layout import build_layout, data_relpath, sample_key
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DiskFullError, DumpError, WriteError
-from hsx_async.protocol import META_NAME, DumpMeta, part_name, row_bytes
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    FP8,
+    META_NAME,
+    DumpMeta,
+    Storage,
+    part_name,
+    row_bytes,
+)
+from hsx_async.quantize import encode_rows
 from hsx_async.run import writer as writer_module
 from hsx_async.run.dump import Dump
 from hsx_async.run.source import Sample
@@ -590,3 +601,87 @@ def test_part_swapped_for_a_link_after_validation_is_a_dump_error(
     with pytest.raises(DumpError, match="became a link after validation"):
         write_one(fw, case.job)
     assert_nothing_written(out)
+
+
+# --- FP8 storage (PROTOCOL §3, §4, version 3) --------------------------------------------
+
+
+def _fp8_case(shm_root: Path, storage: Storage, *, dump_fp8: bool, rid: str) -> WriteJob:
+    """Realistic rows (per-slot magnitudes differing by orders, one outlier token), dumped
+    as the hook would store them (``dump_fp8``) or as bfloat16 for the writer to quantize."""
+    shape, t = Shape(64, (1, 2, 3)), PARTS[-1][1]
+    gen = torch.Generator().manual_seed(7)
+    rows = torch.randn((t, 4, shape.hidden), generator=gen)
+    rows *= torch.tensor([0.05, 1.0, 30.0, 2.0]).view(1, 4, 1)
+    rows[0] *= 100.0
+    rows = rows.to(torch.bfloat16)
+    rid_dir = shm_root / "ns" / rid
+    rid_dir.mkdir(parents=True)
+    dumped = storage if dump_fp8 else BF16_STORAGE
+    for start, end in PARTS:
+        blob = b"".join(
+            bytes(t_.contiguous().view(torch.uint8).numpy())
+            for t_ in encode_rows(rows[start:end], dumped)
+        )
+        (rid_dir / part_name(start, end)).write_bytes(blob)
+    meta = DumpMeta(rid, t, shape.hidden, shape.aux, PARTS, "m", "test", storage=dumped)
+    (rid_dir / META_NAME).write_bytes(meta.to_json())
+    ids = np.arange(t, dtype=np.int64)
+    layout = build_layout(sample_id="q", num_tokens=t, hidden_size=shape.hidden,
+                          aux_layers=shape.aux, has_loss_mask=True, storage=storage)  # fmt: skip
+    sample = Sample("q", 0, ids, np.ones(t, dtype=np.uint8))
+    return WriteJob(sample, Dump(rid_dir, meta), layout, data_relpath("q"), f"s0-{rid}")
+
+
+@pytest.mark.parametrize("method", ["direct", "sendfile"])
+@pytest.mark.parametrize("slots", [(0, 1, 2, 3), (0, 1, 2)])
+def test_fp8_dump_is_copied_unchanged_and_a_bf16_dump_quantized_to_the_same_bytes(
+    shm_root: Path, tmp_path: Path, method: str, slots: tuple[int, ...]
+) -> None:
+    """The hook's FP8 sections are copied byte for byte; a server that dumped bfloat16
+    gets the same file from the writer's fallback quantizer (same bytes, same hash), and
+    the file loads with safetensors as e4m3fn + float32 scales (+ the bf16 slots)."""
+    storage = Storage(FP8, slots)
+    files = []
+    for dump_fp8 in (True, False):
+        out = tmp_path / f"out-{dump_fp8}"
+        out.mkdir()
+        job = _fp8_case(shm_root, storage, dump_fp8=dump_fp8, rid=f"r-{dump_fp8}")
+        fw = FileWriter(out, method=method, fsync=False, row_bytes=ALIGNED.row)
+        entry = write_one(fw, job)
+        fw.close()
+        data = (out / job.relpath).read_bytes()
+        assert entry.size == len(data) == job.layout.total_bytes
+        assert entry.xxh3_64 == xxhash.xxh3_64_hexdigest(data)
+        files.append(out / job.relpath)
+    assert files[0].read_bytes() == files[1].read_bytes()
+    with safe_open(str(files[0]), "pt") as fh:
+        assert fh.metadata()["dtype"] == FP8
+        assert fh.metadata()["quantized"] == ",".join(map(str, slots))
+        q = fh.get_tensor("hidden_states")
+        scales = fh.get_tensor("hidden_states_scales")
+        assert q.dtype == torch.float8_e4m3fn and q.shape == (37, len(slots), 64)
+        assert scales.dtype == torch.float32 and scales.shape == (37, len(slots), 1)
+        names = set(fh.keys())
+        assert ("hidden_states_unquantized" in names) == (len(slots) < 4)
+        assert bool((q.float().abs().amax(-1) == 448.0).all())  # each vector's amax
+
+
+def test_fp8_fallback_memory_is_one_block_whatever_the_sample(
+    shm_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fallback quantizes a bounded block of rows at a time: with blocks of 3 rows the
+    parts (16, 14, 7 rows) are read in pieces, and the file is still the hook's."""
+    storage = Storage(FP8, (0, 1, 2))
+    ref = _fp8_case(shm_root, storage, dump_fp8=True, rid="r-ref")
+    job = _fp8_case(shm_root, storage, dump_fp8=False, rid="r-blocks")
+    monkeypatch.setattr(writer_module, "_ENCODE_BYTES", 3 * job.dump.meta.row_bytes)
+    outs = []
+    for j, name in ((ref, "a"), (job, "b")):
+        out = tmp_path / name
+        out.mkdir()
+        fw = FileWriter(out, method="sendfile", fsync=False, row_bytes=ALIGNED.row)
+        write_one(fw, j)
+        fw.close()
+        outs.append((out / j.relpath).read_bytes())
+    assert outs[0] == outs[1]

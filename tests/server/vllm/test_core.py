@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hsx_async.errors import ConfigError, DumpError
-from hsx_async.protocol import parse_meta, row_bytes
+from hsx_async.protocol import parse_meta
 from hsx_async.run.dump import validate_dump
 from hsx_async.server.vllm.core import (
     Target,
@@ -67,9 +67,8 @@ def test_a_written_dump_passes_the_clients_checks(shm_root: Path) -> None:
     meta = parse_meta((rid_dir / "meta.json").read_bytes())
     assert meta.final_state == "pre_norm"
     meta_bytes = (rid_dir / "meta.json").read_bytes()
-    per_row = row_bytes(8, (1, 3, 5))
     dump = validate_dump(rid_dir, meta_bytes, rid="r1", num_tokens=5, hidden_size=8,
-                         aux_layers=(1, 3, 5), row_bytes=per_row)  # fmt: skip
+                         aux_layers=(1, 3, 5))  # fmt: skip
     assert dump.meta.parts == ((0, 5),)
     with pytest.raises(DumpError, match="bytes of rows"):
         write_dump(shm_root, Target("w0", "r2"), rows[:-1].data.cast("B"), num_tokens=5,
