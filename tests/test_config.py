@@ -25,7 +25,7 @@ from hsx_async.config import (
     shard_from_env,
 )
 from hsx_async.errors import ConfigError
-from hsx_async.protocol import valid_ns
+from hsx_async.protocol import BF16_STORAGE, FP8, Storage, valid_ns
 
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BASE = Path("/etc/hsx")
@@ -105,8 +105,42 @@ def test_protocol_minimal_file_is_a_complete_config(tmp_path: Path) -> None:
     assert c.shard == ShardConfig(0, 1)
     assert c.path == path.resolve()
     assert c.writer.method == "auto"
+    assert c.storage == BF16_STORAGE  # the default stays bit-exact bf16
+    assert c.dataset_bytes_per_token == c.model.row_bytes
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.workers.concurrency = 9  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("quantize", "slots", "per_token"),
+    [("all", (0, 1, 2, 3), 4 * 7168 + 4 * 4), ("aux", (0, 1, 2), 3 * 7168 + 3 * 4 + 7168 * 2)],
+)
+def test_fp8_output_names_the_slots_and_the_dataset_bytes(
+    tmp_path: Path, quantize: str, slots: tuple[int, ...], per_token: int
+) -> None:
+    """[output].dtype = FP8 quantizes every slot, or with quantize = "aux" the aux ones
+    only (the final state, which sets the teacher's logits, stays bf16). The dump budget
+    keeps counting bf16 rows: a server whose hook does not quantize dumps those."""
+    path = tmp_path / "hsx.toml"
+    extra = f'dtype = "float8_e4m3fn"\nquantize = "{quantize}"\n'
+    path.write_text(
+        MINIMAL_TOML.replace('dir = "/nvme/hsx-out"\n', f'dir = "/nvme/hsx-out"\n{extra}')
+    )
+    c = load_config(path)
+    assert c.storage == Storage(FP8, slots)
+    assert c.dataset_bytes_per_token == per_token
+    assert c.sample_bytes_per_token == 4 * 7168 * 2
+
+
+def test_unknown_output_dtype_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "hsx.toml"
+    path.write_text(
+        MINIMAL_TOML.replace('dir = "/nvme/hsx-out"\n', 'dir = "/nvme/hsx-out"\ndtype = "fp8"\n')
+    )
+    with pytest.raises(
+        ConfigError, match=r"output\.dtype': 'fp8' is not one of 'bfloat16' \| 'float8_e4m3fn'"
+    ):
+        load_config(path)
 
 
 def test_load_config_missing_file(tmp_path: Path) -> None:

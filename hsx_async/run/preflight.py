@@ -33,8 +33,9 @@ from hsx_async.dataset.inspection import human_bytes
 from hsx_async.dataset.target import read_config
 from hsx_async.errors import DatasetError, DumpError, HsxError, InputError, RequestError
 from hsx_async.layer_ids import architecture_of, draft_ids, num_layers_of
+from hsx_async.protocol import Storage
 from hsx_async.run.client import Server, ServerPool, SGLangClient
-from hsx_async.run.dump import prepare_namespace, remove_tree, validate_dump, wait_for_meta
+from hsx_async.run.dump import Dump, prepare_namespace, remove_tree, validate_dump, wait_for_meta
 from hsx_async.run.guard import free_bytes
 from hsx_async.run.mounts import fs_type
 from hsx_async.run.observe import eta_text
@@ -213,7 +214,7 @@ def check_dump_root(config: Config, report: Report) -> None:
 
 async def _dump_once(
     client: SGLangClient, server: Server, config: Config, ns_dir: Path, ids: npt.NDArray[np.int64]
-) -> None:
+) -> Dump:
     """One request through the whole dump path, its dump validated against the config."""
     rid = f"check-{secrets.token_hex(6)}"
     await client.generate(
@@ -225,7 +226,7 @@ async def _dump_once(
         storage=config.storage,
     )
     meta = await wait_for_meta(ns_dir / rid, config.dump.timeout)
-    validate_dump(
+    return validate_dump(
         ns_dir / rid,
         meta,
         rid=rid,
@@ -236,17 +237,36 @@ async def _dump_once(
     )
 
 
-async def _tiny_request(client: SGLangClient, server: Server, config: Config) -> str:
-    """One 4-token request through the dump path; '' on success, else the problem."""
+async def _tiny_request(
+    client: SGLangClient, server: Server, config: Config
+) -> tuple[str, Storage | None]:
+    """One 4-token request through the dump path: ('', the dump's storage) on success,
+    else (the problem, None)."""
     ns = f"{config.dump.namespace_prefix}-check"
     ns_dir = await asyncio.to_thread(prepare_namespace, config.dump.root, ns)
     try:
-        await _dump_once(client, server, config, ns_dir, np.array([1, 2, 3, 4], dtype=np.int64))
+        ids = np.array([1, 2, 3, 4], dtype=np.int64)
+        dump = await _dump_once(client, server, config, ns_dir, ids)
     except (RequestError, DumpError) as exc:
-        return str(exc)
+        return str(exc), None
     finally:
         await asyncio.to_thread(remove_tree, ns_dir)
-    return ""
+    return "", dump.meta.storage
+
+
+def _storage_line(server: Server, config: Config, dumped: Storage) -> tuple[str, str, str]:
+    """Where an FP8 dataset's rows are quantized: by the server's hook (the dump is
+    already FP8: half the /dev/shm and copy bytes) or by the client's writer."""
+    want = config.storage.describe()
+    if dumped == config.storage:
+        return "OK", "storage", f"{server.display}: the hook stores {want} itself"
+    return (
+        "WARN",
+        "storage",
+        f"{server.display}: the hook dumps bfloat16; the client quantizes to {want} "
+        "(client CPU per GB: bench/README.md, FP8). Deploy this version's hook to quantize "
+        "on the server",
+    )
 
 
 async def _probe_prefill(
@@ -308,10 +328,12 @@ async def check_servers(
                 report.add("WARN", "server", f"{server.display}: {path} failed: {exc}")
             model_path = server.engine.model_of(info)
             model = model_path or "?"
-            problem = await _tiny_request(client, server, config)
-            if problem:
+            problem, dumped = await _tiny_request(client, server, config)
+            if problem or dumped is None:
                 report.add("FAIL", "dump path", f"{server.display}: {problem}")
                 continue
+            if config.storage.is_fp8:
+                report.add(*_storage_line(server, config, dumped))
             report.add(
                 "OK",
                 "server",

@@ -209,6 +209,23 @@ async def test_provenance_mismatch_refused(tmp_path: Path, shm_root: Path) -> No
     assert summary.skipped == 5
 
 
+async def test_resume_with_another_storage_is_refused(tmp_path: Path, shm_root: Path) -> None:
+    """One dataset holds one storage: a bf16 dataset resumed as FP8 (or the FP8 one with
+    other slots) is refused before anything is written, and --allow-provenance-change
+    does not lift it (the files would mean two things)."""
+    samples = write_samples(tmp_path / "in.jsonl", 4, max_len=8)
+    async with running_fake_server(fake(shm_root)) as srv:
+        config = make_config(tmp_path, samples.path, [srv.url], shm_root)
+        await Daemon(config).run()
+        fp8 = make_config(
+            tmp_path, samples.path, [srv.url], shm_root, output={"dtype": "float8_e4m3fn"}
+        )
+        for allow in (False, True):
+            with pytest.raises(DatasetError, match=r"stores hidden states as bfloat16.*\[output\]"):
+                await Daemon(fp8, allow_provenance_change=allow).run()
+    assert len(read_manifest(config.output.dir)) == 4
+
+
 async def test_two_shards_equal_one_unsharded_run(tmp_path: Path, shm_root: Path) -> None:
     samples = write_samples(
         tmp_path / "in.jsonl", 50, max_len=16, bad_every=8, with_duplicates=True

@@ -17,7 +17,7 @@ import pytest
 from hsx_async.config import Config
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
 from hsx_async.errors import DumpError
-from hsx_async.protocol import DumpMeta, row_bytes
+from hsx_async.protocol import DumpMeta
 from hsx_async.run import dump as dump_module
 from hsx_async.run import workers as workers_module
 from hsx_async.run.daemon import Daemon, RunSummary
@@ -264,7 +264,7 @@ def test_dump_dir_vanishing_during_validation_is_a_dump_error(shm_root: Path) ->
     meta = DumpMeta("r1", 2, H, AUX, ((0, 2),), "m", "s").to_json()
     with pytest.raises(DumpError):
         validate_dump(shm_root / "ns" / "r1", meta, rid="r1", num_tokens=2, hidden_size=H,
-                      aux_layers=AUX, row_bytes=row_bytes(H, AUX))  # fmt: skip
+                      aux_layers=AUX)  # fmt: skip
 
 
 async def test_hanging_server_is_timed_out_then_recovers(tmp_path: Path, shm_root: Path) -> None:
