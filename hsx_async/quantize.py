@@ -35,10 +35,14 @@ _MIN_NORMAL_EXP = -6
 def quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``rows`` ``[..., H]`` (any float dtype, any device) → (e4m3fn ``[..., H]``,
     float32 scales ``[...]``), one scale per vector of the last dimension."""
-    x = rows.float()
-    scale = (x.abs().amax(dim=-1) / FP8_MAX).clamp_min(SCALE_MIN)
-    q = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    # One float32 copy, then in place: the temporaries of the plain expression cost the
+    # client's fallback twice the CPU (bench/README.md, FP8). amax as max(max, -min) is
+    # exact, and NaN propagates through both.
+    x = rows.to(torch.float32, copy=True)
+    lo, hi = torch.aminmax(x, dim=-1)
+    scale = torch.maximum(hi, lo.neg()).div_(FP8_MAX).clamp_min_(SCALE_MIN)
+    x.div_(scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX)
+    return x.to(FP8_DTYPE), scale
 
 
 def dequantize(

@@ -307,6 +307,43 @@ def requests_seen(stats: FakeStats, n: int) -> asyncio.Event:
     return event
 
 
+def pause_at_request(fake: FakeServerHandle, n: int) -> asyncio.Event:
+    """Stop the fake server forming passes as its ``n``-th hsx request arrives (in the
+    same call, so no pass can start in between); the event is set then. Pausing once some
+    samples are durable instead races the run: by then the server may have served all."""
+    paused = asyncio.Event()
+    note = fake.stats.note_received
+
+    def counting(rid: str, fault: str | None) -> None:
+        note(rid, fault)
+        if fake.stats.hsx_requests == n:
+            fake.pause_passes()
+            paused.set()
+
+    fake.stats.note_received = counting  # type: ignore[method-assign]
+    return paused
+
+
+def requests_queued(stats: FakeStats, n: int) -> asyncio.Event:
+    """An event set once ``n`` hsx requests are in the fake server and not committed:
+    with passes paused, they wait in its queue. (Counting ``n`` *new* arrivals instead can
+    wait forever: a worker whose request is already queued sends no other.)"""
+    event = asyncio.Event()
+    note = stats.note_received
+
+    def check() -> None:
+        if stats.hsx_requests - stats.commits >= n:
+            event.set()
+
+    def counting(rid: str, fault: str | None) -> None:
+        note(rid, fault)
+        check()
+
+    stats.note_received = counting  # type: ignore[method-assign]
+    check()
+    return event
+
+
 def verify(out: Path, root: Path, samples: SampleSet, reference: set[ManifestKey]) -> None:
     """The acceptance of a crash cycle: the same dataset as the uninterrupted run."""
     got = manifest_set(out)

@@ -9,6 +9,12 @@ Two steps, so that the slow part runs in parallel and the syncs are shared:
   file into place, then one fsync per directory touched (a bucket's name in ``data/``,
   the new names in each bucket). Only then does the caller write the manifest lines.
 
+FP8 datasets (PROTOCOL version 3): a dump the hook stored as FP8 is copied the same way,
+section by section (each file tensor is one section of every part, in row order), bytes
+unchanged. A server that dumped bfloat16 gets its rows quantized here, by the same
+quantizer, a bounded block of rows at a time (:func:`_encoded`): the same file as if the
+hook had done it, at the CPU cost bench/README.md ("FP8") measures.
+
 Copy methods:
 
 - ``direct``: the file's bytes — header and ``input_ids``, the parts, ``loss_mask`` — pass
@@ -46,19 +52,21 @@ from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import xxhash
 
 from hsx_async.dataset.durable import fsync_dir, write_error
 from hsx_async.dataset.layout import ALIGN, FileLayout
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DumpError, WriteError
-from hsx_async.quantize import quantize
 from hsx_async.run.dump import Dump, DumpLinkError, open_dump_dir, open_dump_file
 from hsx_async.run.failpoints import failpoint
 from hsx_async.run.source import Sample
+
+if TYPE_CHECKING:
+    import torch
 
 CHUNK = 8 << 20  # bytes per O_DIRECT write: large enough to keep the device streaming
 SUB = 256 << 10  # bytes read then hashed at once: still in the L2 cache when hashed
@@ -454,6 +462,11 @@ def _encoded(job: WriteJob) -> Iterator[memoryview]:
     rows at a time (the same quantizer as the hook, so the same bytes): pass 1 writes the
     quantized slots and keeps their scales (T × Lq × 4 bytes), then the scales, then pass 2
     the slots kept in bfloat16. Memory: one block and the scales, whatever T."""
+    # torch only here: a bf16 run (and an FP8 one whose hook quantizes) never imports it.
+    import torch  # noqa: PLC0415 - ~1.4 CPU-s and 200 MB that a copy does not need
+
+    from hsx_async.quantize import quantize  # noqa: PLC0415 - imports torch
+
     meta, storage = job.dump.meta, job.layout.storage
     layers, hidden = len(meta.aux_layers) + 1, meta.hidden_size
     in_row = meta.row_bytes
@@ -476,8 +489,9 @@ def _encoded(job: WriteJob) -> Iterator[memoryview]:
             finally:
                 os.close(part_fd)
 
+    every = len(storage.quantized) == layers
     for row, rows in blocks():
-        q, scale = quantize(rows[:, list(storage.quantized), :])
+        q, scale = quantize(rows if every else rows[:, list(storage.quantized), :])
         scales[row : row + rows.shape[0]] = scale
         yield _bytes_of(q)
     yield _bytes_of(scales)
@@ -487,7 +501,10 @@ def _encoded(job: WriteJob) -> Iterator[memoryview]:
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return tensor.contiguous().view(torch.uint8).numpy().data.cast("B")
+    """A contiguous tensor's bytes, without a copy (numpy has no bf16 or fp8)."""
+    import torch  # noqa: PLC0415 - loaded by then (see _encoded)
+
+    return tensor.view(torch.uint8).numpy().data.cast("B")
 
 
 def _read_exact(part_fd: int, name: str, view: memoryview, offset: int) -> None:

@@ -59,12 +59,16 @@ async def test_faults_chunking_and_late_commits(tmp_path: Path, shm_root: Path) 
 
 
 async def test_hung_request_times_out_and_is_retried(tmp_path: Path, shm_root: Path) -> None:
+    # Faults are drawn per rid, and rids carry a fresh nonce each run: with a rate of 0.5
+    # and 20 attempts, no hang at all (0.5^12) or a sample failing every attempt
+    # (12 × 0.5^20) are both below 3e-4; backoffs are short so the retries cost little.
     samples = write_samples(tmp_path / "in.jsonl", 12, max_len=16)
-    options = fake_options(shm_root, fault_rate=0.3, faults=("hang",), seed=5)
+    options = fake_options(shm_root, fault_rate=0.5, faults=("hang",), seed=5)
     async with running_fake_server(options) as fake:
         config = make_config(
-            tmp_path, samples.path, [fake.url], shm_root, server={"request_timeout": 0.3}
-        )
+            tmp_path, samples.path, [fake.url], shm_root, server={"request_timeout": 0.3},
+            workers={"max_attempts": 20, "backoff_base": 0.01, "backoff_max": 0.05},
+        )  # fmt: skip
         summary = await Daemon(config).run()
         assert fake.stats.faults.get("hang", 0) >= 1
     assert summary.done == len(samples.good)

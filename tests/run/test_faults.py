@@ -23,13 +23,20 @@ from hsx_async.run import workers as workers_module
 from hsx_async.run.daemon import Daemon, RunSummary
 from hsx_async.run.dump import validate_dump
 from hsx_async.server.fake.server import ALL_FAULTS, FakeServerHandle, running_fake_server
-from tests.crash_driver import AUX, H, L, fake_options, requests_seen
+from tests.crash_driver import (
+    AUX,
+    H,
+    L,
+    fake_options,
+    pause_at_request,
+    requests_queued,
+    requests_seen,
+)
 from tests.e2e import (
     SampleSet,
     check_dataset,
     make_config,
     shm_leftovers,
-    when_done,
     write_samples,
 )
 
@@ -187,13 +194,10 @@ async def test_server_restart_with_requests_in_flight(tmp_path: Path, shm_root: 
     async with running_fake_server(fake_options(shm_root)) as fake:
         config = _config(tmp_path, samples, fake.url, shm_root,
                          workers={"max_attempts": 5})  # fmt: skip
-        daemon = Daemon(config)
-        some = when_done(daemon, 8)
-        run = asyncio.create_task(daemon.run())
-        await some.wait()
-        fake.pause_passes()
-        queued = requests_seen(fake.stats, fake.stats.hsx_requests + 4)
-        await queued.wait()
+        paused = pause_at_request(fake, 8)
+        run = asyncio.create_task(Daemon(config).run())
+        await paused.wait()
+        await requests_queued(fake.stats, 4).wait()
         await fake.restart()
         fake.resume_passes()
         summary = await run
@@ -216,14 +220,12 @@ async def test_dump_root_wiped_mid_run(tmp_path: Path, shm_root: Path) -> None:
     samples = write_samples(tmp_path / "in.jsonl", 40, max_len=48, seed=7)
     async with running_fake_server(fake_options(shm_root, random_chunks=True)) as fake:
         config = _config(tmp_path, samples, fake.url, shm_root)
-        daemon = Daemon(config)
-        some = when_done(daemon, 10)
-        run = asyncio.create_task(daemon.run())
-        await some.wait()
+        paused = pause_at_request(fake, 14)  # some 10 samples dumped, perhaps being copied
+        run = asyncio.create_task(Daemon(config).run())
+        await paused.wait()
         # Wipe while every worker waits on the server, writers perhaps copying; the
         # narrower race inside validation is test_dump_dir_vanishing_during_validation_...
-        fake.pause_passes()
-        await requests_seen(fake.stats, fake.stats.hsx_requests + 4).wait()
+        await requests_queued(fake.stats, 4).wait()
         await asyncio.to_thread(_wipe, shm_root)
         fake.resume_passes()
         summary = await run

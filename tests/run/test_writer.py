@@ -6,6 +6,8 @@ import dataclasses
 import errno
 import os
 import stat
+import subprocess
+import sys
 import threading
 import types
 from collections.abc import Callable
@@ -685,3 +687,12 @@ def test_fp8_fallback_memory_is_one_block_whatever_the_sample(
         fw.close()
         outs.append((out / j.relpath).read_bytes())
     assert outs[0] == outs[1]
+
+
+def test_the_client_imports_torch_only_to_quantize() -> None:
+    """A bf16 run (and an FP8 one whose hook quantizes) copies bytes: importing torch
+    would cost each client ~1.4 CPU-s and 200 MB (bench/README.md, FP8)."""
+    code = "import sys, hsx_async.cli, hsx_async.run.daemon; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
