@@ -18,6 +18,7 @@ and knows what every sample must hold.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ from tests.e2e import SampleSet, make_config, write_samples
 
 AUX_LAYERS = (2, 30, 58)
 Mutate = Callable[[int, torch.Tensor], None]  # (sample index, hidden [T, L, H] bf16) in place
+# (sample index, the encoded hidden sections) in place: faults only a file can hold (FP8
+# values or scales the quantizer never makes).
+MutateSections = Callable[[int, list[torch.Tensor]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +112,7 @@ def write_sample(
     sparse_hidden: bool = False,
     storage: Storage = BF16_STORAGE,
     final_state: str = POST_NORM,
+    mutate_sections: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> WrittenSample:
     """Write one sample file and append its manifest line.
 
@@ -128,7 +133,10 @@ def write_sample(
     path = out_dir / relpath
     path.parent.mkdir(parents=True, exist_ok=True)
     ids_bytes = input_ids.to(torch.int64).numpy().astype("<i8").tobytes()
-    sections = tuple(encode_rows(hidden, storage))
+    encoded = encode_rows(hidden, storage)
+    if mutate_sections is not None:
+        mutate_sections(encoded)
+    sections = tuple(encoded)
     hidden_bytes = b"".join(section_bytes(x) for x in sections)
     mask_bytes = b"" if loss_mask is None else loss_mask.to(torch.uint8).numpy().tobytes()
     hasher = xxhash.xxh3_64()
@@ -200,6 +208,7 @@ def write_dataset(
     mutate: Mutate | None = None,
     storage: Storage = BF16_STORAGE,
     final_state: str = POST_NORM,
+    mutate_sections: MutateSections | None = None,
 ) -> list[WrittenSample]:
     """Write ``num_samples`` samples; ``loss_mask`` is ``"all"``, ``"none"`` or
     ``"alternate"`` (every other sample has one). With ``shards > 1`` sample ``i`` goes to
@@ -233,6 +242,9 @@ def write_dataset(
                 manifest=log_name(MANIFEST, i % shards, shards),
                 storage=storage,
                 final_state=final_state,
+                mutate_sections=(
+                    None if mutate_sections is None else functools.partial(mutate_sections, i)
+                ),
             )
         )
     return written

@@ -52,7 +52,7 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from torch.utils.data import Dataset, Sampler
 
-from hsx_async.dataset.layout import SampleId, canonical_id
+from hsx_async.dataset.layout import SampleId, canonical_id, expected_tensors
 from hsx_async.dataset.manifest import ManifestEntry, read_manifest
 from hsx_async.dataset.provenance import dataset_storage, read_provenance
 from hsx_async.errors import DatasetError, DumpError
@@ -122,18 +122,6 @@ def file_storage(meta: dict[str, str], path: Path, layers: int) -> Storage:
             f"{path}: metadata {exc} (aux_layers {meta.get('aux_layers')!r})"
         ) from None
     return storage
-
-
-def expected_tensors(
-    storage: Storage, t: int, layers: int, hidden: int
-) -> dict[str, tuple[str, list[int]]]:
-    """Name → (safetensors dtype, shape) of every tensor a file of ``storage`` holds
-    (``loss_mask`` included: it is the one optional tensor)."""
-    want = {INPUT_IDS: ("I64", [t])}
-    for section in storage.sections(layers, hidden):
-        want[section.name] = (section.dtype, [t, *section.row_shape])
-    want[LOSS_MASK] = ("U8", [t])
-    return want
 
 
 def _check_names(
