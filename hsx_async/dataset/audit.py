@@ -671,7 +671,7 @@ def inspect_file(path: Path) -> str:
 
 def _section_lines(storage: Storage, t: int, layers: int, size: int) -> list[str]:
     """One line per hidden section of the file (bf16: the one ``hidden_states``)."""
-    names = layer_names_of(storage, layers)
+    names = _section_slots(storage, layers)
     lines = []
     for section in storage.sections(layers, size):
         shape = ", ".join(map(str, (t, *section.row_shape)))
@@ -681,7 +681,7 @@ def _section_lines(storage: Storage, t: int, layers: int, size: int) -> list[str
     return lines
 
 
-def layer_names_of(storage: Storage, layers: int) -> dict[str, str]:
+def _section_slots(storage: Storage, layers: int) -> dict[str, str]:
     """Which layer slots each FP8 section holds, as the inspect line's suffix."""
     if not storage.is_fp8:
         return {}

@@ -357,8 +357,8 @@ def _speculators_bf16(
     hidden = dataset.hidden_bf16(header, stored)
     final = conv.apply(header.metadata, hidden[:, -1])
     if final.data_ptr() != hidden[:, -1].data_ptr():  # converted: a new tensor
-        if header.storage == BF16_STORAGE:
-            hidden = hidden.clone()  # never write into the file's (private) mapping
+        if not header.storage.is_fp8:  # hidden is the file's (private) mapping
+            hidden = hidden.clone()
         hidden[:, -1] = final
     return hidden
 
