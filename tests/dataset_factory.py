@@ -1,9 +1,12 @@
 """Small synthetic hsx datasets, written byte for byte as the pipeline writes them.
 
 Per sample: the header from :func:`hsx_async.dataset.layout.build_layout`, then ``input_ids``
-(little-endian int64), ``hidden_states`` (bf16 ``[T, L, H]``), ``loss_mask`` (uint8), at
-``out/data_relpath(sample_key(id))``; then a :class:`ManifestEntry` line with the XXH3-64 of
-the file appended to ``manifest.jsonl`` (or to the shard's manifest).
+(little-endian int64), the hidden sections of the storage (bf16 ``hidden_states [T, L, H]``;
+or, with ``storage=`` FP8, the bytes of :func:`hsx_async.quantize.encode_rows`: e4m3fn
+values, float32 scales, kept bf16 slots, as the writer stores them), ``loss_mask`` (uint8),
+at ``out/data_relpath(sample_key(id))``; then a :class:`ManifestEntry` line with the XXH3-64
+of the file appended to ``manifest.jsonl`` (or to the shard's manifest). An FP8 dataset also
+gets the ``provenance.json`` fields that name its storage.
 
 Hidden values look like a model's: aux layers are residual streams whose row norms grow
 with depth, the final layer is post-norm (rows of norm ~ sqrt(H)). Tests plant faults with
@@ -15,23 +18,31 @@ and knows what every sample must hold.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import orjson
 import torch
 import xxhash
 
 from hsx_async.dataset.layout import SampleId, build_layout, data_relpath, sample_key
 from hsx_async.dataset.manifest import MANIFEST, ManifestEntry, log_name
+from hsx_async.dataset.provenance import PROVENANCE
+from hsx_async.protocol import BF16_STORAGE, FP8, POST_NORM, Storage
+from hsx_async.quantize import encode_rows
 from hsx_async.run.daemon import Daemon
 from hsx_async.server.fake.server import FakeOptions, expected_hidden_states, running_fake_server
 from tests.e2e import SampleSet, make_config, write_samples
 
 AUX_LAYERS = (2, 30, 58)
 Mutate = Callable[[int, torch.Tensor], None]  # (sample index, hidden [T, L, H] bf16) in place
+# (sample index, the encoded hidden sections) in place: faults only a file can hold (FP8
+# values or scales the quantizer never makes).
+MutateSections = Callable[[int, list[torch.Tensor]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +53,22 @@ class WrittenSample:
     path: Path
     entry: ManifestEntry
     input_ids: torch.Tensor  # [T] int64
-    hidden: torch.Tensor  # [T, L, H] bf16, exactly the stored values
+    hidden: torch.Tensor  # [T, L, H] bf16: the stored values (FP8: before quantizing)
     loss_mask: torch.Tensor | None  # [T] uint8, None when the sample has none
     aux_layers: tuple[int, ...]
+    storage: Storage = BF16_STORAGE
+    sections: tuple[torch.Tensor, ...] = ()  # the stored hidden sections, in file order
+
+
+def fp8_storage(num_layers: int, quantize: str = "all") -> Storage:
+    """The FP8 storage ``[output].quantize`` names: every slot, or the aux ones only."""
+    slots = range(num_layers) if quantize == "all" else range(num_layers - 1)
+    return Storage(FP8, tuple(slots))
+
+
+def section_bytes(tensor: torch.Tensor) -> bytes:
+    """A section's bytes as a file holds them (little-endian, C order)."""
+    return bytes(tensor.contiguous().view(torch.uint8).numpy())
 
 
 def synthetic_hidden(
@@ -86,6 +110,9 @@ def write_sample(
     aux_layers: Sequence[int] = AUX_LAYERS,
     manifest: str = f"{MANIFEST}.jsonl",
     sparse_hidden: bool = False,
+    storage: Storage = BF16_STORAGE,
+    final_state: str = POST_NORM,
+    mutate_sections: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> WrittenSample:
     """Write one sample file and append its manifest line.
 
@@ -99,12 +126,18 @@ def write_sample(
         hidden_size=size,
         aux_layers=aux_layers,
         has_loss_mask=loss_mask is not None,
+        storage=storage,
+        final_state=final_state,
     )
     relpath = data_relpath(sample_key(sample_id))
     path = out_dir / relpath
     path.parent.mkdir(parents=True, exist_ok=True)
     ids_bytes = input_ids.to(torch.int64).numpy().astype("<i8").tobytes()
-    hidden_bytes = hidden.contiguous().view(torch.int16).numpy().astype("<i2").tobytes()
+    encoded = encode_rows(hidden, storage)
+    if mutate_sections is not None:
+        mutate_sections(encoded)
+    sections = tuple(encoded)
+    hidden_bytes = b"".join(section_bytes(x) for x in sections)
     mask_bytes = b"" if loss_mask is None else loss_mask.to(torch.uint8).numpy().tobytes()
     hasher = xxhash.xxh3_64()
     for chunk in (layout.header, ids_bytes, hidden_bytes, mask_bytes):
@@ -136,7 +169,29 @@ def write_sample(
         hidden=hidden,
         loss_mask=loss_mask,
         aux_layers=tuple(aux_layers),
+        storage=storage,
+        sections=sections,
     )
+
+
+def write_storage_provenance(
+    out_dir: Path,
+    storage: Storage,
+    *,
+    hidden_size: int,
+    aux_layers: Sequence[int],
+    final_state: str = POST_NORM,
+) -> None:
+    """The ``provenance.json`` fields that say how the dataset stores hidden states."""
+    record = {
+        "protocol": 3,
+        "hidden_size": hidden_size,
+        "aux_layers": list(aux_layers),
+        "dtype": storage.dtype,
+        "quantized": list(storage.quantized),
+        "final_state": final_state,
+    }
+    (out_dir / PROVENANCE).write_bytes(orjson.dumps(record))
 
 
 def write_dataset(
@@ -151,11 +206,20 @@ def write_dataset(
     shards: int = 1,
     seed: int = 0,
     mutate: Mutate | None = None,
+    storage: Storage = BF16_STORAGE,
+    final_state: str = POST_NORM,
+    mutate_sections: MutateSections | None = None,
 ) -> list[WrittenSample]:
     """Write ``num_samples`` samples; ``loss_mask`` is ``"all"``, ``"none"`` or
     ``"alternate"`` (every other sample has one). With ``shards > 1`` sample ``i`` goes to
-    shard ``i % shards``'s manifest, as a sharded run writes them."""
+    shard ``i % shards``'s manifest, as a sharded run writes them. An FP8 ``storage`` (see
+    :func:`fp8_storage`) quantizes each sample and records the storage in provenance.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    if storage.is_fp8:
+        write_storage_provenance(
+            out_dir, storage, hidden_size=hidden_size, aux_layers=aux_layers,
+            final_state=final_state,
+        )  # fmt: skip
     lengths = list(lengths) if lengths is not None else [5 + 7 * i for i in range(num_samples)]
     ids = list(ids) if ids is not None else [f"s{i:04d}" for i in range(num_samples)]
     if len(lengths) != num_samples or len(ids) != num_samples:
@@ -176,6 +240,11 @@ def write_dataset(
                 loss_mask=mask,
                 aux_layers=aux_layers,
                 manifest=log_name(MANIFEST, i % shards, shards),
+                storage=storage,
+                final_state=final_state,
+                mutate_sections=(
+                    None if mutate_sections is None else functools.partial(mutate_sections, i)
+                ),
             )
         )
     return written

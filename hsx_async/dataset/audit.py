@@ -13,6 +13,11 @@ broken extraction looks like:
   layer should be). Residual streams grow with depth and the final state is post-norm, so
   a wrong layer id or a norm / un-norm mix-up shows as a layer out of line.
 
+FP8 datasets are decoded as the trainer sees them (each chunk of rows dequantized, then
+the same checks); the FP8 sections themselves are checked too (:mod:`.quant_audit`: every
+scale finite and positive, each stored vector's largest ``|q|`` the quantizer's 448) and
+the estimated quantization error is reported per layer slot.
+
 Hard faults are ``problems`` (``hsx verify --deep`` fails on them); heuristic findings are
 ``warnings``. Work is spread over a few threads: numpy and torch release the GIL.
 """
@@ -34,7 +39,9 @@ import xxhash
 
 from hsx_async.dataset.layout import FILE_SUFFIX, canonical_id, read_header
 from hsx_async.dataset.manifest import ManifestEntry, read_manifest
+from hsx_async.dataset.quant_audit import QuantStats, scan_fp8
 from hsx_async.errors import DatasetError
+from hsx_async.protocol import BF16_STORAGE, Storage
 
 if TYPE_CHECKING:
     import torch
@@ -79,11 +86,14 @@ class SampleStats:
     negative_ids: int = 0
     mask_values_over_1: int = 0
     mask_ones: int | None = None  # None: the file has no loss_mask
+    storage: Storage = BF16_STORAGE
+    quant: QuantStats | None = None  # FP8 files: the sections' own checks and error
 
     @classmethod
     def empty(cls, path: Path, header: SampleHeader) -> SampleStats:
         layers = header.num_layers
         zeros = np.zeros(layers, dtype=np.int64)
+        fp8 = header.storage.is_fp8
         return cls(
             path=path,
             sample_id=header.sample_id,
@@ -99,6 +109,8 @@ class SampleStats:
             value_min=np.full(layers, np.inf),
             value_max=np.full(layers, -np.inf),
             hist=np.zeros((layers, len(NORM_EDGES) - 1), dtype=np.int64),
+            storage=header.storage,
+            quant=QuantStats.empty(header.storage.quantized, layers) if fp8 else None,
         )
 
     @property
@@ -136,6 +148,8 @@ class SampleStats:
             found.append(f"{where}: {self.negative_ids} negative input_ids")
         if self.mask_values_over_1:
             found.append(f"{where}: {self.mask_values_over_1} loss_mask values other than 0/1")
+        if self.quant is not None:
+            found.extend(self.quant.problems(where, names, self.num_tokens))
         return found
 
 
@@ -218,12 +232,13 @@ def _scan_norms(
 def scan_file(path: Path, *, num_tokens: int | None = None, values: bool = False) -> SampleStats:
     """Decode one sample file and gather its statistics (raises DatasetError if unreadable).
 
-    ``values`` adds the per-layer min / max values (one more pass over the data).
+    ``values`` adds the per-layer min / max values (one more pass over the data). An FP8
+    file is dequantized one chunk of rows at a time, as the reader dequantizes it.
     """
     from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
 
-    header, stored = dataset.read_tensors(
-        path, (dataset.INPUT_IDS, dataset.HIDDEN_STATES, dataset.LOSS_MASK), num_tokens=num_tokens
+    header, stored = dataset.read_hidden(
+        path, (dataset.INPUT_IDS, dataset.LOSS_MASK), num_tokens=num_tokens
     )
     stats = SampleStats.empty(path, header)
     ids = stored[dataset.INPUT_IDS].numpy()
@@ -233,10 +248,13 @@ def scan_file(path: Path, *, num_tokens: int | None = None, values: bool = False
         flags = mask.numpy()
         stats.mask_values_over_1 = int((flags > 1).sum())
         stats.mask_ones = int((flags == 1).sum())
-    bits = stored[dataset.HIDDEN_STATES].view(_int16()).numpy()  # [T, L, H], no copy
     step = max(1, CHUNK_ELEMENTS // max(1, header.num_layers * header.hidden_size))
     for start in range(0, header.num_tokens, step):
-        chunk = bits[start : start + step]
+        rows = {name: tensor[start : start + step] for name, tensor in stored.items()}
+        if stats.quant is not None:
+            scan_fp8(rows[dataset.HIDDEN_STATES], rows[dataset.HIDDEN_STATES_SCALES],
+                     stats.quant, start)  # fmt: skip
+        chunk = dataset.hidden_bf16(header, rows).view(_int16()).numpy()  # bf16: no copy
         bad = _scan_nonfinite(chunk, stats, start)
         _scan_rows(chunk, stats, start)
         _scan_norms(chunk, stats, bad, values=values)
@@ -258,6 +276,23 @@ class LayerSummary:
     nan: int
     inf: int
     zero_rows: int
+    # FP8 slots: the estimated relative RMS quantization error of its vectors (mean, max);
+    # None for a slot stored as bf16.
+    fp8_err_mean: float | None = None
+    fp8_err_max: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "rows": self.rows,
+            "mean_norm": self.mean_norm,
+            "max_norm": self.max_norm,
+            "nan": self.nan,
+            "inf": self.inf,
+            "zero_rows": self.zero_rows,
+            "fp8_rel_rms_error_mean": self.fp8_err_mean,
+            "fp8_rel_rms_error_max": self.fp8_err_max,
+        }
 
 
 @dataclass
@@ -274,10 +309,28 @@ class AuditReport:
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     plot_path: Path | None = None
+    storage: str = BF16_STORAGE.describe()  # of the audited samples (the first one's)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``hsx verify --deep --json`` prints."""
+        return {
+            "out_dir": str(self.out_dir),
+            "ok": self.ok,
+            "storage": self.storage,
+            "samples_total": self.samples_total,
+            "samples_audited": self.samples_audited,
+            "tokens_audited": self.tokens_audited,
+            "bytes_audited": self.bytes_audited,
+            "seconds": self.seconds,
+            "layers": [layer.to_dict() for layer in self.layers],
+            "problems": self.problems,
+            "warnings": self.warnings,
+            "plot": None if self.plot_path is None else str(self.plot_path),
+        }
 
     def format(self) -> str:
         rate = self.bytes_audited / self.seconds / 1e9 if self.seconds > 0 else 0.0
@@ -285,6 +338,7 @@ class AuditReport:
             f"deep audit of {self.out_dir}: {self.samples_audited} of {self.samples_total} "
             f"samples, {self.tokens_audited} tokens, {self.bytes_audited / 1e9:.2f} GB in "
             f"{self.seconds:.1f} s ({rate:.2f} GB/s)",
+            f"storage: {self.storage}",
         ]
         if self.layers:
             lines.append(_layer_table(self.layers))
@@ -301,12 +355,28 @@ class AuditReport:
 def _layer_table(layers: Sequence[LayerSummary]) -> str:
     head = f"  {'layer':<10} {'rows':>10} {'mean |row|':>12} {'max |row|':>12} {'NaN':>6} "
     head += f"{'Inf':>6} {'zero rows':>10}"
+    fp8 = any(s.fp8_err_mean is not None for s in layers)
+    if fp8:
+        head += f" {'fp8 err mean':>12} {'fp8 err max':>12}"
     body = [
         f"  {s.name:<10} {s.rows:>10} {s.mean_norm:>12.4g} {s.max_norm:>12.4g} {s.nan:>6} "
         f"{s.inf:>6} {s.zero_rows:>10}"
+        + (_err_columns(s.fp8_err_mean, s.fp8_err_max) if fp8 else "")
         for s in layers
     ]
-    return "\n".join([head, *body])
+    lines = [head, *body]
+    if fp8:
+        lines.append(
+            "  fp8 err: estimated relative RMS error of each stored FP8 vector (from its "
+            "values: rounding to e4m3fn); bf16 slots: -"
+        )
+    return "\n".join(lines)
+
+
+def _err_columns(mean: float | None, high: float | None) -> str:
+    if mean is None or high is None:
+        return f" {'-':>12} {'-':>12}"
+    return f" {mean:>12.3%} {high:>12.3%}"
 
 
 def _listed(kind: str, items: Sequence[str]) -> list[str]:
@@ -364,15 +434,20 @@ class _Totals:
     norm_sum: np.ndarray
     norm_max: np.ndarray
     hist: np.ndarray
+    storage: Storage = BF16_STORAGE
+    quant: QuantStats | None = None
     sample_means: list[np.ndarray] = field(default_factory=list)
     sample_ids: list[str] = field(default_factory=list)
 
     @classmethod
     def first(cls, stats: SampleStats) -> _Totals:
         layers = len(stats.layer_names)
+        fp8 = stats.storage.is_fp8
         return cls(
             names=stats.layer_names,
             shape=(stats.hidden_size, stats.aux_layers),
+            storage=stats.storage,
+            quant=QuantStats.empty(stats.storage.quantized, layers) if fp8 else None,
             nan=np.zeros(layers, dtype=np.int64),
             inf=np.zeros(layers, dtype=np.int64),
             zero_rows=np.zeros(layers, dtype=np.int64),
@@ -390,11 +465,14 @@ class _Totals:
         self.norm_sum += stats.norm_sum
         self.norm_max = np.maximum(self.norm_max, stats.norm_max)
         self.hist += stats.hist
+        if self.quant is not None and stats.quant is not None:
+            self.quant.add(stats.quant)
         self.sample_means.append(stats.mean_norm)
         self.sample_ids.append(f"{stats.path} (id {stats.sample_id!r})")
 
     def summary(self) -> list[LayerSummary]:
         mean = np.divide(self.norm_sum, np.maximum(self.rows, 1))
+        quant = self.quant
         return [
             LayerSummary(
                 name,
@@ -404,6 +482,8 @@ class _Totals:
                 int(self.nan[i]),
                 int(self.inf[i]),
                 int(self.zero_rows[i]),
+                fp8_err_mean=(float(quant.err_mean[i]) if quant and i in quant.slots else None),
+                fp8_err_max=float(quant.err_max[i]) if quant and i in quant.slots else None,
             )
             for i, name in enumerate(self.names)
         ]
@@ -449,6 +529,8 @@ def audit_dataset(
             totals = totals or _Totals.first(result)
             if (result.hidden_size, result.aux_layers) != totals.shape:
                 report.problems.append(_shape_problem(result, totals))
+            elif result.storage != totals.storage:
+                report.problems.append(_storage_problem(result, totals))
             else:
                 totals.add(result)
         if progress is not None:
@@ -456,6 +538,7 @@ def audit_dataset(
     if not entries:
         report.warnings.append(f"{out_dir} has no samples in its manifest")
     if totals is not None:
+        report.storage = totals.storage.describe()
         report.layers = totals.summary()
         report.warnings.extend(norm_warnings(totals.names, totals.sample_means, totals.sample_ids))
         report.warnings.extend(depth_warnings(report.layers, totals.shape[1]))
@@ -471,6 +554,13 @@ def _shape_problem(stats: SampleStats, totals: _Totals) -> str:
     return (
         f"{stats.path} (id {stats.sample_id!r}): hidden_size {stats.hidden_size}, aux_layers "
         f"{list(stats.aux_layers)}; other samples have {hidden}, {list(aux)} (mixed configs)"
+    )
+
+
+def _storage_problem(stats: SampleStats, totals: _Totals) -> str:
+    return (
+        f"{stats.path} (id {stats.sample_id!r}): stored as {stats.storage.describe()}; other "
+        f"samples are {totals.storage.describe()} (files of two runs)"
     )
 
 
@@ -566,9 +656,10 @@ def inspect_file(path: Path) -> str:
         "  metadata: " + ", ".join(f"{k}={v}" for k, v in sorted(header.metadata.items())),
         f"  file: {path.stat().st_size} bytes; header {header_bytes} bytes; hidden_states at "
         f"{hidden_offset} ({'4 KiB aligned' if hidden_offset % 4096 == 0 else 'unaligned'})",
+        f"  storage: {header.storage.describe()}",
         f"  input_ids      I64   [{t}]  min {int(ids.min()) if t else '-'} max "
         f"{int(ids.max()) if t else '-'}; first: {shown}",
-        f"  hidden_states  BF16  [{t}, {layers}, {size}]",
+        *_section_lines(header.storage, t, layers, size),
         f"  loss_mask      U8    [{t}]  {mask}",
         _sample_table(stats),
     ]
@@ -578,16 +669,50 @@ def inspect_file(path: Path) -> str:
     return "\n".join(lines)
 
 
+def _section_lines(storage: Storage, t: int, layers: int, size: int) -> list[str]:
+    """One line per hidden section of the file (bf16: the one ``hidden_states``)."""
+    names = _section_slots(storage, layers)
+    lines = []
+    for section in storage.sections(layers, size):
+        shape = ", ".join(map(str, (t, *section.row_shape)))
+        lines.append(
+            f"  {section.name:<14} {section.dtype:<5} [{shape}]{names.get(section.name, '')}"
+        )
+    return lines
+
+
+def _section_slots(storage: Storage, layers: int) -> dict[str, str]:
+    """Which layer slots each FP8 section holds, as the inspect line's suffix."""
+    if not storage.is_fp8:
+        return {}
+    quantized = "  slots " + ",".join(map(str, storage.quantized))
+    return {
+        "hidden_states": quantized,
+        "hidden_states_scales": quantized + " (one float32 scale per token and slot)",
+        "hidden_states_unquantized": "  slots " + ",".join(map(str, storage.kept(layers))),
+    }
+
+
 def _sample_table(stats: SampleStats) -> str:
     head = f"  {'layer':<10} {'mean |row|':>11} {'max |row|':>11} {'min value':>11} "
     head += f"{'max value':>11} {'NaN':>5} {'Inf':>5} {'zero rows':>9}"
+    quant = stats.quant
+    if quant is not None:
+        head += f" {'fp8 err mean':>12} {'fp8 err max':>12}"
     mean = stats.mean_norm
-    rows = [
-        f"  {name:<10} {mean[i]:>11.4g} {stats.norm_max[i]:>11.4g} {stats.value_min[i]:>11.4g} "
-        f"{stats.value_max[i]:>11.4g} {int(stats.nan[i]):>5} {int(stats.inf[i]):>5} "
-        f"{int(stats.zero_rows[i]):>9}"
-        for i, name in enumerate(stats.layer_names)
-    ]
+    rows = []
+    for i, name in enumerate(stats.layer_names):
+        row = (
+            f"  {name:<10} {mean[i]:>11.4g} {stats.norm_max[i]:>11.4g} "
+            f"{stats.value_min[i]:>11.4g} {stats.value_max[i]:>11.4g} {int(stats.nan[i]):>5} "
+            f"{int(stats.inf[i]):>5} {int(stats.zero_rows[i]):>9}"
+        )
+        if quant is not None:
+            fp8 = i in quant.slots
+            row += _err_columns(
+                float(quant.err_mean[i]) if fp8 else None, float(quant.err_max[i]) if fp8 else None
+            )
+        rows.append(row)
     return "\n".join([head, *rows])
 
 

@@ -47,6 +47,21 @@ converts it with the final norm read from ``--model`` (:mod:`.target`), and refu
 one rather than hand a trainer a wrong target. ``hsx-export.json`` records the kind written,
 so an old, unconverted speculators export is never silently extended.
 
+FP8 datasets (PROTOCOL §4). SpecForge 0.2.0's loader has no FP8: it always gets bfloat16,
+dequantized per sample. speculators reads FP8 through hs-connectors 0.9.0's ``FP8Transfer``
+(``--hidden-states-backend fp8``; ``hs_connectors/transfer.py``, ``fp8_utils.py``): a file
+with ``hidden_states`` float8_e4m3fn ``[T, L, H]`` and ``hidden_states_scales`` float32
+broadcastable against it (its own writer makes ``[T, 1, 1]``), dequantized as
+``fp8.to(bf16) * scale.to(bf16)``. hsx's per-(token, slot) scales ``[T, L, 1]`` broadcast
+the same way, so when every slot is stored as FP8 and the final state needs no conversion
+(a pre-norm dataset), ``--dtype auto`` (the default) writes the dataset's own bytes in that
+layout, nothing requantized: half the disk, and exactly the values hsx's reader yields,
+but for the bf16 rounding of the scale in their formula. Otherwise (slots kept in bf16, or a
+final state to convert) it writes bfloat16; ``--dtype bfloat16`` forces bfloat16 (a
+trainer started without the fp8 backend reads these files unscaled, so FP8 would be
+garbage to it); ``--dtype float8_e4m3fn`` insists, and refuses with the reason when it
+cannot. ``hsx-export.json`` records the dtype written: a resumed export never mixes.
+
 Both formats get ``draft-config.json``: the ``eagle_config`` block of the drafter's config
 with ``eagle_aux_hidden_state_layer_ids`` in SGLang's (and SpecForge's) numbering for the
 target's family (:mod:`hsx_async.layer_ids`), so serving captures exactly the dataset's
@@ -74,7 +89,7 @@ import orjson
 from hsx_async.dataset.durable import exclusive_lock, fsync_dir, fsync_file, write_durably
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import AppendLog, ManifestEntry, read_log, read_manifest
-from hsx_async.dataset.provenance import dataset_final_state, read_provenance
+from hsx_async.dataset.provenance import dataset_final_state, dataset_storage, read_provenance
 from hsx_async.dataset.target import (
     TargetModel,
     convert_final,
@@ -84,10 +99,20 @@ from hsx_async.dataset.target import (
 )
 from hsx_async.errors import DatasetError, DumpError
 from hsx_async.layer_ids import DraftIds, draft_ids
-from hsx_async.protocol import POST_NORM, PRE_NORM, parse_final_state
+from hsx_async.protocol import (
+    BF16,
+    BF16_STORAGE,
+    FP8,
+    POST_NORM,
+    PRE_NORM,
+    Storage,
+    parse_final_state,
+)
 
 if TYPE_CHECKING:
     import torch
+
+    from hsx_async.dataset.reader import SampleHeader
 
 SPECFORGE = "specforge"
 SPECULATORS = "speculators"
@@ -101,6 +126,8 @@ DRAFT_CONFIG = "draft-config.json"
 # The final-state kind each trainer reads from the last layer slot (module docstring).
 WANTED_FINAL_STATE = {SPECFORGE: POST_NORM, SPECULATORS: PRE_NORM}
 SPECFORGE_AUX_LAYERS = 3
+AUTO = "auto"
+DTYPE_CHOICES = (AUTO, BF16, FP8)  # --dtype
 TMP_PREFIX = ".hsx-tmp-"
 LOCK_NAME = ".hsx-export.lock"
 
@@ -158,6 +185,8 @@ class ExportResult:
     seconds: float
     ids_line: str = ""  # the draft-config ids for the target's family (DraftIds.describe)
     converted: bool = False  # the final state was converted with the model's final norm
+    dtype: str = BF16  # what the hidden states were written as
+    dtype_why: str = ""  # why, when --dtype auto chose bfloat16 for an FP8 dataset
 
 
 def _record(raw: Any, where: str) -> ExportRecord:
@@ -191,15 +220,16 @@ def assign_indices(ids: Sequence[str], done: dict[str, ExportRecord]) -> dict[st
     return indices
 
 
-def _claim(dest: Path, fmt: str, group_size: int, out_dir: Path) -> None:
-    """Record what this directory is an export of; refuse to mix formats, or final-state
-    kinds, in one directory."""
+def _claim(dest: Path, fmt: str, group_size: int, out_dir: Path, dtype: str) -> None:
+    """Record what this directory is an export of; refuse to mix formats, final-state
+    kinds or hidden-state dtypes in one directory."""
     want = WANTED_FINAL_STATE[fmt]
     info = {
         "format": fmt,
         "file_group_size": group_size,
         "source": str(out_dir.resolve()),
         "final_state": want,
+        "hidden_states_dtype": dtype,
     }
     path = dest / EXPORT_INFO
     if path.exists():
@@ -218,6 +248,15 @@ def _claim(dest: Path, fmt: str, group_size: int, out_dir: Path) -> None:
                 f"{dest} holds a {fmt} export with the {old.get('final_state', POST_NORM)} "
                 f"final state, but {fmt} reads the {want} one (an export made before hsx "
                 "converted it trains on wrong teacher logits); export into a new --to directory"
+            )
+        # Exports before hsx knew FP8 wrote bfloat16.
+        if old.get("hidden_states_dtype", BF16) != dtype:
+            raise DatasetError(
+                f"{dest} holds a {fmt} export written as {old.get('hidden_states_dtype', BF16)}"
+                f", this one would write {dtype}: one directory holds one dtype (its trainer "
+                f"is started with one hidden-states backend). Pass --dtype "
+                f"{old.get('hidden_states_dtype', BF16)} to extend it, or export into a new "
+                "--to directory"
             )
         return
     _write_durably(path, lambda tmp: tmp.write_bytes(orjson.dumps(info) + b"\n"))
@@ -253,12 +292,11 @@ def _specforge_record(
 
     from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
 
-    header, stored = dataset.read_tensors(
-        sample_path,
-        (dataset.INPUT_IDS, dataset.HIDDEN_STATES, dataset.LOSS_MASK),
-        num_tokens=entry.num_tokens,
+    header, stored = dataset.read_hidden(
+        sample_path, (dataset.INPUT_IDS, dataset.LOSS_MASK), num_tokens=entry.num_tokens
     )
-    final, aux = dataset.split_layers(stored[dataset.HIDDEN_STATES])
+    # bf16 [T, L, H]: the mapping itself, or an FP8 sample dequantized (SpecForge has no FP8).
+    final, aux = dataset.split_layers(dataset.hidden_bf16(header, stored))
     final = conv.apply(header.metadata, final)
     mask = stored.get(dataset.LOSS_MASK)
     # clone(): torch.save writes a tensor's whole storage, and these views share the
@@ -287,27 +325,76 @@ def _write_specforge(
 
 
 def _write_speculators(
-    sample_path: Path, entry: ManifestEntry, conv: FinalConversion, tmp: Path
+    sample_path: Path, entry: ManifestEntry, conv: FinalConversion, dtype: str, tmp: Path
 ) -> None:
     from safetensors.torch import save_file  # noqa: PLC0415 - torch stays out of hsx --help
 
     from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
 
-    header, stored = dataset.read_tensors(
-        sample_path, (dataset.INPUT_IDS, dataset.HIDDEN_STATES), num_tokens=entry.num_tokens
+    header, stored = dataset.read_hidden(
+        sample_path, (dataset.INPUT_IDS,), num_tokens=entry.num_tokens
     )
-    hidden = stored[dataset.HIDDEN_STATES]  # [T, L, H] as stored, no copy
-    final = conv.apply(header.metadata, hidden[:, -1])
-    if final.data_ptr() != hidden[:, -1].data_ptr():  # converted: a new tensor
-        hidden = hidden.clone()
-        hidden[:, -1] = final
-    tensors = {"hidden_states": hidden, "token_ids": stored[dataset.INPUT_IDS].clone()}
     meta = {
         "hsx_id": canonical_id(entry.id),
         "aux_layers": header.metadata.get("aux_layers", ""),
         "final_state": conv.want,
+        "dtype": dtype,
     }
+    tensors = {"token_ids": stored[dataset.INPUT_IDS].clone()}
+    if dtype == FP8:
+        tensors |= _speculators_fp8(header, stored, conv)
+    else:
+        tensors["hidden_states"] = _speculators_bf16(header, stored, conv)
     save_file(tensors, str(tmp), metadata=meta)
+
+
+def _speculators_bf16(
+    header: SampleHeader, stored: dict[str, torch.Tensor], conv: FinalConversion
+) -> torch.Tensor:
+    """``[T, L, H]`` bf16: as stored (no copy) or dequantized, the final state converted."""
+    from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
+
+    hidden = dataset.hidden_bf16(header, stored)
+    final = conv.apply(header.metadata, hidden[:, -1])
+    if final.data_ptr() != hidden[:, -1].data_ptr():  # converted: a new tensor
+        if not header.storage.is_fp8:  # hidden is the file's (private) mapping
+            hidden = hidden.clone()
+        hidden[:, -1] = final
+    return hidden
+
+
+def _speculators_fp8(
+    header: SampleHeader, stored: dict[str, torch.Tensor], conv: FinalConversion
+) -> dict[str, torch.Tensor]:
+    """The sample's FP8 sections as hs-connectors' ``FP8Transfer`` reads them: values
+    ``[T, L, H]`` and scales ``[T, L, 1]``, the dataset's bytes unchanged."""
+    from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
+
+    problem = fp8_export_problem(header.storage, header.num_layers, conv)
+    if problem:  # the dataset's record said otherwise: this file is from another run
+        raise DatasetError(f"{header.path}: {problem}")
+    return {
+        "hidden_states": stored[dataset.HIDDEN_STATES],
+        "hidden_states_scales": stored[dataset.HIDDEN_STATES_SCALES],
+    }
+
+
+def fp8_export_problem(storage: Storage, layers: int, conv: FinalConversion) -> str:
+    """Why a speculators export of this dataset cannot be FP8 ('' if it can)."""
+    if not storage.is_fp8:
+        return "the dataset stores bfloat16"
+    if storage.kept(layers):
+        kept = ",".join(map(str, storage.kept(layers)))
+        return (
+            f'the dataset keeps slot(s) {kept} in bfloat16 ([output].quantize = "aux"), '
+            "and speculators' FP8 file holds every slot as FP8"
+        )
+    if conv.gain is not None:
+        return (
+            f"the dataset holds the {POST_NORM} final state and speculators reads the "
+            f"{PRE_NORM} one: converting it gives new values, which FP8 would quantize again"
+        )
+    return ""
 
 
 def _remove_stale_temps(dest: Path) -> None:
@@ -362,6 +449,7 @@ class _Run:
     done: dict[str, ExportRecord]
     indices: dict[str, int]
     conv: FinalConversion
+    dtype: str = BF16
     written: int = 0
     skipped: int = 0
     nbytes: int = 0
@@ -371,9 +459,12 @@ class _Run:
         if _is_complete(self.dest, self.done.get(sample_id), entry, rel):
             self.skipped += 1
             return
-        write = _write_specforge if self.fmt == SPECFORGE else _write_speculators
         source = self.out_dir / entry.path
-        size = _write_durably(self.dest / rel, functools.partial(write, source, entry, self.conv))
+        if self.fmt == SPECFORGE:
+            write = functools.partial(_write_specforge, source, entry, self.conv)
+        else:
+            write = functools.partial(_write_speculators, source, entry, self.conv, self.dtype)
+        size = _write_durably(self.dest / rel, write)
         log.append(
             [ExportRecord(self.indices[sample_id], sample_id, rel, size, entry.xxh3_64).to_line()]
         )
@@ -389,6 +480,7 @@ class DatasetFacts:
     hidden_size: int | None
     final_state: str  # the kind the samples hold (post-norm for version-1 datasets)
     provenance: dict[str, Any] | None
+    storage: Storage = BF16_STORAGE
 
 
 def dataset_facts(out_dir: Path, entries: Sequence[ManifestEntry]) -> DatasetFacts:
@@ -400,8 +492,10 @@ def dataset_facts(out_dir: Path, entries: Sequence[ManifestEntry]) -> DatasetFac
     kind = dataset_final_state(prov)
     aux = prov.get("aux_layers") if prov else None
     hidden = prov.get("hidden_size") if prov else None
-    if entries and (kind is None or aux is None or hidden is None):
+    storage = dataset_storage(prov) if prov is not None else None
+    if entries and (kind is None or aux is None or hidden is None or storage is None):
         header = dataset.read_header(out_dir / entries[0].path, num_tokens=entries[0].num_tokens)
+        storage = storage if storage is not None else header.storage
         aux = aux if aux is not None else list(header.aux_layers)
         hidden = hidden if hidden is not None else header.hidden_size
         if kind is None:
@@ -414,6 +508,7 @@ def dataset_facts(out_dir: Path, entries: Sequence[ManifestEntry]) -> DatasetFac
         hidden_size=hidden if isinstance(hidden, int) else None,
         final_state=kind or POST_NORM,
         provenance=prov,
+        storage=storage or BF16_STORAGE,
     )
 
 
@@ -453,6 +548,30 @@ def plan_conversion(
             f"{facts.hidden_size}: give the model the dataset was made from"
         )
     return FinalConversion(want, norm_gain(weight, target.norm_kind), target.norm_eps)
+
+
+def plan_dtype(fmt: str, asked: str, facts: DatasetFacts, conv: FinalConversion) -> tuple[str, str]:
+    """The dtype to write (and, when ``auto`` fell back to bfloat16 for an FP8 dataset,
+    why); refuses an FP8 request that cannot be met."""
+    if asked not in DTYPE_CHOICES:
+        raise DatasetError(f"--dtype is {asked!r}, expected one of {', '.join(DTYPE_CHOICES)}")
+    if asked == BF16 or (fmt == SPECFORGE and asked == AUTO):
+        return BF16, ""
+    if fmt == SPECFORGE:
+        raise DatasetError(
+            "--format specforge writes bfloat16 (SpecForge 0.2.0's loader reads no FP8); "
+            "drop --dtype or pass --dtype bfloat16"
+        )
+    layers = len(facts.aux_layers) + 1 if facts.aux_layers is not None else 0
+    problem = fp8_export_problem(facts.storage, layers, conv) if layers else ""
+    if not problem and layers:
+        return FP8, ""
+    if asked == FP8:
+        raise DatasetError(
+            f"--dtype {FP8}: {problem or 'the dataset is empty'}; export with --dtype auto "
+            "or bfloat16"
+        )
+    return BF16, problem if facts.storage.is_fp8 else ""
 
 
 def check_aux_count(fmt: str, facts: DatasetFacts) -> None:
@@ -521,9 +640,11 @@ def export_dataset(
     fmt: str,
     file_group_size: int = SPECFORGE_GROUP_SIZE,
     model: Path | None = None,
+    dtype: str = AUTO,
     progress: Progress | None = None,
 ) -> ExportResult:
-    """Export every sample of ``out_dir`` (all shards) into ``dest`` in format ``fmt``."""
+    """Export every sample of ``out_dir`` (all shards) into ``dest`` in format ``fmt``;
+    ``dtype`` (``auto``, ``bfloat16``, ``float8_e4m3fn``): see the module docstring."""
     from hsx_async.dataset.reader import select_entries  # noqa: PLC0415 - torch stays out of hsx --help
 
     _check_args(out_dir, dest, fmt, file_group_size)
@@ -533,16 +654,17 @@ def export_dataset(
     check_aux_count(fmt, facts)
     target = find_target(model, facts)
     conv = plan_conversion(fmt, facts, target, model is not None)
+    written_dtype, dtype_why = plan_dtype(fmt, dtype, facts, conv)
     ids_answer = draft_ids_for(target, facts)
     sample_ids = [canonical_id(e.id) for e in entries]
     dest.mkdir(parents=True, exist_ok=True)
     with _exclusive(dest):
-        _claim(dest, fmt, file_group_size, out_dir)
+        _claim(dest, fmt, file_group_size, out_dir, written_dtype)
         _remove_stale_temps(dest)
         done = read_export_log(dest)
         _check_stale(done, set(sample_ids), dest)
         indices = assign_indices(sample_ids, done)
-        run = _Run(out_dir, dest, fmt, file_group_size, done, indices, conv)
+        run = _Run(out_dir, dest, fmt, file_group_size, done, indices, conv, written_dtype)
         log = AppendLog(dest / EXPORT_LOG)
         try:
             for count, (entry, sample_id) in enumerate(
@@ -568,6 +690,8 @@ def export_dataset(
         time.monotonic() - started,
         ids_line=describe_ids(ids_answer, facts),
         converted=conv.gain is not None,
+        dtype=written_dtype,
+        dtype_why=dtype_why,
     )
 
 
@@ -668,7 +792,9 @@ def _move_into(saved: Path, dest: Path) -> None:
 _SPECULATORS_HINT = """\
 speculators: train with --data-path {dest} (the datasets directory, hidden_states/ and
 token_freq.pt, so --draft-vocab-size takes effect), --verifier-name-or-path the target model
-and --target-layer-ids {aux} (speculators and vLLM count layers as hsx does)"""
+and --target-layer-ids {aux} (speculators and vLLM count layers as hsx does){backend}"""
+_FP8_BACKEND = """,
+and --hidden-states-backend fp8 (the files are FP8 with per-token, per-layer scales)"""
 _SPECFORGE_HINT = """\
 specforge: train offline on {dest} (its hidden-states directory) and copy the eagle_config
 block of {snippet} into the drafter's config.json"""
@@ -685,6 +811,7 @@ def _run(args: argparse.Namespace) -> int:
         fmt=args.format,
         file_group_size=args.file_group_size,
         model=args.model,
+        dtype=args.dtype,
         progress=report,
     )
     print(
@@ -695,11 +822,15 @@ def _run(args: argparse.Namespace) -> int:
     if result.converted:
         want = WANTED_FINAL_STATE[result.fmt]
         print(f"final state converted to {want} with the final norm of --model")
+    print(f"hidden states written as {result.dtype}")
+    if result.dtype_why:
+        print(f"  (not FP8: {result.dtype_why})")
     print(f"{result.ids_line}\n  (written to {result.dest / DRAFT_CONFIG})")
     if result.fmt == SPECULATORS:
         snippet = orjson.loads((result.dest / DRAFT_CONFIG).read_bytes())
         aux = ",".join(map(str, snippet["hsx"]["speculators_target_layer_ids"]))
-        print(_SPECULATORS_HINT.format(dest=result.dest, aux=aux))
+        backend = _FP8_BACKEND if result.dtype == FP8 else ""
+        print(_SPECULATORS_HINT.format(dest=result.dest, aux=aux, backend=backend))
     else:
         print(_SPECFORGE_HINT.format(dest=result.dest, snippet=result.dest / DRAFT_CONFIG))
     return 0
@@ -735,5 +866,15 @@ def register_cli(subparsers: Any) -> None:
         help="the target model's local Hugging Face directory: its family gives the "
         "draft-config ids, its final norm converts the final state where the trainer "
         "reads the other kind (speculators: pre-norm)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default=AUTO,
+        help="hidden-state dtype of the files. auto: speculators gets the dataset's FP8 "
+        "bytes unchanged when every slot is FP8 and the final state needs no conversion "
+        "(train with --hidden-states-backend fp8), else bfloat16; SpecForge always gets "
+        "bfloat16. bfloat16: always (a trainer without the fp8 backend). float8_e4m3fn: "
+        "FP8 or refuse",
     )
     parser.set_defaults(handler=_run)

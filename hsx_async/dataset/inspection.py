@@ -20,7 +20,13 @@ import orjson
 
 from hsx_async.dataset.durable import write_atomic
 from hsx_async.dataset.events import input_lines
-from hsx_async.dataset.layout import DATA_DIR, FILE_SUFFIX, canonical_id, read_header
+from hsx_async.dataset.layout import (
+    DATA_DIR,
+    FILE_SUFFIX,
+    canonical_id,
+    expected_tensors,
+    read_header,
+)
 from hsx_async.dataset.manifest import (
     MANIFEST,
     QUARANTINE,
@@ -32,8 +38,9 @@ from hsx_async.dataset.manifest import (
     read_quarantine,
     shard_index_of,
 )
-from hsx_async.dataset.provenance import read_provenance, shard_lock
-from hsx_async.errors import DatasetError
+from hsx_async.dataset.provenance import dataset_storage, read_provenance, shard_lock
+from hsx_async.errors import DatasetError, DumpError
+from hsx_async.protocol import HIDDEN, SCALES, UNQUANTIZED, Storage, storage_from_metadata
 
 
 def human_bytes(n: float) -> str:
@@ -63,6 +70,7 @@ class Status:
     # Input lines per shard ("index/count"), once a run has read its whole shard: every
     # line ends in the manifest or the quarantine, so these give "remaining" exactly.
     input_lines: dict[str, int] = field(default_factory=dict)
+    storage: str = "bfloat16"  # provenance.json's dtype and quantized slots, described
 
     @property
     def remaining(self) -> int | None:
@@ -88,6 +96,7 @@ class Status:
             [
                 f"done:        {self.done:,} samples, {self.tokens:,} tokens, "
                 f"{human_bytes(self.bytes)}",
+                f"storage:     {self.storage}",
                 f"quarantined: {self.quarantined:,}",
                 f"remaining:   {self._remaining_text()}",
                 f"manifests:   {self.shards}",
@@ -115,6 +124,7 @@ def dataset_status(out_dir: Path) -> Status:
         input_samples=counted if isinstance(counted, int) else None,
         shards=len(log_files(out_dir, MANIFEST)),
         input_lines=input_lines(out_dir, prov.get("input_lines")),
+        storage=dataset_storage(prov).describe(),
     )
 
 
@@ -127,19 +137,59 @@ def _check_header(header: dict[str, Any], entry: ManifestEntry) -> list[str]:
     meta = header.get("__metadata__", {})
     if meta.get("id") != canonical_id(entry.id):
         problems.append(f"metadata id {meta.get('id')!r} != manifest id {entry.id!r}")
-    hs = header.get("hidden_states", {})
-    shape = hs.get("shape", [])
-    if hs.get("dtype") != "BF16" or len(shape) != 3 or shape[0] != t:
-        problems.append(f"hidden_states is {hs.get('dtype')} {shape}, expected BF16 [{t}, L, H]")
     ids = header.get("input_ids", {})
     if ids.get("dtype") != "I64" or ids.get("shape") != [t]:
         problems.append(f"input_ids is {ids.get('dtype')} {ids.get('shape')}, expected I64 [{t}]")
     mask = header.get("loss_mask")
     if mask is not None and (mask.get("dtype") != "U8" or mask.get("shape") != [t]):
         problems.append(f"loss_mask is {mask.get('dtype')} {mask.get('shape')}, expected U8 [{t}]")
-    aux = meta.get("aux_layers", "")
+    try:
+        storage = storage_from_metadata(meta, "metadata")
+    except DumpError as exc:
+        return [*problems, str(exc)]
+    return problems + (
+        _check_fp8_sections(header, storage, t) if storage.is_fp8 else _check_bf16(header, t)
+    )
+
+
+def _check_bf16(header: dict[str, Any], t: int) -> list[str]:
+    problems = []
+    hs = header.get("hidden_states", {})
+    shape = hs.get("shape", [])
+    if hs.get("dtype") != "BF16" or len(shape) != 3 or shape[0] != t:
+        problems.append(f"hidden_states is {hs.get('dtype')} {shape}, expected BF16 [{t}, L, H]")
+    aux = header.get("__metadata__", {}).get("aux_layers", "")
     if len(shape) == 3 and aux and shape[1] != len(aux.split(",")) + 1:
         problems.append(f"hidden_states has {shape[1]} layers but aux_layers is {aux!r}")
+    problems.extend(
+        f"{name} is in a file whose metadata names no FP8 storage"
+        for name in (SCALES, UNQUANTIZED)
+        if name in header
+    )
+    return problems
+
+
+def _check_fp8_sections(header: dict[str, Any], storage: Storage, t: int) -> list[str]:
+    """Each FP8 section as the file's metadata says (PROTOCOL §4)."""
+    meta = header.get("__metadata__", {})
+    aux = meta.get("aux_layers", "")
+    layers = len(aux.split(",")) + 1 if aux else 1
+    if storage.quantized[-1] >= layers:
+        return [f"quantized slot {storage.quantized[-1]} is past the {layers} layer slots"]
+    shape = header.get(HIDDEN, {}).get("shape") or [t, 0, 0]
+    want = expected_tensors(storage, t, layers, shape[-1])
+    problems = []
+    for name in (HIDDEN, SCALES, UNQUANTIZED):
+        got, need = header.get(name), want.get(name)
+        if got is None and need is not None:
+            problems.append(f"{name} is missing; {storage.describe()} stores it")
+        elif got is not None and need is None:
+            problems.append(f"{name} is present, but {storage.describe()} keeps no slot")
+        elif got is not None and need is not None and (got.get("dtype"), got.get("shape")) != need:
+            problems.append(
+                f"{name} is {got.get('dtype')} {got.get('shape')}, expected {need[0]} "
+                f"{need[1]} ({storage.describe()}, aux_layers {aux!r})"
+            )
     return problems
 
 
@@ -171,6 +221,16 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not (self.problems or self.duplicates)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "checked": self.checked,
+            "bytes": self.bytes,
+            "problems": [p for plist in self.problems.values() for p in plist],
+            "duplicates": self.duplicates,
+            "strays": self.strays,
+        }
 
     def format(self) -> str:
         lines = [f"checked {self.checked} files, {human_bytes(self.bytes)}"]
@@ -277,18 +337,28 @@ def status_command(args: argparse.Namespace) -> int:
 def verify_command(args: argparse.Namespace) -> int:
     out = Path(args.out)
     report = verify_dataset(out, threads=args.threads)
-    print(report.format())
+    as_json: dict[str, Any] = {"verify": report.to_dict()}
+    if not args.json:
+        print(report.format())
     ok = report.ok
     if args.repair and report.problems:
         dropped = repair(out, report.problems)
-        print(f"repaired: dropped {dropped} manifest entries; `hsx run` will extract them again")
+        as_json["repaired"] = dropped
+        if not args.json:
+            print(
+                f"repaired: dropped {dropped} manifest entries; `hsx run` will extract them again"
+            )
     if args.deep:
         from hsx_async.dataset.audit import audit_dataset  # noqa: PLC0415 - imports torch
 
         plot = Path(args.plot) if args.plot else None
         audit = audit_dataset(out, sample_fraction=args.fraction, plot_path=plot)
-        print(audit.format())
+        as_json["deep"] = audit.to_dict()
+        if not args.json:
+            print(audit.format())
         ok = ok and not audit.problems
+    if args.json:
+        print(orjson.dumps(as_json, option=orjson.OPT_INDENT_2).decode())
     return 0 if ok else 1
 
 
@@ -311,4 +381,10 @@ def register_cli(sub: Any) -> None:
         help="drop failing entries and their files so `hsx run` redoes them",
     )
     v.add_argument("--threads", type=int, default=2, help="hashing threads")
+    v.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (the checks, and with --deep the audit: storage, "
+        "per-layer statistics and FP8 error, problems, warnings) instead of text",
+    )
     v.set_defaults(handler=verify_command)

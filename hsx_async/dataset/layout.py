@@ -169,6 +169,18 @@ def build_layout(
     )
 
 
+def expected_tensors(
+    storage: Storage, t: int, layers: int, hidden: int
+) -> dict[str, tuple[str, list[int]]]:
+    """Name → (safetensors dtype, shape) of every tensor a file of ``storage`` holds
+    (``loss_mask`` included: it is the one optional tensor)."""
+    want = {"input_ids": ("I64", [t])}
+    for section in storage.sections(layers, hidden):
+        want[section.name] = (section.dtype, [t, *section.row_shape])
+    want["loss_mask"] = ("U8", [t])
+    return want
+
+
 # The safetensors library's own bound (MAX_HEADER_SIZE): a longer header no trainer loads.
 HEADER_MAX = 100_000_000
 

@@ -35,6 +35,7 @@ from hsx_async.dataset.manifest import (
 from hsx_async.dataset.provenance import (
     PROVENANCE,
     check_shard_layout,
+    dataset_storage,
     directory_lock,
     read_provenance,
     shard_lock,
@@ -51,12 +52,13 @@ class MergeResult:
     bytes: int = 0
 
 
-def _check_provenance(sources: list[Path]) -> dict[str, Any] | None:
+def _check_provenance(sources: list[Path], dest: Path) -> dict[str, Any] | None:
     records = [(src, read_provenance(src)) for src in sources]
     known = [(src, r) for src, r in records if r is not None]
     if not known:
         return None
     first_src, first = known[0]
+    _check_storage(known, dest)
     for src, rec in known[1:]:
         for key in ("input", "hidden_size", "aux_layers"):
             a, b = first.get(key), rec.get(key)
@@ -67,6 +69,23 @@ def _check_provenance(sources: list[Path]) -> dict[str, Any] | None:
                     f"{src} and {first_src} differ in {key}: they are not shards of one job"
                 )
     return first
+
+
+def _check_storage(known: list[tuple[Path, dict[str, Any]]], dest: Path) -> None:
+    """One storage per dataset (PROTOCOL §4): shards stored otherwise cannot be merged,
+    nor merged into a destination that already holds another."""
+    first_src, first = known[0]
+    want = dataset_storage(first)
+    theirs = list(known[1:])
+    if (dest / PROVENANCE).exists():
+        theirs.append((dest, read_provenance(dest) or {}))
+    for src, rec in theirs:
+        have = dataset_storage(rec)
+        if have != want:
+            raise DatasetError(
+                f"{src} stores hidden states as {have.describe()} but {first_src} as "
+                f"{want.describe()}: one dataset holds one storage; merge them apart"
+            )
 
 
 def _place(src: Path, dest: Path) -> None:
@@ -87,7 +106,7 @@ def _place(src: Path, dest: Path) -> None:
 
 
 def merge(sources: list[Path], dest: Path) -> MergeResult:
-    prov = _check_provenance(sources)
+    prov = _check_provenance(sources, dest)
     dest.mkdir(parents=True, exist_ok=True)
     result = MergeResult()
     with directory_lock(dest), shard_lock(dest, 0):

@@ -17,6 +17,21 @@ The only copy on the way to the trainer is :class:`PadCollator` writing each sam
 padded batch. With ``DataLoader(num_workers > 0)`` the batch then travels to the main
 process through shared memory, as torch does for every dataset.
 
+FP8 datasets (PROTOCOL §4, version 3: ``[output].dtype = "float8_e4m3fn"``) store the
+quantized layer slots as ``hidden_states`` e4m3fn ``[T, Lq, H]`` with ``hidden_states_scales``
+float32 ``[T, Lq, 1]`` (one scale per token and slot) and the slots kept in bfloat16 as
+``hidden_states_unquantized`` ``[T, L - Lq, H]``. Which slots are which is in each file's
+``__metadata__`` (``dtype``, ``quantized``) and in ``provenance.json``. By default
+(``storage="bf16"``) such a sample yields exactly what a bfloat16 sample yields: each item is
+dequantized on its own, when it is read (:func:`hsx_async.quantize.assemble`; a bfloat16
+``[T, L, H]`` per sample, then the same two views), so only the sample in hand is ever
+widened. With ``storage="raw"`` the hidden fields are replaced by the file's sections as
+stored (zero-copy views, for trainers that take FP8 themselves): ``hidden_states`` e4m3fn
+``[T, Lq, H]``, ``hidden_states_scales`` ``[T, Lq, 1]`` and, when some slots are kept,
+``hidden_states_unquantized`` bf16 ``[T, Lk, H]``; ``HiddenStateDataset.storage`` (and each
+:class:`SampleHeader`) says which slots (``storage.quantized``, ``storage.kept(L)``). Raw on a
+bfloat16 dataset yields its one section, ``hidden_states`` bf16 ``[T, L, H]``.
+
 Also here: :class:`LengthGroupedBatchSampler` (batches of similar lengths, less padding),
 a ``max_tokens`` filter and a train/validation split by a hash of the sample id, so a
 sample's side never depends on the manifest order, on sharding, or on samples added later.
@@ -37,25 +52,35 @@ import xxhash
 from safetensors import SafetensorError, safe_open
 from torch.utils.data import Dataset, Sampler
 
-from hsx_async.dataset.layout import SampleId, canonical_id
+from hsx_async.dataset.layout import SampleId, canonical_id, expected_tensors
 from hsx_async.dataset.manifest import ManifestEntry, read_manifest
-from hsx_async.errors import DatasetError
+from hsx_async.dataset.provenance import dataset_storage, read_provenance
+from hsx_async.errors import DatasetError, DumpError
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    HIDDEN,
+    SCALES,
+    UNQUANTIZED,
+    Storage,
+    storage_from_metadata,
+)
+from hsx_async.quantize import FP8_DTYPE, assemble
 
 Sample = dict[str, torch.Tensor]
 Split = Literal["all", "train", "val"]
+HiddenMode = Literal["bf16", "raw"]
+HIDDEN_MODES: tuple[str, ...] = ("bf16", "raw")
 
 INPUT_IDS = "input_ids"
 LOSS_MASK = "loss_mask"
-HIDDEN_STATES = "hidden_states"
+HIDDEN_STATES = HIDDEN  # bf16 [T, L, H], or the FP8 values [T, Lq, H] of an FP8 file
+HIDDEN_STATES_SCALES = SCALES  # FP8 files: float32 [T, Lq, 1]
+HIDDEN_STATES_UNQUANTIZED = UNQUANTIZED  # FP8 files keeping some slots: bf16 [T, Lk, H]
 AUX_HIDDEN_STATES = "aux_hidden_states"
 FIELDS: tuple[str, ...] = (INPUT_IDS, LOSS_MASK, HIDDEN_STATES, AUX_HIDDEN_STATES)
-
-# What the writer stores (PROTOCOL §4): tensor name -> (safetensors dtype, rank).
-_STORED: dict[str, tuple[str, int]] = {
-    INPUT_IDS: ("I64", 1),
-    HIDDEN_STATES: ("BF16", 3),
-    LOSS_MASK: ("U8", 1),
-}
+SECTIONS: tuple[str, ...] = (HIDDEN_STATES, HIDDEN_STATES_SCALES, HIDDEN_STATES_UNQUANTIZED)
+# Every tensor name PROTOCOL §4 allows in a sample file, in file order.
+STORED: tuple[str, ...] = (INPUT_IDS, *SECTIONS, LOSS_MASK)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +95,7 @@ class SampleHeader:
     aux_layers: tuple[int, ...]
     has_loss_mask: bool
     metadata: dict[str, str]
+    storage: Storage = BF16_STORAGE
 
 
 def _parse_aux_layers(text: str | None, path: Path) -> tuple[int, ...]:
@@ -83,77 +109,146 @@ def _parse_aux_layers(text: str | None, path: Path) -> tuple[int, ...]:
         ) from None
 
 
-def _check_stored(handle: Any, path: Path) -> dict[str, list[int]]:
-    """Shapes of the stored tensors, after checking names and dtypes against PROTOCOL §4."""
+def file_storage(meta: dict[str, str], path: Path, layers: int) -> Storage:
+    """A file's storage from its ``__metadata__`` (none named: bfloat16), its slots checked
+    against the file's ``layers``."""
+    try:
+        storage = storage_from_metadata(meta, f"{path}: metadata")
+        storage.check_slots(layers)
+    except DumpError as exc:
+        raise DatasetError(str(exc)) from None
+    except ValueError as exc:
+        raise DatasetError(
+            f"{path}: metadata {exc} (aux_layers {meta.get('aux_layers')!r})"
+        ) from None
+    return storage
+
+
+def _check_names(
+    names: set[str], want: dict[str, tuple[str, list[int]]], storage: Storage, path: Path
+) -> None:
+    missing = set(want) - {LOSS_MASK} - names
+    extra = names - set(want)
+    if not (missing or extra):
+        return
+    raise DatasetError(
+        f"{path}: metadata says {storage.describe()}, which stores "
+        f"{', '.join(n for n in want if n != LOSS_MASK)} (and optionally loss_mask), but the "
+        f"file holds {', '.join(sorted(names))}: "
+        + "; ".join(
+            [
+                *(f"{n} is missing" for n in sorted(missing)),
+                *(f"{n} is unexpected" for n in sorted(extra)),
+            ]
+        )
+        + ". The file was not written by hsx, or was edited; run hsx verify"
+    )
+
+
+def _check_stored(handle: Any, path: Path) -> tuple[dict[str, list[int]], Storage, tuple[int, ...]]:
+    """Shapes of the stored tensors, the file's storage and aux layers, after checking names,
+    dtypes and shapes against PROTOCOL §4 and the file's own metadata."""
     names = set(handle.keys())
-    missing = {INPUT_IDS, HIDDEN_STATES} - names
-    extra = names - set(_STORED)
-    if missing or extra:
+    if not {INPUT_IDS, HIDDEN_STATES} <= names or not names <= set(STORED):
         raise DatasetError(
             f"{path}: tensors {sorted(names)}; expected input_ids, hidden_states and "
             "optionally loss_mask. Not an hsx sample file, or written by another version"
         )
-    shapes = {}
-    for name in names:
-        view = handle.get_slice(name)
-        dtype, rank = _STORED[name]
-        shape = list(view.get_shape())
-        if view.get_dtype() != dtype or len(shape) != rank:
-            raise DatasetError(
-                f"{path}: tensor {name} is {view.get_dtype()} {shape}, expected {dtype} of rank "
-                f"{rank}"
-            )
-        shapes[name] = shape
-    return shapes
-
-
-def _header(handle: Any, path: Path, num_tokens: int | None) -> SampleHeader:
-    shapes = _check_stored(handle, path)
-    t, layers, hidden = shapes[HIDDEN_STATES]
     meta = dict(handle.metadata() or {})
     aux = _parse_aux_layers(meta.get("aux_layers"), path)
+    layers = len(aux) + 1
+    storage = file_storage(meta, path, layers)
+    views = {name: handle.get_slice(name) for name in names}
+    first = list(views[HIDDEN_STATES].get_shape())
+    t = first[0] if first else 0
+    hidden = first[-1] if len(first) == 3 else 0
+    want = expected_tensors(storage, t, layers, hidden)
+    _check_names(names, want, storage, path)
+    shapes = {}
+    for name in (n for n in STORED if n in names):  # file order: the first wrong one is named
+        dtype, shape = views[name].get_dtype(), list(views[name].get_shape())
+        want_dtype, want_shape = want[name]
+        if dtype != want_dtype or len(shape) != len(want_shape):
+            raise DatasetError(
+                f"{path}: tensor {name} is {dtype} {shape}, expected {want_dtype} of rank "
+                f"{len(want_shape)} ({_what(storage, aux)})"
+            )
+        shapes[name] = shape
+    _check_shapes(shapes, want, storage, aux, path)
+    return shapes, storage, aux
+
+
+def _what(storage: Storage, aux: Sequence[int]) -> str:
+    return f"the file's metadata: {storage.describe()}, aux_layers {list(aux)}"
+
+
+def _check_shapes(
+    shapes: dict[str, list[int]],
+    want: dict[str, tuple[str, list[int]]],
+    storage: Storage,
+    aux: tuple[int, ...],
+    path: Path,
+) -> None:
+    t = shapes[HIDDEN_STATES][0]
     for name in (INPUT_IDS, LOSS_MASK):
         if name in shapes and shapes[name] != [t]:
             raise DatasetError(
                 f"{path}: {name} has shape {shapes[name]}, hidden_states has {t} rows"
             )
-    if layers != len(aux) + 1:
+    layers = len(aux) + 1
+    if not storage.is_fp8 and shapes[HIDDEN_STATES][1] != layers:
         raise DatasetError(
-            f"{path}: hidden_states has {layers} layers but aux_layers {list(aux)} means "
-            f"{len(aux) + 1}"
+            f"{path}: hidden_states has {shapes[HIDDEN_STATES][1]} layers but aux_layers "
+            f"{list(aux)} means {layers}"
         )
+    for name in SECTIONS:
+        if name in shapes and shapes[name] != want[name][1]:
+            raise DatasetError(
+                f"{path}: {name} has shape {shapes[name]}, expected {want[name][1]} "
+                f"({_what(storage, aux)})"
+            )
+
+
+def _header(handle: Any, path: Path, num_tokens: int | None) -> SampleHeader:
+    shapes, storage, aux = _check_stored(handle, path)
+    t, _, hidden = shapes[HIDDEN_STATES]
+    meta = dict(handle.metadata() or {})
     if num_tokens is not None and t != num_tokens:
         raise DatasetError(f"{path}: {t} tokens, the manifest says {num_tokens}; run hsx verify")
     return SampleHeader(
         path=path,
         sample_id=meta.get("id", ""),
         num_tokens=t,
-        num_layers=layers,
+        num_layers=len(aux) + 1,
         hidden_size=hidden,
         aux_layers=aux,
         has_loss_mask=LOSS_MASK in shapes,
         metadata=meta,
+        storage=storage,
     )
 
 
 def read_tensors(
     path: Path, names: Sequence[str] = (), *, num_tokens: int | None = None
 ) -> tuple[SampleHeader, dict[str, torch.Tensor]]:
-    """The header and the named *stored* tensors (``input_ids``, ``hidden_states`` [T, L, H],
-    ``loss_mask`` when present), zero-copy views of a private mapping of the file.
+    """The header and the named *stored* tensors, zero-copy views of a private mapping of
+    the file: ``input_ids``, ``loss_mask`` and the storage's sections (bfloat16:
+    ``hidden_states`` [T, L, H]; FP8: ``hidden_states`` e4m3fn [T, Lq, H],
+    ``hidden_states_scales`` and ``hidden_states_unquantized``). A named tensor the file
+    does not hold (no loss_mask, a section of another storage) is left out: see
+    :func:`hidden_bf16` for ``[T, L, H]`` whatever the storage.
 
     ``num_tokens``, when given (from the manifest), must match the file.
     """
-    unknown = set(names) - set(_STORED)
+    unknown = set(names) - set(STORED)
     if unknown:
-        raise ValueError(f"unknown stored tensor(s) {sorted(unknown)}; known: {sorted(_STORED)}")
+        raise ValueError(f"unknown stored tensor(s) {sorted(unknown)}; known: {list(STORED)}")
     _check_regular(path)
     try:
         with safe_open(str(path), framework="pt") as handle:
             header = _header(handle, path, num_tokens)
-            tensors = {
-                n: handle.get_tensor(n) for n in names if n != LOSS_MASK or header.has_loss_mask
-            }
+            present = set(handle.keys())
+            tensors = {n: handle.get_tensor(n) for n in names if n in present}
     except FileNotFoundError:
         raise DatasetError(f"{path}: listed in the manifest but missing; run hsx verify") from None
     except (SafetensorError, OSError) as exc:
@@ -161,6 +256,30 @@ def read_tensors(
             f"{path}: not a readable safetensors file ({exc}); run hsx verify"
         ) from None
     return header, tensors
+
+
+def read_hidden(
+    path: Path, names: Sequence[str] = (), *, num_tokens: int | None = None
+) -> tuple[SampleHeader, dict[str, torch.Tensor]]:
+    """:func:`read_tensors` of ``names`` plus every hidden section of the file."""
+    wanted = list(dict.fromkeys([*names, *SECTIONS]))
+    return read_tensors(path, wanted, num_tokens=num_tokens)
+
+
+def hidden_bf16(header: SampleHeader, stored: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sample's hidden states as bfloat16 ``[T, L, H]`` from what :func:`read_hidden`
+    returned: the stored tensor itself (a view of the mapping) for a bfloat16 file; for an
+    FP8 file, a new tensor with the quantized slots dequantized (float32 product, rounded
+    once) and the kept slots as stored."""
+    if not header.storage.is_fp8:
+        return stored[HIDDEN_STATES]
+    return assemble(
+        stored[HIDDEN_STATES],
+        stored[HIDDEN_STATES_SCALES],
+        stored.get(HIDDEN_STATES_UNQUANTIZED),
+        header.storage,
+        torch.bfloat16,
+    )
 
 
 def _check_regular(path: Path) -> None:
@@ -189,16 +308,37 @@ def split_layers(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def read_sample(
-    path: Path, fields: Sequence[str] = FIELDS, *, num_tokens: int | None = None
+    path: Path,
+    fields: Sequence[str] = FIELDS,
+    *,
+    num_tokens: int | None = None,
+    storage: HiddenMode = "bf16",
+    expect: Storage | None = None,
 ) -> Sample:
-    """One sample as an EAGLE-3 trainer consumes it; see the module docstring."""
+    """One sample as an EAGLE-3 trainer consumes it; see the module docstring.
+
+    ``storage="bf16"`` (default): ``hidden_states`` / ``aux_hidden_states`` in bfloat16,
+    whatever the file stores (FP8 files are dequantized here, for this sample only).
+    ``storage="raw"``: if either hidden field is asked for, the file's hidden sections as
+    stored (``hidden_states``, and for FP8 ``hidden_states_scales`` and, when slots are
+    kept, ``hidden_states_unquantized``) instead of the two views. ``expect``: the
+    dataset's storage; a file of another one is refused.
+    """
     unknown = set(fields) - set(FIELDS)
     if unknown:
         raise ValueError(f"unknown field(s) {sorted(unknown)}; known: {list(FIELDS)}")
+    _check_mode(storage)
     wanted = [n for n in (INPUT_IDS, LOSS_MASK) if n in fields]
-    if HIDDEN_STATES in fields or AUX_HIDDEN_STATES in fields:
-        wanted.append(HIDDEN_STATES)
+    hidden = HIDDEN_STATES in fields or AUX_HIDDEN_STATES in fields
+    if hidden:
+        wanted.extend(SECTIONS)
     header, stored = read_tensors(path, wanted, num_tokens=num_tokens)
+    if expect is not None and header.storage != expect:
+        raise DatasetError(
+            f"{path}: stores hidden states as {header.storage.describe()}, but the dataset "
+            f"is {expect.describe()} (provenance.json): a file from another run; run hsx "
+            "verify, and extract it again"
+        )
     sample: Sample = {}
     if INPUT_IDS in fields:
         sample[INPUT_IDS] = stored[INPUT_IDS]
@@ -207,13 +347,20 @@ def read_sample(
         sample[LOSS_MASK] = (
             torch.ones(header.num_tokens, dtype=torch.uint8) if mask is None else mask
         )
-    if HIDDEN_STATES in stored:
-        final, aux = split_layers(stored[HIDDEN_STATES])
+    if hidden and storage == "raw":
+        sample.update({n: stored[n] for n in SECTIONS if n in stored})
+    elif hidden:
+        final, aux = split_layers(hidden_bf16(header, stored))
         if HIDDEN_STATES in fields:
             sample[HIDDEN_STATES] = final
         if AUX_HIDDEN_STATES in fields:
             sample[AUX_HIDDEN_STATES] = aux
     return sample
+
+
+def _check_mode(storage: str) -> None:
+    if storage not in HIDDEN_MODES:
+        raise ValueError(f"storage is {storage!r}, expected one of {', '.join(HIDDEN_MODES)}")
 
 
 def split_of(sample_id: SampleId, *, val_fraction: float, seed: int = 0) -> Literal["train", "val"]:
@@ -259,8 +406,14 @@ def select_entries(
 class HiddenStateDataset(Dataset[Sample]):
     """Samples of an output directory (sharded or not), as :func:`read_sample` yields them.
 
-    Only the manifest is read up front; each item opens its file on demand. The object holds
-    no open file, so it pickles cheaply into DataLoader workers.
+    Only the manifest (and ``provenance.json``) is read up front; each item opens its file
+    on demand. The object holds no open file, so it pickles cheaply into DataLoader workers.
+
+    ``storage``: ``"bf16"`` (default) yields bfloat16 hidden states whatever the dataset
+    stores (an FP8 dataset is dequantized per item, in ``__getitem__``); ``"raw"`` yields the
+    stored sections (e4m3fn values, float32 scales, kept bf16 slots) for trainers that take
+    FP8; :attr:`storage` (a :class:`~hsx_async.protocol.Storage`) names the quantized and
+    kept slots. Every file must hold the dataset's storage (``provenance.json``).
     """
 
     def __init__(
@@ -272,12 +425,15 @@ class HiddenStateDataset(Dataset[Sample]):
         split: Split = "all",
         val_fraction: float = 0.0,
         seed: int = 0,
+        storage: HiddenMode = "bf16",
     ) -> None:
         self.out_dir = Path(out_dir)
         unknown = set(fields) - set(FIELDS)
         if unknown:
             raise ValueError(f"unknown field(s) {sorted(unknown)}; known: {list(FIELDS)}")
+        _check_mode(storage)
         self.fields = tuple(fields)
+        self.mode: HiddenMode = storage
         entries = read_manifest(self.out_dir)
         if not entries and not self.out_dir.is_dir():
             raise DatasetError(f"{self.out_dir} is not a directory; expected an hsx output dir")
@@ -286,13 +442,30 @@ class HiddenStateDataset(Dataset[Sample]):
                 entries, max_tokens=max_tokens, split=split, val_fraction=val_fraction, seed=seed
             )
         )
+        self._expect = _recorded_storage(self.out_dir)
+
+    @property
+    def storage(self) -> Storage:
+        """How the dataset stores hidden states: ``provenance.json``'s record, or (a dataset
+        without one) the first sample file's; bfloat16 for an empty one."""
+        if self._expect is not None:
+            return self._expect
+        if not self.entries:
+            return BF16_STORAGE
+        return read_header(self.path(0), num_tokens=self.entries[0].num_tokens).storage
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def __getitem__(self, index: int) -> Sample:
         entry = self.entries[index]
-        return read_sample(self.path(index), self.fields, num_tokens=entry.num_tokens)
+        return read_sample(
+            self.path(index),
+            self.fields,
+            num_tokens=entry.num_tokens,
+            storage=self.mode,
+            expect=self._expect,
+        )
 
     def path(self, index: int) -> Path:
         return self.out_dir / self.entries[index].path
@@ -305,6 +478,11 @@ class HiddenStateDataset(Dataset[Sample]):
     @property
     def ids(self) -> list[SampleId]:
         return [e.id for e in self.entries]
+
+
+def _recorded_storage(out_dir: Path) -> Storage | None:
+    prov = read_provenance(out_dir)
+    return None if prov is None else dataset_storage(prov)
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,9 +522,12 @@ class PadCollator:
 
 
 def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy view (no copy); bfloat16, which numpy lacks, as its int16 bit patterns."""
+    """A numpy view (no copy); bfloat16 and float8, which numpy lacks, as their bit
+    patterns (int16, uint8)."""
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
+    elif tensor.dtype == FP8_DTYPE:
+        tensor = tensor.view(torch.uint8)
     return tensor.numpy()
 
 
@@ -468,16 +649,26 @@ def padded_fraction(lengths: Sequence[int], batches: Sequence[Sequence[int]]) ->
 __all__ = [
     "AUX_HIDDEN_STATES",
     "FIELDS",
+    "HIDDEN_MODES",
     "HIDDEN_STATES",
+    "HIDDEN_STATES_SCALES",
+    "HIDDEN_STATES_UNQUANTIZED",
     "INPUT_IDS",
     "LOSS_MASK",
+    "SECTIONS",
+    "STORED",
+    "HiddenMode",
     "HiddenStateDataset",
     "LengthGroupedBatchSampler",
     "PadCollator",
     "Sample",
     "SampleHeader",
+    "expected_tensors",
+    "file_storage",
+    "hidden_bf16",
     "padded_fraction",
     "read_header",
+    "read_hidden",
     "read_sample",
     "read_tensors",
     "select_entries",

@@ -7,6 +7,12 @@ SpecForge and for speculators and loaded by ``trainer_driver.py`` in the consume
 through SpecForge's offline reader, normalizer, collator and ``TargetHead``, and through
 speculators' ``ArrowDataset``, ``CollateFn`` and ``Eagle3DraftModel`` teacher.
 
+The FP8 half: the same run with ``[output].dtype = "float8_e4m3fn"`` (the reference server
+dumps bf16, hsx's writer quantizes) exported for SpecForge (bf16: its loader has no FP8),
+and a pre-norm FP8 dataset (what a vLLM-served run stores: the model's own states, the
+final one taken at the final norm's input) exported for speculators in its FP8 layout and
+read back by ``ArrowDataset`` with hs-connectors' ``FP8Transfer``.
+
 The consumers venv comes from ``bash .ci/consumers-env`` (``.venv-consumers`` at the
 repository root, or ``$HSX_CONSUMERS_PYTHON``); without it these tests skip, except under
 ``CI`` where they fail.
@@ -25,11 +31,14 @@ import orjson
 import pytest
 
 from hsx_async.cli import main
-from hsx_async.dataset.export import DRAFT_CONFIG
+from hsx_async.dataset.export import DRAFT_CONFIG, EXPORT_INFO
+from hsx_async.dataset.manifest import read_manifest
 from hsx_async.dataset.provenance import read_provenance
+from hsx_async.protocol import FP8
 from hsx_async.run.daemon import Daemon
 from hsx_async.server.reference.model import save_default_model
 from hsx_async.server.reference.server import ReferenceOptions, running_reference_server
+from tests.dataset_factory import fp8_storage, write_sample, write_storage_provenance
 from tests.e2e import make_config
 
 pytestmark = [pytest.mark.consumers, pytest.mark.timeout(300)]
@@ -45,6 +54,19 @@ CHUNK = 32  # reference server rows per request per pass: longer prompts are chu
 MAX_REL = 0.02
 MIN_TOP1 = 0.97
 TRAP_MIN_REL = 0.1
+# FP8 (e4m3fn, 3 mantissa bits, a scale per token and layer): each stored vector within a
+# relative RMS error of FP8_ROW_MEAN on average and FP8_ROW_MAX at worst of the model's own
+# (measured: 2.7 % and 3.2 %; bf16 alone: 0.2 %), teachers within FP8_MAX_REL of the
+# model's logits (measured 2.7 %; bf16: 0.24 %) and agreeing on the top token for at least
+# FP8_MIN_TOP1 of the tokens (measured 94 %: the random tiny model's near-ties flip).
+FP8_ROW_MEAN = 0.035
+FP8_ROW_MAX = 0.05
+FP8_MAX_REL = 0.04
+FP8_MIN_TOP1 = 0.9
+# hs-connectors dequantizes as fp8.to(bf16) * scale.to(bf16): the scale rounded to bf16
+# (2⁻⁹ of it), then the product; hsx rounds float32(q) × scale once. Two roundings of values
+# within 2⁻⁹ of each other: at most one bf16 ulp apart, 2⁻⁷ of the value (measured 0.775 %).
+BF16_FORMULA_RTOL = 2.0**-7
 
 
 def consumers_python() -> Path:
@@ -113,7 +135,9 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
-def _run_hsx(tmp: Path, model_dir: Path, shm: Path) -> dict[str, Any]:
+def _run_hsx(
+    tmp: Path, model_dir: Path, shm: Path, output: dict[str, Any] | None = None
+) -> dict[str, Any]:
     import asyncio
 
     async def go() -> dict[str, Any]:
@@ -123,7 +147,8 @@ def _run_hsx(tmp: Path, model_dir: Path, shm: Path) -> dict[str, Any]:
             config = make_config(tmp, tmp / "in.jsonl", [srv.url], shm,
                                  hidden_size=srv.hidden_size, aux_layers=srv.aux_layers,
                                  workers={"concurrency": 4}, server={"request_timeout": 60.0},
-                                 dump={"timeout": 30.0})  # fmt: skip
+                                 dump={"timeout": 30.0},
+                                 **({"output": output} if output else {}))  # fmt: skip
             summary = await Daemon(config).run()
             batched = srv.stats.batched_passes
         return {
@@ -134,6 +159,73 @@ def _run_hsx(tmp: Path, model_dir: Path, shm: Path) -> dict[str, Any]:
         }
 
     return asyncio.run(go())
+
+
+def write_pre_norm_fp8(out: Path, model_dir: Path, rows: list[dict[str, Any]],
+                       aux: list[int]) -> None:  # fmt: skip
+    """A pre-norm FP8 dataset of the model's own states (bf16, then hsx's quantizer), as a
+    run against an engine that captures the final norm's input stores it."""
+    import torch
+
+    from hsx_async.server.reference.model import load_model
+
+    model = load_model(str(model_dir))
+    captured: list[torch.Tensor] = []
+    norm = model.base_model.norm
+    hook = norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0][0].clone()))
+    storage = fp8_storage(len(aux) + 1)
+    out.mkdir(parents=True)
+    hidden_size = int(model.config.hidden_size)
+    write_storage_provenance(out, storage, hidden_size=hidden_size, aux_layers=aux,
+                             final_state="pre_norm")  # fmt: skip
+    try:
+        for row in rows:
+            ids = torch.tensor(row["input_ids"], dtype=torch.int64)
+            with torch.inference_mode():
+                states = model.base_model(input_ids=ids[None], use_cache=False,
+                                          output_hidden_states=True)  # fmt: skip
+            layers = [states.hidden_states[k][0] for k in aux] + [captured[-1]]
+            mask = row.get("loss_mask")
+            write_sample(
+                out, row["id"], input_ids=ids, aux_layers=aux, storage=storage,
+                hidden=torch.stack(layers, dim=1).to(torch.bfloat16), final_state="pre_norm",
+                loss_mask=None if mask is None else torch.tensor(mask, dtype=torch.uint8),
+            )  # fmt: skip
+    finally:
+        hook.remove()
+
+
+@pytest.fixture(scope="module")
+def fp8_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    python = consumers_python()
+    tmp = tmp_path_factory.mktemp("consumers-fp8")
+    model_dir = save_default_model(tmp / "model", seed=0)
+    add_index(model_dir)
+    rows = write_inputs(tmp / "in.jsonl")
+    shm = Path("/dev/shm") / f"hsx-consumers-fp8-{os.getpid()}"
+    shm.mkdir()
+    try:
+        run = _run_hsx(tmp, model_dir, shm, {"dir": str(tmp / "out"), "dtype": FP8})
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
+    out_dir, pre = run["out_dir"], tmp / "pre-norm"
+    write_pre_norm_fp8(pre, model_dir, rows, run["aux_layers"])
+    argv = ["export", str(out_dir), "--format", "specforge", "--to", str(tmp / "specforge")]
+    assert main([*argv, "--model", str(model_dir)]) == 0
+    assert (
+        main(["export", str(pre), "--format", "speculators", "--to", str(tmp / "speculators")]) == 0
+    )
+    aux = ",".join(map(str, run["aux_layers"]))
+    proc = subprocess.run(
+        [str(python), str(DRIVER), "--model", str(model_dir), "--aux-layers", aux,
+         "--fp8-specforge", str(tmp / "specforge"), "--fp8-speculators",
+         str(tmp / "speculators"), "--fp8-source", str(pre)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"tmp": tmp, "rows": rows, **run, "report": json.loads(proc.stdout)}
 
 
 def _expected_mask(row: dict[str, Any]) -> list[int]:
@@ -208,6 +300,66 @@ def test_draft_config_names_sglangs_ids_for_llama(exports: dict[str, Any]) -> No
         # hsx layers (1, 3, 5) of a Llama: SGLang captures ids + 1, so the config says 0, 2, 4.
         assert snippet["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
         assert snippet["hsx"]["aux_layers"] == exports["aux_layers"]
+
+
+def test_an_fp8_run_writes_about_half_the_bytes(
+    exports: dict[str, Any], fp8_exports: dict[str, Any]
+) -> None:
+    assert fp8_exports["done"] == len(LENGTHS)
+    prov = read_provenance(fp8_exports["out_dir"])
+    assert prov is not None and (prov["dtype"], prov["quantized"]) == (FP8, [0, 1, 2, 3])
+    bf16 = {str(e.id): e.size for e in read_manifest(exports["out_dir"])}
+    fp8 = {str(e.id): e.size for e in read_manifest(fp8_exports["out_dir"])}
+    assert set(bf16) == set(fp8)
+    # Hidden bytes (H + 4) / 2H of bf16's; each file also has a 4 KiB header and its ids.
+    assert 0.5 < sum(fp8.values()) / sum(bf16.values()) < 0.6
+    assert main(["verify", str(fp8_exports["out_dir"]), "--deep"]) == 0
+
+
+def test_specforge_loads_an_fp8_dataset_as_bf16(fp8_exports: dict[str, Any]) -> None:
+    report = fp8_exports["report"]["specforge"]
+    by_ids = {tuple(r["input_ids"]): r for r in fp8_exports["rows"]}
+    assert len(report) == len(LENGTHS)
+    for sample in report:
+        row = by_ids[tuple(sample["input_ids"])]
+        t = len(row["input_ids"])
+        assert sample["dtypes"] == ["torch.bfloat16", "torch.bfloat16"]
+        assert sample["hidden_state_shape"] == [1, t, 3 * 256]
+        assert sample["raw_loss_mask"] == _expected_mask(row)
+        assert sample["target_vs_model"]["mean"] < FP8_ROW_MEAN, sample["target_vs_model"]
+        assert sample["target_vs_model"]["max"] < FP8_ROW_MAX, sample["target_vs_model"]
+        assert sample["teacher"]["rel"] < FP8_MAX_REL, sample["teacher"]
+    assert _top1(report, "teacher") >= FP8_MIN_TOP1
+
+
+def test_speculators_reads_the_fp8_export_through_fp8transfer(
+    fp8_exports: dict[str, Any],
+) -> None:
+    info = orjson.loads((fp8_exports["tmp"] / "speculators" / EXPORT_INFO).read_bytes())
+    assert info["hidden_states_dtype"] == FP8
+    report = fp8_exports["report"]["speculators"]
+    by_ids = {tuple(r["input_ids"]): r for r in fp8_exports["rows"]}
+    assert len(report) == len(LENGTHS)
+    for sample in report:
+        t = len(by_ids[tuple(sample["input_ids"])]["input_ids"])
+        # On disk: FP8 with hsx's per-(token, layer) scales, which FP8Transfer broadcasts.
+        assert sample["stored"] == {
+            "hidden_states": ["torch.float8_e4m3fn", [t, 4, 256]],
+            "hidden_states_scales": ["torch.float32", [t, 4, 1]],
+            "token_ids": ["torch.int64", [t]],
+        }
+        assert sample["dtypes"] == ["torch.bfloat16", "torch.bfloat16"]
+        # What speculators trains on is what hsx's own Dataset yields, but for its formula's
+        # bf16 rounding of the scale ...
+        assert sample["vs_hsx"]["aux"] <= BF16_FORMULA_RTOL, sample["vs_hsx"]
+        assert sample["vs_hsx"]["last"] <= BF16_FORMULA_RTOL, sample["vs_hsx"]
+        assert sample["vs_hsx"]["loss_mask_equal"]
+        # ... and within FP8 rounding of the model's own states.
+        for part in ("aux", "last"):
+            assert sample["vs_model"][part]["mean"] < FP8_ROW_MEAN, sample["vs_model"]
+            assert sample["vs_model"][part]["max"] < FP8_ROW_MAX, sample["vs_model"]
+        assert sample["teacher"]["rel"] < FP8_MAX_REL, sample["teacher"]
+    assert _top1(report, "teacher") >= FP8_MIN_TOP1
 
 
 if __name__ == "__main__":  # pragma: no cover - run by pytest

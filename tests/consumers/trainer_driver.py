@@ -16,7 +16,13 @@ same directory):
   on ``verifier_last_hidden_states``, the forward's target computation), and the draft
   vocabulary built from ``token_freq.pt`` by ``build_vocab_mappings_from_distribution``;
 - the trap: the stored post-norm state fed to speculators' teacher unchanged (what hsx
-  exported before it converted the final state).
+  exported before it converted the final state);
+- FP8 (``--fp8-*``): SpecForge's loader on the export of an FP8 dataset (bf16, its target
+  also compared with the model's post-norm state), and speculators' ``ArrowDataset`` with
+  hs-connectors' ``FP8Transfer`` (what ``--hidden-states-backend fp8`` builds) on an FP8
+  export: the files as stored (``FileTransfer``), what it yields against hsx's own
+  ``HiddenStateDataset`` over the source dataset, against the model's own hidden states
+  (aux layers, and the pre-norm final state: the final norm's input), and the teacher.
 """
 
 from __future__ import annotations
@@ -45,6 +51,39 @@ def hf_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         logits: torch.Tensor = model(input_ids=ids[None]).logits[0]
     return logits
+
+
+def model_states(model: Any, ids: torch.Tensor, aux: list[int]) -> dict[str, torch.Tensor]:
+    """The model's own float32 states: aux layers ``[T, k·H]`` (Hugging Face
+    hidden_states[k]), the final norm's input (pre-norm) and output (post-norm) ``[T, H]``."""
+    captured: list[torch.Tensor] = []
+    norm = model.base_model.norm
+    hook = norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0][0].clone()))
+    try:
+        with torch.inference_mode():
+            out = model.base_model(input_ids=ids[None], use_cache=False, output_hidden_states=True)
+    finally:
+        hook.remove()
+    states = {"pre": captured[-1], "post": out.last_hidden_state[0]}
+    if aux:
+        states["aux"] = torch.cat([out.hidden_states[k][0] for k in aux], dim=-1)
+    return states
+
+
+def row_error(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
+    """Relative RMS error of each row (token) of ``got`` against ``want``: mean and max."""
+    got, want = got.float(), want.float()
+    rel = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    return {"mean": float(rel.mean()), "max": float(rel.max())}
+
+
+def max_rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest elementwise ``|got - want| / |want|`` (over nonzero ``want``)."""
+    got, want = got.float(), want.float()
+    nonzero = want != 0
+    if bool((got[~nonzero] != 0).any()):
+        return float("inf")
+    return float(((got - want).abs()[nonzero] / want.abs()[nonzero]).max())
 
 
 def specforge_report(root: Path, model_dir: Path, model: Any) -> list[dict[str, Any]]:
@@ -90,6 +129,9 @@ def specforge_report(root: Path, model_dir: Path, model: Any) -> list[dict[str, 
                 "target_shape": list(batch["target"].shape),
                 "dtypes": [str(batch["hidden_state"].dtype), str(batch["target"].dtype)],
                 "teacher": logit_error(teacher[0, :-1], want),
+                "target_vs_model": row_error(
+                    batch["target"][0], model_states(model, ids, [])["post"]
+                ),
             }
         )
     return out
@@ -153,17 +195,82 @@ def speculators_report(
     }
 
 
+def fp8_speculators_report(
+    root: Path, source: Path, model_dir: Path, model: Any, aux: list[int]
+) -> list[dict[str, Any]]:
+    """speculators' ArrowDataset with FP8Transfer on an FP8 export of ``source``."""
+    from hs_connectors import FileTransfer, FP8Transfer
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    from hsx_async.dataset import HiddenStateDataset
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    data = ArrowDataset(max_len=4096, datapath=str(root), on_missing="raise",
+                        transfer=FP8Transfer(root / "hidden_states"))  # fmt: skip
+    plain = FileTransfer(root / "hidden_states")
+    ours = HiddenStateDataset(source)
+    by_id = {str(sample_id): i for i, sample_id in enumerate(ours.ids)}
+    hsx_ids = [json.loads(r)["hsx_id"] for r in (root / "samples.jsonl").read_text().splitlines()]
+    teacher = speculators_teacher(model_dir, aux, config.vocab_size)
+    out = []
+    for index in range(len(data)):
+        item = data[index]
+        stored = plain.get_cached(index)
+        assert stored is not None
+        batch = CollateFn(int(item["input_ids"].shape[0]), config.hidden_size,
+                          num_target_layers=len(aux))([item])  # fmt: skip
+        mine = ours[by_id[hsx_ids[index]]]
+        states = model_states(model, item["input_ids"], aux)
+        last = batch["verifier_last_hidden_states"]
+        with torch.inference_mode():
+            logits = teacher.verifier_lm_head(teacher.verifier_norm(last))[0]
+        out.append(
+            {
+                "input_ids": item["input_ids"].tolist(),
+                "stored": {k: [str(v.dtype), list(v.shape)] for k, v in sorted(stored.items())},
+                "dtypes": [str(item["hidden_states"].dtype), str(last.dtype)],
+                "vs_hsx": {
+                    "aux": max_rel_diff(item["hidden_states"], mine["aux_hidden_states"]),
+                    "last": max_rel_diff(
+                        item["verifier_last_hidden_states"], mine["hidden_states"]
+                    ),
+                    "loss_mask_equal": bool(
+                        torch.equal(item["loss_mask"], mine["loss_mask"].long())
+                    ),
+                },
+                "vs_model": {
+                    "aux": row_error(item["hidden_states"], states["aux"]),
+                    "last": row_error(item["verifier_last_hidden_states"], states["pre"]),
+                },
+                "teacher": logit_error(logits, hf_logits(model, item["input_ids"])),
+            }
+        )
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--specforge", type=Path, required=True)
-    parser.add_argument("--speculators", type=Path, required=True)
+    parser.add_argument("--specforge", type=Path)
+    parser.add_argument("--speculators", type=Path)
     parser.add_argument("--aux-layers", required=True)
+    parser.add_argument("--fp8-specforge", type=Path, help="SpecForge export of an FP8 dataset")
+    parser.add_argument("--fp8-speculators", type=Path, help="FP8 speculators export")
+    parser.add_argument("--fp8-source", type=Path, help="the hsx dataset it was exported from")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # the trainers' deprecation chatter is not the result
     aux = [int(x) for x in args.aux_layers.split(",")]
     model: Any = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.float32)
     model.eval()
+    if args.fp8_specforge is not None:
+        report = {
+            "specforge": specforge_report(args.fp8_specforge, args.model, model),
+            "speculators": fp8_speculators_report(
+                args.fp8_speculators, args.fp8_source, args.model, model, aux
+            ),
+        }
+        json.dump(report, sys.stdout)
+        return 0
     sf = specforge_report(args.specforge, args.model, model)
     # The post-norm state as hsx stores it (= SpecForge's target), in speculators' order.
     by_ids = {
