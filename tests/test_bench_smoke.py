@@ -246,7 +246,7 @@ def test_fp8_smoke(tmp_path: Path, shm_root: Path) -> None:
     assert summary["fp8-all"]["ratio_bytes"] < summary["fp8-aux"]["ratio_bytes"] < 1
     writer = data["writer"]
     assert [s["dataset"] for s in writer["summary"]] == [
-        "bf16", "fp8-all", "fp8-all", "fp8-aux", "fp8-aux"
+        "bf16", "fp8-all", "fp8-all", "fp8-aux", "fp8-aux", "fp8-all"
     ]  # fmt: skip
     for s in writer["summary"]:
         assert positive(s["cpu_s_per_gb_written"]) and positive(s["gb_per_s_written"])
