@@ -254,11 +254,15 @@ def run_measured(argv: Sequence[str], log_path: Path, timeout: float = 1800.0) -
 
 
 class ServerProcess:
-    """A server in its own process that prints ``listening on URL`` once ready."""
+    """A server in its own process that prints ``listening on URL`` once ready (or what
+    ``listening`` matches, its group 1 the URL: the reference server logs ``url=URL``)."""
 
-    def __init__(self, argv: Sequence[str], log_path: Path) -> None:
+    def __init__(
+        self, argv: Sequence[str], log_path: Path, *, listening: re.Pattern[bytes] = _LISTENING
+    ) -> None:
         self.argv = list(argv)
         self.log_path = log_path
+        self.listening = listening
         self.url = ""
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = 0.0
@@ -277,7 +281,7 @@ class ServerProcess:
         )
         assert self.proc.stdout is not None
         try:
-            self.url = _wait_listening(self.proc.stdout, self.log_path)
+            self.url = _wait_listening(self.proc.stdout, self.log_path, self.listening)
         except BaseException:
             self.proc.kill()
             wait_usage(self.proc, self.started, 30.0)
@@ -310,7 +314,7 @@ class ServerProcess:
         self._log.close()
 
 
-def _wait_listening(stream: Any, log_path: Path) -> str:
+def _wait_listening(stream: Any, log_path: Path, pattern: re.Pattern[bytes]) -> str:
     sel = selectors.DefaultSelector()
     sel.register(stream, selectors.EVENT_READ)
     deadline = time.monotonic() + _START_TIMEOUT
@@ -321,7 +325,7 @@ def _wait_listening(stream: Any, log_path: Path) -> str:
             line = stream.readline()
             if not line:
                 break
-            m = _LISTENING.search(line)
+            m = pattern.search(line)
             if m:
                 return m.group(1).decode()
     finally:

@@ -221,3 +221,50 @@ def test_prepare_smoke(tmp_path: Path, shm_root: Path) -> None:
     # Same input, same template: every run saw the same tokens.
     assert len({r["tokens"] for r in runs.values()}) == 1
     assert all(positive(r["wall_s"]) for r in data["startup"])
+
+
+def test_fp8_smoke(tmp_path: Path, shm_root: Path) -> None:
+    """bench/fp8.py: bf16, FP8 "all" and FP8 "aux" ran over the same samples end to end,
+    the writer phase ran every job, and the quality figures are well-formed; the exact
+    properties of the storage hold (sizes, a kept final state's KL of 0, one quantizer)."""
+    data = run_smoke("fp8.py", tmp_path, shm_root)
+    teacher = data["teacher"]
+    assert teacher["gains"]["min"] < 0.5 and teacher["gains"]["max"] > 2  # not unit gains
+    h, layers = teacher["hidden_size"], len(teacher["aux_layers"]) + 1
+    e2e = data["e2e"]
+    assert e2e["idle"]["samples"] == 0
+    for name in ("bf16", "fp8-all", "fp8-aux"):
+        (run,) = e2e["runs"][name]
+        assert run["samples"] == e2e["lengths"]["samples"] and run["quarantined"] == 0
+        assert positive(run["samples_per_s"]) and positive(run["cpu_s"])
+        assert e2e["probes"][name]["quantized_in"]
+    summary = e2e["summary"]
+    # The hidden sections' bytes per token, exactly as PROTOCOL §4 lays them out.
+    assert summary["bf16"]["hidden_bytes_per_token"] == layers * h * 2
+    assert summary["fp8-all"]["hidden_bytes_per_token"] == layers * (h + 4)
+    assert summary["fp8-aux"]["hidden_bytes_per_token"] == (layers - 1) * (h + 4) + h * 2
+    assert summary["fp8-all"]["ratio_bytes"] < summary["fp8-aux"]["ratio_bytes"] < 1
+    writer = data["writer"]
+    assert [s["dataset"] for s in writer["summary"]] == [
+        "bf16", "fp8-all", "fp8-all", "fp8-aux", "fp8-aux", "fp8-all"
+    ]  # fmt: skip
+    for s in writer["summary"]:
+        assert positive(s["cpu_s_per_gb_written"]) and positive(s["gb_per_s_written"])
+    assert writer["hook_and_fallback_identical"] == {"fp8-all": True, "fp8-aux": True}
+    quality = data["quality"]
+    for name in ("fp8-all", "fp8-aux"):
+        q = quality[name]
+        assert q["final_state"] == "post_norm" and q["tokens"] > 0
+        assert [s["quantized"] for s in q["slots"]] == [True] * (layers - 1) + [name == "fp8-all"]
+        for s in q["slots"]:
+            if s["quantized"]:
+                assert 0.99 < s["cos_min"] <= s["cos_mean"] < 1
+                assert 0 < s["rel_rms_mean"] <= s["rel_rms_max"] < 0.1
+                assert 0.5 < s["estimated_over_measured"] < 2
+            else:
+                assert s["rel_rms_max"] == 0 and s["cos_min"] == pytest.approx(1)  # kept
+        assert 0 <= q["top1_agreement"] <= 1
+    assert quality["fp8-all"]["kl_mean"] > 0
+    # The final state kept in bf16: the teacher's logits are those of the bf16 dataset.
+    assert quality["fp8-aux"]["kl_exactly_zero"] is True
+    assert quality["fp8-aux"]["final_rows_bit_identical"] == 1

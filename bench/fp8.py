@@ -1,0 +1,987 @@
+"""FP8 storage of hidden states (issue 19), measured against bfloat16 side by side, one run.
+
+    python bench/fp8.py              # ~13 minutes on the 2-core machine
+    python bench/fp8.py --smoke      # tiny, checks the script runs (CI)
+
+Three phases; every figure is a ratio to bfloat16 from the same run:
+
+1. **End to end** through ``hsx reference-server`` (a real ``transformers`` Llama on the
+   CPU: the built-in tiny one, whose RMSNorm gains are drawn per channel from U(0.2, 3) as
+   a trained checkpoint's are, or ``--model DIR``, given such gains if it has unit ones):
+   the same samples with ``[output] dtype = "bfloat16"``, ``"float8_e4m3fn"`` with
+   ``quantize = "all"`` and with ``quantize = "aux"``, in rounds whose order rotates, one
+   ``hsx run`` process each. Dataset bytes per token (from the files), samples/s, and the
+   client's CPU (the ``hsx run`` process, from ``wait4``) per GB written and per token,
+   net of an empty run's start-up. Which side quantized is read from a probe dump's
+   ``meta.json`` for each storage: a hook that quantizes dumps FP8, one that does not dumps
+   bfloat16 and the client's writer quantizes (the fallback).
+2. **The writer alone** (``FileWriter.stage`` + ``publish``, fsync on, in this process, as
+   the client's copy threads call them) on dumps of a large model's shape built in
+   /dev/shm: copying a bfloat16 dump, copying an FP8 dump (what a quantizing hook leaves;
+   copied unchanged) and quantizing a bfloat16 dump into FP8 (the fallback). CPU s per GB,
+   the median of interleaved rounds; the hook-path and the fallback files must be
+   byte-identical (one quantizer).
+3. **Quality** of phase 1's FP8 datasets against its bfloat16 dataset (the same samples
+   through the same server): per layer slot, cosine and relative RMS error of the rows as
+   the dataset reader yields them (dequantized to bfloat16), ``quantize.rounding_error``
+   (estimated from the stored values alone) against the measured FP8 error, and the
+   teacher's logits through the model's own ``lm_head``: KL(softmax(bf16) ‖ softmax(FP8))
+   and top-1 agreement with the final state quantized ("all") and kept ("aux", where the
+   KL must be exactly 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import orjson
+import torch
+from common import (
+    GB,
+    PYTHON,
+    Model,
+    Scratch,
+    ServerProcess,
+    apply_common,
+    client_config,
+    common_args,
+    lognormal_lengths,
+    machine_info,
+    print_table,
+    pyplot,
+    remove,
+    run_hsx,
+    save_results,
+    scratch,
+    self_cpu_s,
+    usage_dict,
+)
+from safetensors import safe_open
+
+from hsx_async.dataset.layout import build_layout, data_relpath, read_header, sample_key
+from hsx_async.dataset.manifest import read_manifest
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    FP8,
+    HIDDEN,
+    META_NAME,
+    POST_NORM,
+    PRE_NORM,
+    SCALES,
+    UNQUANTIZED,
+    DumpMeta,
+    Storage,
+    generate_body,
+    num_layers,
+    parse_meta,
+    part_name,
+    row_bytes,
+    storage_from_metadata,
+)
+from hsx_async.quantize import assemble, dequantize, encode_rows, rounding_error
+from hsx_async.run.dump import Dump, prepare_namespace, remove_tree, wait_for_meta
+from hsx_async.run.source import Sample
+from hsx_async.run.writer import FileWriter, WriteJob
+
+STORAGES = ("bf16", "fp8-all", "fp8-aux")
+OUTPUT_KEYS: dict[str, dict[str, str]] = {
+    "bf16": {"dtype": "bfloat16"},
+    "fp8-all": {"dtype": "float8_e4m3fn", "quantize": "all"},
+    "fp8-aux": {"dtype": "float8_e4m3fn", "quantize": "aux"},
+}
+_URL = re.compile(rb"url=(http://\S+)")  # the reference server's reference_server.listening
+MAX_PART_ROWS = 16384  # like chunked prefill: a part holds at most this many rows
+_GEN_ROWS = 1024  # rows generated (and quantized) at once while building the writer's dumps
+
+
+def storage_of(name: str, layers: int) -> Storage:
+    """``[output]`` ``dtype``/``quantize`` of ``name`` as the dataset's storage."""
+    if name == "bf16":
+        return BF16_STORAGE
+    slots = range(layers) if name == "fp8-all" else range(layers - 1)
+    return Storage(FP8, tuple(slots))
+
+
+@dataclass
+class Ctx:
+    args: argparse.Namespace
+    s: Scratch
+    dump_root: Path
+
+
+# -- the model --------------------------------------------------------------------------------
+
+
+@dataclass
+class Teacher:
+    model: Any  # a transformers causal LM, float32
+    model_dir: Path | None  # None: the server builds the built-in model from --seed
+    shape: Model  # hidden size and aux layers as the client's [model] section
+    vocab: int
+    gains: dict[str, float]  # the RMSNorm gains: min, max, mean over every norm's channels
+    gains_set_here: bool  # the checkpoint had unit gains: U(0.2, 3) drawn by this bench
+
+
+def norm_gains(model: Any) -> torch.Tensor:
+    return torch.cat(
+        [p.detach().float().flatten() for n, p in model.named_parameters()
+         if "norm" in n and p.dim() == 1]
+    )  # fmt: skip
+
+
+def load_teacher(args: argparse.Namespace, work: Path) -> Teacher:
+    from hsx_async.server.reference import model as rm  # transformers: seconds
+
+    set_here = False
+    model_dir: Path | None = None
+    if args.model is None:
+        model = rm.build_default_model(args.seed)  # gains U(0.2, 3) per channel already
+    else:
+        model = rm.load_model(str(args.model))
+        model_dir = Path(args.model)
+        if bool((norm_gains(model) == 1).all()):
+            # Unit gains hide a pre-/post-norm mix-up and flatter the quantizer: give the
+            # checkpoint realistic ones, as the real-SGLang tier does (save_default_model).
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(args.seed)
+                rm.set_realistic_norm_gains(model)
+            model_dir = work / "model-realistic-gains"
+            model.save_pretrained(model_dir, safe_serialization=True)
+            set_here = True
+    config = rm.text_config(model)
+    aux = tuple(args.aux_layers or rm.default_aux_layers(config.num_hidden_layers))
+    gains = norm_gains(model)
+    return Teacher(
+        model=model.float().eval(),
+        model_dir=model_dir,
+        shape=Model(hidden_size=config.hidden_size, aux_layers=aux),
+        vocab=config.vocab_size,
+        gains={"min": float(gains.min()), "max": float(gains.max()), "mean": float(gains.mean())},
+        gains_set_here=set_here,
+    )
+
+
+def reference_server_argv(args: argparse.Namespace, teacher: Teacher, dump_root: Path) -> list[str]:
+    argv = [
+        PYTHON, "-m", "hsx_async", "reference-server", "--port", "0",
+        "--dump-root", str(dump_root),
+        "--aux-layers", ",".join(map(str, teacher.shape.aux_layers)),
+        "--chunk-size", str(args.chunk_size),
+        "--max-batch-tokens", str(args.max_batch_tokens),
+        "--threads", str(args.server_threads),
+        "--seed", str(args.seed),
+    ]  # fmt: skip
+    if teacher.model_dir is not None:
+        argv += ["--model", str(teacher.model_dir)]
+    return argv
+
+
+def write_token_samples(path: Path, lengths: Sequence[int], vocab: int, seed: int) -> None:
+    """A JSONL input of random token ids the model knows (ids 0-2 are its specials)."""
+    rng = np.random.default_rng(seed)
+    with path.open("wb") as fh:
+        for i, n in enumerate(lengths):
+            ids = rng.integers(3, vocab, size=n, dtype=np.int64)
+            line = orjson.dumps(
+                {"id": f"f{i}", "input_ids": ids}, option=orjson.OPT_SERIALIZE_NUMPY
+            )
+            fh.write(line + b"\n")
+
+
+def sample_lengths(n: int, mean: float, max_len: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    sigma = 0.8
+    mu = float(np.log(mean)) - sigma * sigma / 2
+    draws = rng.lognormal(mu, sigma, size=n)
+    return [int(min(max_len, max(16, round(float(d))))) for d in draws]
+
+
+# -- phase 1: end to end --------------------------------------------------------------------
+
+
+def probe_dump(url: str, root: Path, storage: Storage, name: str, vocab: int) -> dict[str, Any]:
+    """One request of our own asking for ``storage``: which storage did the hook dump?"""
+    ns, rid, n = f"probe-{name}", "probe-0", 40
+    ns_dir = prepare_namespace(root, ns)
+    try:
+        ids = [3 + i % (vocab - 3) for i in range(n)]
+        body = orjson.dumps(generate_body(rid, ns, ids, storage))
+        request = urllib.request.Request(
+            f"{url}/generate", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            resp.read()
+        raw = asyncio.run(wait_for_meta(ns_dir / rid, 60.0))
+        meta = parse_meta(raw)
+        part_bytes = sum((ns_dir / rid / part_name(s, e)).stat().st_size for s, e in meta.parts)
+    finally:
+        remove_tree(ns_dir)
+    dumped = meta.storage
+    if not storage.is_fp8:
+        where = "none (bfloat16)"
+    elif dumped == storage:
+        where = "server hook"
+    else:
+        where = "client writer (server dumped bfloat16)"
+    return {
+        "requested": storage.describe(),
+        "dumped": dumped.describe(),
+        "meta_protocol": orjson.loads(raw).get("protocol"),
+        "quantized_in": where,
+        "dump_bytes_per_token": part_bytes / n,
+    }
+
+
+def hidden_bytes(out_dir: Path) -> tuple[int, int]:
+    """(bytes of the hidden sections, tokens) over a dataset's files, from their headers."""
+    total = tokens = 0
+    for entry in read_manifest(out_dir):
+        header, _ = read_header(out_dir / entry.path)
+        for name in (HIDDEN, SCALES, UNQUANTIZED):
+            if name in header:
+                start, end = header[name]["data_offsets"]
+                total += end - start
+        tokens += entry.num_tokens
+    return total, tokens
+
+
+def e2e_phase(ctx: Ctx, teacher: Teacher) -> dict[str, Any]:
+    args = ctx.args
+    lengths = sample_lengths(args.samples, args.mean_len, args.max_len, args.seed)
+    samples = ctx.s.work / "samples.jsonl"
+    write_token_samples(samples, lengths, teacher.vocab, args.seed)
+    empty = ctx.s.work / "empty.jsonl"
+    empty.write_bytes(b"")
+    layers = teacher.shape.layers
+    argv = reference_server_argv(args, teacher, ctx.dump_root)
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in STORAGES}
+    kept: dict[str, Path] = {}
+    with ServerProcess(argv, ctx.s.work / "reference-server.log", listening=_URL) as srv:
+        probes = {
+            n: probe_dump(srv.url, ctx.dump_root, storage_of(n, layers), n, teacher.vocab)
+            for n in STORAGES
+        }
+        for n, p in probes.items():
+            print(
+                f"  probe {n}: dumped {p['dumped']}; quantized in: {p['quantized_in']}", flush=True
+            )
+
+        def one(name: str, tag: str, inp: Path) -> tuple[dict[str, Any], Path]:
+            out = ctx.s.fresh(f"{tag}-out")
+            raw = client_config(
+                url=srv.url, samples=inp, out_dir=out, dump_root=ctx.dump_root,
+                model=teacher.shape, workers={"concurrency": args.concurrency},
+                output=OUTPUT_KEYS[name],
+            )  # fmt: skip
+            os.sync()  # the previous run's writes are not flushed during this one
+            cpu0 = srv.cpu_s()
+            run = run_hsx(raw, ctx.s.work, tag)
+            row = {
+                "storage": name,
+                "samples": run.done,
+                "quarantined": run.quarantined,
+                "tokens": run.tokens,
+                "seconds": run.run_s,
+                "bytes": run.bytes_on_disk,
+                "cpu_s": run.usage.cpu_s,
+                "server_cpu_s": srv.cpu_s() - cpu0,
+                "peak_rss_mb": run.usage.peak_rss / 1e6,
+                # Every thread but the event loop's: the copy threads (and torch's workers
+                # while the writer quantizes), the directory syncs, the resolver.
+                "other_threads_cpu_s": sum(
+                    t["user_s"] + t["sys_s"]
+                    for kind, t in run.usage.threads.items()
+                    if kind != "main"
+                ),
+                "usage": usage_dict(run.usage),
+            }
+            return row, out
+
+        idle, idle_out = one("bf16", "e2e-idle", empty)
+        remove(idle_out)
+        print(f"  no samples: {idle['cpu_s']:.2f} CPU s (start-up, subtracted)", flush=True)
+        for r in range(args.rounds):
+            order = STORAGES[r % 3 :] + STORAGES[: r % 3]
+            for name in order:
+                row, out = one(name, f"e2e-{name}-r{r}", samples)
+                if row["samples"] != len(lengths):
+                    raise RuntimeError(
+                        f"{name}: {row['samples']} of {len(lengths)} samples written"
+                    )
+                row["round"] = r
+                _derive(row, idle)
+                runs[name].append(row)
+                print(
+                    f"  round {r} {name}: {row['samples_per_s']:.2f} samples/s, "
+                    f"{row['bytes_per_token']:.0f} B/token, {row['cpu_s_per_gb_net']:.2f} CPU s/GB",
+                    flush=True,
+                )
+                if name in kept:
+                    remove(out)
+                else:
+                    kept[name] = out  # the first round's datasets: bytes per token
+        # The quality datasets: concurrency 1, so that every pass holds one request's chunk
+        # and each storage's run computes the same rows bit for bit (packed passes of
+        # several requests sum in another order: a few float32 ulps, sometimes one bf16 ulp).
+        few = ctx.s.work / "quality-samples.jsonl"
+        write_token_samples(few, lengths[: args.quality_samples], teacher.vocab, args.seed)
+        quality: dict[str, Path] = {}
+        for name in STORAGES:
+            out = ctx.s.fresh(f"quality-{name}-out")
+            raw = client_config(
+                url=srv.url, samples=few, out_dir=out, dump_root=ctx.dump_root,
+                model=teacher.shape, workers={"concurrency": 1}, output=OUTPUT_KEYS[name],
+            )  # fmt: skip
+            run_hsx(raw, ctx.s.work, f"quality-{name}")
+            quality[name] = out
+    summary = e2e_summary(runs, kept, probes)
+    for out in kept.values():
+        remove(out)
+    return {
+        "lengths": {"samples": len(lengths), "tokens": sum(lengths),
+                    "mean": float(np.mean(lengths)), "max": max(lengths)},
+        "idle": idle,
+        "probes": probes,
+        "runs": runs,
+        "summary": summary,
+        "quality_datasets": {n: str(p) for n, p in quality.items()},
+    }  # fmt: skip
+
+
+def _derive(row: dict[str, Any], idle: dict[str, Any]) -> None:
+    """A run's rates, its CPU net of the empty run's (the start-up)."""
+    net = row["cpu_s"] - idle["cpu_s"]
+    row["cpu_s_net"] = net
+    row["samples_per_s"] = row["samples"] / row["seconds"]
+    row["cpu_s_per_gb_net"] = net / (row["bytes"] / GB)
+    row["cpu_ms_per_ktoken_net"] = net / row["tokens"] * 1e6
+    row["bytes_per_token"] = row["bytes"] / row["tokens"]
+    other = row["other_threads_cpu_s"] - idle["other_threads_cpu_s"]
+    row["other_threads_ms_per_ktoken_net"] = other / row["tokens"] * 1e6
+
+
+def _median_ratio(runs: dict[str, list[dict[str, Any]]], name: str, key: str) -> dict[str, float]:
+    """The median (and range) of the per-round ratios ``name`` / bf16 of ``key``."""
+    ratios = [
+        row[key] / base[key]
+        for row, base in zip(runs[name], runs["bf16"], strict=True)
+        if base[key] > 0
+    ]
+    if not ratios:
+        return {"median": 0.0, "min": 0.0, "max": 0.0}
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def e2e_summary(
+    runs: dict[str, list[dict[str, Any]]], kept: dict[str, Path], probes: dict[str, Any]
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    base_hidden, base_tokens = hidden_bytes(kept["bf16"])
+    for name in STORAGES:
+        hidden, tokens = hidden_bytes(kept[name])
+        rows = runs[name]
+        out[name] = {
+            "quantized_in": probes[name]["quantized_in"],
+            "bytes_per_token": rows[0]["bytes_per_token"],
+            "hidden_bytes_per_token": hidden / tokens,
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in rows),
+            "cpu_s_per_gb_net": statistics.median(r["cpu_s_per_gb_net"] for r in rows),
+            "cpu_ms_per_ktoken_net": statistics.median(r["cpu_ms_per_ktoken_net"] for r in rows),
+            "ratio_bytes": rows[0]["bytes"] / runs["bf16"][0]["bytes"],
+            "ratio_hidden_bytes": (hidden / tokens) / (base_hidden / base_tokens),
+            "ratio_samples_per_s": _median_ratio(runs, name, "samples_per_s"),
+            "ratio_cpu_per_gb": _median_ratio(runs, name, "cpu_s_per_gb_net"),
+            "ratio_cpu_per_token": _median_ratio(runs, name, "cpu_ms_per_ktoken_net"),
+            "other_threads_ms_per_ktoken_net": statistics.median(
+                r["other_threads_ms_per_ktoken_net"] for r in rows
+            ),
+            "ratio_other_threads_per_token": _median_ratio(
+                runs, name, "other_threads_ms_per_ktoken_net"
+            ),
+        }
+    return out
+
+
+# -- phase 2: the writer alone ----------------------------------------------------------------
+
+
+@dataclass
+class WriterDumps:
+    """One set of dumps per storage of the same rows, and the samples they belong to."""
+
+    samples: list[Sample]
+    dumps: dict[str, list[Dump]]  # storage name -> a dump per sample
+    hidden: int
+    aux: tuple[int, ...]
+
+
+def _synthetic_rows(n: int, layers: int, hidden: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows shaped like a model's residual stream: per-channel gains U(0.2, 3), layers of
+    growing magnitude, token norms spread log-normally and the first token 100× the rest."""
+    gains = torch.empty(hidden).uniform_(0.2, 3.0, generator=gen)
+    layer_scale = torch.tensor([4.0**k for k in range(layers)]).view(1, layers, 1)
+    token = torch.exp(torch.randn(n, 1, 1, generator=gen) * 0.5)
+    rows = torch.randn(n, layers, hidden, generator=gen) * gains * layer_scale * token
+    return rows
+
+
+def build_writer_dumps(ctx: Ctx, rng_seed: int) -> WriterDumps:
+    args = ctx.args
+    hidden, aux = args.writer_hidden, tuple(args.writer_aux)
+    layers = num_layers(aux)
+    per_row = row_bytes(hidden, aux)
+    lengths = lognormal_lengths(
+        args.writer_gb * GB, per_row, mean=args.writer_mean_len, max_len=32768, seed=rng_seed
+    )
+    gen = torch.Generator().manual_seed(rng_seed)
+    rng = np.random.default_rng(rng_seed)
+    samples: list[Sample] = []
+    dumps: dict[str, list[Dump]] = {n: [] for n in STORAGES}
+    for i, n in enumerate(lengths):
+        rid = f"w{i}"
+        sid = f"writer-{i}"
+        ids = rng.integers(0, 128_000, size=n, dtype=np.int64)
+        samples.append(Sample(sid, i, ids, None))
+        parts = tuple((s, min(n, s + MAX_PART_ROWS)) for s in range(0, n, MAX_PART_ROWS))
+        dirs = {}
+        for name in STORAGES:
+            d = ctx.dump_root / name / rid
+            d.mkdir(parents=True)
+            dirs[name] = d
+        for start, end in parts:
+            fds = {
+                name: os.open(
+                    d / part_name(start, end), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
+                )
+                for name, d in dirs.items()
+            }
+            try:
+                rows_in_part = end - start
+                for row in range(0, rows_in_part, _GEN_ROWS):
+                    m = min(_GEN_ROWS, rows_in_part - row)
+                    block = _synthetic_rows(m, layers, hidden, gen).to(torch.bfloat16)
+                    if start == 0 and row == 0:
+                        block[0] *= 100  # the first token's outsized residual
+                    for name, fd in fds.items():
+                        _write_sections(fd, block, storage_of(name, layers), rows_in_part, row)
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+        for name, d in dirs.items():
+            meta = DumpMeta(rid, n, hidden, aux, parts, "bench-model", "bench",
+                            storage=storage_of(name, layers))  # fmt: skip
+            (d / META_NAME).write_bytes(meta.to_json())
+            dumps[name].append(Dump(d, meta))
+    return WriterDumps(samples, dumps, hidden, aux)
+
+
+def _write_sections(fd: int, block: torch.Tensor, storage: Storage, n: int, row: int) -> None:
+    """Rows ``[row, row + m)`` of a part of ``n`` rows, each section at its place
+    (PROTOCOL §3: a part holds its rows' sections back to back)."""
+    section_start = 0
+    for tensor in encode_rows(block, storage):
+        per_row = tensor[0].numel() * tensor.element_size()
+        data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        os.pwrite(fd, data, section_start + row * per_row)
+        section_start += n * per_row
+
+
+class WJob(NamedTuple):
+    what: str
+    dump: str  # the dump's storage
+    target: str  # the dataset's storage
+    torch_threads: int = 0  # 0: torch's default (one per core), as in the hsx run process
+
+
+WRITER_JOBS = (
+    WJob("copy bf16 dump -> bf16 file", "bf16", "bf16"),
+    WJob("copy FP8 dump -> FP8 file (all; hook quantized)", "fp8-all", "fp8-all"),
+    WJob("quantize bf16 dump -> FP8 file (all; fallback)", "bf16", "fp8-all"),
+    WJob("copy FP8 dump -> FP8 file (aux; hook quantized)", "fp8-aux", "fp8-aux"),
+    WJob("quantize bf16 dump -> FP8 file (aux; fallback)", "bf16", "fp8-aux"),
+    # Not what the client does today: the fallback with torch on one thread, for comparison.
+    WJob("quantize bf16 dump -> FP8 file (all; fallback), 1 torch thread", "bf16", "fp8-all", 1),
+)
+
+
+def writer_job(ctx: Ctx, w: WriterDumps, job_kind: WJob) -> dict[str, Any]:
+    what, dump_kind, target, threads = job_kind
+    layers = num_layers(w.aux)
+    storage = storage_of(target, layers)
+    out = ctx.s.fresh("writer-out")
+    fw = FileWriter(out, method="auto", fsync=True, row_bytes=row_bytes(w.hidden, w.aux))
+    jobs = [
+        WriteJob(
+            sample,
+            dump,
+            build_layout(
+                sample_id=sample.id,
+                num_tokens=sample.num_tokens,
+                hidden_size=w.hidden,
+                aux_layers=w.aux,
+                has_loss_mask=False,
+                storage=storage,
+            ),
+            data_relpath(sample_key(sample.id)),
+            "bench",
+        )
+        for sample, dump in zip(w.samples, w.dumps[dump_kind], strict=True)
+    ]
+    os.sync()
+    default_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        cpu0, t0 = self_cpu_s(), time.monotonic()
+        entries = []
+        for job in jobs:
+            staged = fw.stage(job)
+            fw.publish([staged])
+            entries.append(staged.entry)
+        cpu, wall = self_cpu_s() - cpu0, time.monotonic() - t0
+    finally:
+        torch.set_num_threads(default_threads)
+        fw.close()
+        remove(out)
+    written = sum(e.size for e in entries)
+    tokens = sum(s.num_tokens for s in w.samples)
+    bf16_gb = tokens * row_bytes(w.hidden, w.aux) / GB
+    return {
+        "what": what,
+        "dump": dump_kind,
+        "dataset": target,
+        "direct": fw.direct,
+        "tokens": tokens,
+        "bytes": written,
+        "cpu_s": cpu,
+        "seconds": wall,
+        "cpu_s_per_gb_written": cpu / (written / GB),
+        "cpu_s_per_gb_bf16": cpu / bf16_gb,
+        "gb_per_s_written": written / GB / wall,
+        "digests": [e.xxh3_64 for e in entries],
+    }
+
+
+def writer_phase(ctx: Ctx) -> dict[str, Any]:
+    default_threads = torch.get_num_threads()
+    w = build_writer_dumps(ctx, ctx.args.seed + 1)
+    tokens = sum(s.num_tokens for s in w.samples)
+    print(f"  writer: {len(w.samples)} samples, {tokens:,} tokens, hidden {w.hidden}", flush=True)
+    rounds: list[list[dict[str, Any]]] = []
+    try:
+        for r in range(ctx.args.writer_rounds):
+            k = r % len(WRITER_JOBS)
+            rows = {}
+            for job in WRITER_JOBS[k:] + WRITER_JOBS[:k]:
+                rows[job.what] = row = writer_job(ctx, w, job)
+                print(f"  round {r} {job.what}: {row['cpu_s_per_gb_bf16']:.2f} CPU s per "
+                      "bf16 GB", flush=True)  # fmt: skip
+            rounds.append([rows[job.what] for job in WRITER_JOBS])
+    finally:
+        for name in STORAGES:
+            remove(ctx.dump_root / name)
+    identical = {
+        target: all(
+            rnd[i]["digests"] == rnd[j]["digests"]
+            for rnd in rounds
+            for i, (_, d1, t1, _) in enumerate(WRITER_JOBS)
+            for j, (_, d2, t2, _) in enumerate(WRITER_JOBS)
+            if t1 == t2 == target and d1 != d2
+        )
+        for target in ("fp8-all", "fp8-aux")
+    }
+    summary = []
+    for i, (what, dump_kind, target, threads) in enumerate(WRITER_JOBS):
+        per_round = [rnd[i] for rnd in rounds]
+        base = [rnd[0] for rnd in rounds]
+        summary.append({
+            "what": what, "dump": dump_kind, "dataset": target,
+            "torch_threads": threads or default_threads, "direct": per_round[0]["direct"],
+            "gb_written": per_round[0]["bytes"] / GB,
+            "cpu_s_per_gb_written": statistics.median(p["cpu_s_per_gb_written"] for p in per_round),
+            "cpu_s_per_gb_bf16": statistics.median(p["cpu_s_per_gb_bf16"] for p in per_round),
+            "gb_per_s_written": statistics.median(p["gb_per_s_written"] for p in per_round),
+            "ratio_cpu_per_token": statistics.median(
+                p["cpu_s_per_gb_bf16"] / b["cpu_s_per_gb_bf16"]
+                for p, b in zip(per_round, base, strict=True)
+            ),
+            "ratio_cpu_per_gb_written": statistics.median(
+                p["cpu_s_per_gb_written"] / b["cpu_s_per_gb_written"]
+                for p, b in zip(per_round, base, strict=True)
+            ),
+        })  # fmt: skip
+    for rnd in rounds:
+        for row in rnd:
+            row.pop("digests")
+    return {
+        "hidden_size": w.hidden,
+        "aux_layers": list(w.aux),
+        "samples": len(w.samples),
+        "tokens": tokens,
+        "bf16_gb": tokens * row_bytes(w.hidden, w.aux) / GB,
+        "torch_threads": torch.get_num_threads(),
+        "rounds": rounds,
+        "summary": summary,
+        "hook_and_fallback_identical": identical,
+    }
+
+
+# -- phase 3: quality -------------------------------------------------------------------------
+
+
+@dataclass
+class Stored:
+    """A dataset file's hidden sections as stored, and its hidden states as read back."""
+
+    hidden: torch.Tensor  # [T, L, H] bfloat16, as the reader (or quantize.assemble) yields
+    q: torch.Tensor | None  # e4m3fn [T, Lq, H]
+    scales: torch.Tensor | None  # f32 [T, Lq, 1]
+    storage: Storage
+    final_state: str
+
+
+def read_stored(path: Path) -> Stored:
+    """The file's own tensors, and ``quantize.assemble`` of them: the direct way."""
+    with safe_open(str(path), framework="pt") as handle:
+        meta = dict(handle.metadata() or {})
+        names = set(handle.keys())
+        storage = storage_from_metadata(meta, str(path))
+        final_state = meta.get("final_state", POST_NORM)
+        if not storage.is_fp8:
+            return Stored(handle.get_tensor(HIDDEN), None, None, storage, final_state)
+        q, scales = handle.get_tensor(HIDDEN), handle.get_tensor(SCALES)
+        unq = handle.get_tensor(UNQUANTIZED) if UNQUANTIZED in names else None
+    hidden = assemble(q, scales, unq, storage, torch.bfloat16)
+    return Stored(hidden, q, scales, storage, final_state)
+
+
+def reader_hidden(out_dir: Path) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """Every sample's [T, L, H] through ``hsx_async.dataset.HiddenStateDataset``, or None
+    and why where the reader does not read this dataset (yet)."""
+    from hsx_async.dataset import HiddenStateDataset
+
+    try:
+        ds = HiddenStateDataset(out_dir, fields=("hidden_states", "aux_hidden_states"))
+        out = {}
+        for i, sid in enumerate(ds.ids):
+            sample = ds[i]
+            final, aux = sample["hidden_states"], sample["aux_hidden_states"]
+            t, h = final.shape
+            out[str(sid)] = torch.cat([aux.reshape(t, -1, h), final[:, None, :]], dim=1)
+    except Exception as exc:  # noqa: BLE001 - any failure means: read directly, and say why
+        return None, f"{type(exc).__name__}: {str(exc)[:300]}"
+    return out, ""
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+class _Errors:
+    """Per layer slot and per token, what one FP8 dataset's rows differ from bf16's."""
+
+    def __init__(self, teacher: Teacher) -> None:
+        self.teacher = teacher
+        self.lm_head = teacher.model.get_output_embeddings()
+        self.final_norm = teacher.model.base_model.norm
+        layers = teacher.shape.layers
+        self.cos: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+        self.rel: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+        self.rel32: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+        self.est: list[list[torch.Tensor]] = [[] for _ in range(layers)]
+        self.kl: list[torch.Tensor] = []
+        self.top1: list[torch.Tensor] = []
+        self.top_p: list[torch.Tensor] = []
+        self.final_same: list[torch.Tensor] = []
+
+    def add(self, ref: Stored, got: Stored, hidden: torch.Tensor) -> None:
+        """``hidden``: ``got``'s rows as the reader yields them (bfloat16)."""
+        x, xh = ref.hidden.double(), hidden.double()
+        norm = x.norm(dim=-1)
+        cos = (x * xh).sum(-1) / (norm * xh.norm(dim=-1)).clamp_min(1e-300)
+        rel = (xh - x).norm(dim=-1) / norm.clamp_min(1e-300)
+        for k in range(x.shape[1]):
+            self.cos[k].append(cos[:, k])
+            self.rel[k].append(rel[:, k])
+        if got.q is None or got.scales is None:
+            raise RuntimeError("an FP8 dataset file holds no FP8 section")
+        # The FP8 error alone (dequantized in float32, no bf16 rounding after it), against
+        # what rounding_error estimates from the stored values.
+        deq = dequantize(got.q, got.scales, torch.float32).double()
+        estimated = rounding_error(got.q).double()
+        for j, slot in enumerate(got.storage.quantized):
+            err = (deq[:, j] - x[:, slot]).norm(dim=-1) / norm[:, slot].clamp_min(1e-300)
+            self.rel32[slot].append(err)
+            self.est[slot].append(estimated[:, j])
+        f_ref, f_got = ref.hidden[:, -1], hidden[:, -1]
+        self.final_same.append(f_ref.view(torch.int16).eq(f_got.view(torch.int16)).all(dim=-1))
+        with torch.inference_mode():
+            a, b = f_ref.float(), f_got.float()
+            if got.final_state == PRE_NORM:  # the LM head reads the normed state
+                a, b = self.final_norm(a), self.final_norm(b)
+            lp = torch.log_softmax(self.lm_head(a).double(), dim=-1)
+            lq = torch.log_softmax(self.lm_head(b).double(), dim=-1)
+        self.kl.append((lp.exp() * (lp - lq)).sum(-1))
+        self.top1.append(lp.argmax(-1) == lq.argmax(-1))
+        self.top_p.append(lp.max(-1).values.exp())
+
+    def slots(self, storage: Storage) -> list[dict[str, Any]]:
+        out = []
+        aux = self.teacher.shape.aux_layers
+        for k in range(len(self.cos)):
+            c, r = _cat(self.cos[k]), _cat(self.rel[k])
+            e, m = _cat(self.est[k]), _cat(self.rel32[k])
+            q = k in storage.quantized
+            out.append({
+                "slot": k,
+                "layer": "final" if k == len(aux) else f"aux {aux[k]}",
+                "quantized": q,
+                "cos_mean": float(c.mean()), "cos_min": float(c.min()),
+                "rel_rms_mean": float(r.mean()), "rel_rms_max": float(r.max()),
+                "fp8_rel_rms_mean": float(m.mean()) if q else 0.0,
+                "estimated_rel_rms_mean": float(e.mean()) if q else 0.0,
+                "estimated_over_measured": float(e.mean() / m.mean()) if q else 0.0,
+                "estimate_corr": (
+                    float(torch.corrcoef(torch.stack([e, m]))[0, 1]) if q and e.numel() > 1
+                    else 0.0
+                ),
+            })  # fmt: skip
+        return out
+
+    def logits(self) -> dict[str, Any]:
+        kl, top1, same = _cat(self.kl), _cat(self.top1), _cat(self.final_same)
+        return {
+            "tokens": int(kl.numel()),
+            "kl_mean": float(kl.mean()),
+            "kl_max": float(kl.max()),
+            "kl_exactly_zero": bool((kl == 0).all()),
+            "top1_agreement": float(top1.double().mean()),
+            "teacher_top1_prob_mean": float(_cat(self.top_p).mean()),
+            "final_rows_bit_identical": float(same.double().mean()),
+        }
+
+
+def quality_phase(datasets: dict[str, Path], teacher: Teacher) -> dict[str, Any]:
+    base = {str(e.id): datasets["bf16"] / e.path for e in read_manifest(datasets["bf16"])}
+    results: dict[str, Any] = {}
+    for name in ("fp8-all", "fp8-aux"):
+        out_dir = datasets[name]
+        via_reader, why = reader_hidden(out_dir)
+        errors = _Errors(teacher)
+        reader_equal = True
+        storage, final_state = BF16_STORAGE, ""
+        for entry in read_manifest(out_dir):
+            sid = str(entry.id)
+            got = read_stored(out_dir / entry.path)
+            storage, final_state = got.storage, got.final_state
+            hidden = got.hidden
+            if via_reader is not None:
+                same = torch.equal(via_reader[sid].view(torch.int16), hidden.view(torch.int16))
+                reader_equal &= bool(same)
+                hidden = via_reader[sid]
+            errors.add(read_stored(base[sid]), got, hidden)
+        results[name] = {
+            "storage": storage.describe(),
+            "final_state": final_state,
+            "read_via": (
+                "hsx_async.dataset reader" if via_reader is not None
+                else "safetensors + quantize.assemble (the reader refused the file)"
+            ),
+            "reader_refused": why,
+            "reader_equals_assemble": reader_equal if via_reader is not None else None,
+            "slots": errors.slots(storage),
+        } | errors.logits()  # fmt: skip
+    return results
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def report(data: dict[str, Any]) -> list[str]:
+    tables = []
+    e2e, t = data["e2e"], data["teacher"]
+    rows: list[list[Any]] = []
+    for name in STORAGES:
+        s = e2e["summary"][name]
+        rows.append([
+            name, s["quantized_in"], s["bytes_per_token"], s["ratio_bytes"],
+            s["hidden_bytes_per_token"], s["ratio_hidden_bytes"],
+            s["samples_per_s"], s["ratio_samples_per_s"]["median"],
+            s["cpu_s_per_gb_net"], s["ratio_cpu_per_gb"]["median"],
+            s["cpu_ms_per_ktoken_net"], s["ratio_cpu_per_token"]["median"],
+            s["other_threads_ms_per_ktoken_net"], s["ratio_other_threads_per_token"]["median"],
+        ])  # fmt: skip
+    lengths = e2e["lengths"]
+    tables.append(print_table(
+        f"End to end through hsx reference-server (H {t['hidden_size']}, aux {t['aux_layers']}, "
+        f"norm gains {t['gains']['min']:.2f}-{t['gains']['max']:.2f}): {lengths['samples']} "
+        f"samples, {lengths['tokens']:,} tokens, {data['settings']['rounds']} rounds; "
+        "ratios to bf16 (median of per-round ratios)",
+        ["storage", "quantized in", "file B/token", "ratio", "hidden B/token", "ratio",
+         "samples/s", "ratio", "client CPU s/GB written", "ratio", "client CPU ms/1k tokens",
+         "ratio", "of which off the event loop", "ratio"],
+        rows,
+    ))  # fmt: skip
+    w = data["writer"]
+    tables.append(print_table(
+        f"The writer alone (FileWriter, fsync, this process, {w['torch_threads']} torch "
+        f"threads): H {w['hidden_size']}, aux {w['aux_layers']}, {w['samples']} samples, "
+        f"{w['bf16_gb']:.2f} GB as bf16, median of {len(w['rounds'])} rounds; byte-identical "
+        f"hook/fallback files: {w['hook_and_fallback_identical']}",
+        ["job", "torch threads", "O_DIRECT", "GB written", "CPU s/GB written", "ratio",
+         "CPU s per bf16 GB", "ratio", "GB/s written"],
+        [[s["what"], s["torch_threads"], s["direct"], s["gb_written"], s["cpu_s_per_gb_written"],
+          s["ratio_cpu_per_gb_written"], s["cpu_s_per_gb_bf16"], s["ratio_cpu_per_token"],
+          s["gb_per_s_written"]] for s in w["summary"]],
+    ))  # fmt: skip
+    q = data["quality"]
+    qrows: list[list[Any]] = []
+    for name in ("fp8-all", "fp8-aux"):
+        for s in q[name]["slots"]:
+            qrows.append([
+                name, s["layer"], s["quantized"], f"{s['cos_mean']:.6f}", f"{s['cos_min']:.6f}",
+                f"{s['rel_rms_mean']:.4f}", f"{s['rel_rms_max']:.4f}",
+                f"{s['fp8_rel_rms_mean']:.4f}", f"{s['estimated_rel_rms_mean']:.4f}",
+                s["estimated_over_measured"], s["estimate_corr"],
+            ])  # fmt: skip
+    tables.append(print_table(
+        f"Quality against the bf16 dataset of the same samples (read via: "
+        f"{q['fp8-all']['read_via']}); per token vector of each layer slot",
+        ["dataset", "slot", "quantized", "cos mean", "cos min", "rel RMS mean (as read, bf16)",
+         "rel RMS max", "FP8 rel RMS mean (f32)", "estimated (rounding_error)",
+         "estimated / measured", "corr"],
+        qrows,
+    ))  # fmt: skip
+    tables.append(print_table(
+        "The teacher's logits: the model's lm_head on the final state "
+        f"({q['fp8-all']['final_state']})",
+        ["dataset", "final state", "tokens", "KL(bf16 || fp8) mean", "KL max", "exactly 0",
+         "top-1 agreement", "teacher's top-1 p (mean)", "final rows bit-identical to bf16"],
+        [[n, "quantized" if n == "fp8-all" else "kept (bf16)", q[n]["tokens"],
+          f"{q[n]['kl_mean']:.3e}", f"{q[n]['kl_max']:.3e}", q[n]["kl_exactly_zero"],
+          f"{q[n]['top1_agreement']:.4f}", f"{q[n]['teacher_top1_prob_mean']:.4f}",
+          f"{q[n]['final_rows_bit_identical']:.4f}"]
+         for n in ("fp8-all", "fp8-aux")],
+    ))  # fmt: skip
+    return tables
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
+    e2e = data["e2e"]["summary"]
+    keys = [
+        ("ratio_bytes", "file bytes"),
+        ("ratio_samples_per_s", "samples/s"),
+        ("ratio_cpu_per_gb", "CPU/GB written"),
+        ("ratio_cpu_per_token", "CPU/token"),
+    ]
+    width = 0.25
+    for i, name in enumerate(STORAGES):
+        vals = [e2e[name][k] if k == "ratio_bytes" else e2e[name][k]["median"] for k, _ in keys]
+        ax1.bar([j + i * width for j in range(len(keys))], vals, width, label=name)
+    ax1.set_xticks([j + width for j in range(len(keys))], [label for _, label in keys])
+    ax1.axhline(1, color="grey", linewidth=0.8)
+    ax1.set_title("end to end, ratio to bf16")
+    ax1.legend()
+    w = data["writer"]["summary"]
+    ax2.barh([s["what"] for s in w], [s["cpu_s_per_gb_bf16"] for s in w])
+    ax2.invert_yaxis()
+    ax2.set_xlabel("writer CPU s per GB of bf16 hidden states")
+    q = data["quality"]
+    for name in ("fp8-all", "fp8-aux"):
+        slots = q[name]["slots"]
+        ax3.plot([s["layer"] for s in slots], [s["rel_rms_mean"] for s in slots], "o-", label=name)
+    ax3.set_ylabel("mean relative RMS error")
+    ax3.legend()
+    m = data["machine"]
+    fig.suptitle(f"FP8 storage vs bf16 — {m['cores']} cores, {m['cpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    common_args(p)
+    add = p.add_argument
+    add(
+        "--model",
+        type=Path,
+        help="a local Hugging Face model dir (default: the built-in tiny Llama)",
+    )
+    add("--seed", type=int, default=0, help="the built-in model's weights, the samples")
+    add("--aux-layers", type=int, nargs="+", help="default: the server's default for the model")
+    add("--samples", type=int, default=320, help="samples of each end-to-end run")
+    add("--mean-len", type=float, default=300.0, help="mean prompt length (log-normal)")
+    add("--max-len", type=int, default=2048)
+    add("--rounds", type=int, default=3, help="end-to-end rounds (bf16, all, aux each)")
+    add("--quality-samples", type=int, default=64, help="samples of the quality runs")
+    add("--concurrency", type=int, default=8, help="[workers].concurrency of each run")
+    add("--chunk-size", type=int, default=256, help="the reference server's chunk size")
+    add("--max-batch-tokens", type=int, default=1024, help="the reference server's pass size")
+    add("--server-threads", type=int, default=1, help="the reference server's torch threads")
+    add("--writer-gb", type=float, default=1.0, help="GB of bf16 hidden states, writer phase")
+    add("--writer-hidden", type=int, default=7168)
+    add("--writer-aux", type=int, nargs="+", default=[2, 30, 58])
+    add("--writer-mean-len", type=float, default=2350.0)
+    add("--writer-rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.samples, args.mean_len, args.max_len, args.rounds = 4, 40.0, 96, 1
+        args.quality_samples = 3
+        args.writer_gb, args.writer_hidden, args.writer_aux = 0.004, 512, [1, 2, 3]
+        args.writer_mean_len, args.writer_rounds = 300.0, 1
+    return args
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
+    apply_common(args)
+    with scratch(args, "fp8") as s:
+        ctx = Ctx(args, s, s.shm / "dumps")
+        teacher = load_teacher(args, s.work)
+        data: dict[str, Any] = {
+            "machine": machine_info(args.out_dir, args.shm_dir),
+            "smoke": args.smoke,
+            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "teacher": {
+                "model": str(args.model)
+                if args.model
+                else f"built-in tiny Llama, seed {args.seed}",
+                "hidden_size": teacher.shape.hidden_size,
+                "aux_layers": list(teacher.shape.aux_layers),
+                "vocab": teacher.vocab,
+                "gains": teacher.gains,
+                "gains_set_by_bench": teacher.gains_set_here,
+            },
+        }
+        print("phase 1: end to end", flush=True)
+        data["e2e"] = e2e_phase(ctx, teacher)
+        print("phase 3: quality", flush=True)
+        datasets = {n: Path(p) for n, p in data["e2e"]["quality_datasets"].items()}
+        data["quality"] = quality_phase(datasets, teacher)
+        for out in datasets.values():
+            remove(out)
+        print("phase 2: the writer alone", flush=True)
+        data["writer"] = writer_phase(ctx)
+    tables = report(data)
+    path = save_results(args.results_dir, "fp8", data, tables)
+    plot(data, path.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
