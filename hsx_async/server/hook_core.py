@@ -438,9 +438,7 @@ class DumpRegistry:
                 True,
                 f"last chunk ends at row {end}, the prompt has {dump.num_tokens} tokens",
             )
-        return PartWrite(
-            dump.ns, dump.rid, batch_row, req.start, end, req.last_chunk, dump.storage
-        )
+        return PartWrite(dump.ns, dump.rid, batch_row, req.start, end, req.last_chunk, dump.storage)
 
     def _insert(self, rid: str, dump: RequestDump, rejects: list[Reject]) -> None:
         while len(self._open) >= self._max_open:
@@ -606,9 +604,7 @@ def encoded_part(hidden: PassRows, write: PartWrite) -> list[memoryview]:
 
     bits = assemble_rows(hidden, row, count).view(np.int16)
     rows = torch.from_numpy(bits).view(torch.bfloat16)
-    return [
-        t.view(torch.uint8).numpy().reshape(-1).data for t in encode_rows(rows, write.storage)
-    ]
+    return [t.view(torch.uint8).numpy().reshape(-1).data for t in encode_rows(rows, write.storage)]
 
 
 def assemble_rows(hidden: BatchHidden, row: int, count: int) -> np.ndarray:
