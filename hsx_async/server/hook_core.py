@@ -278,6 +278,17 @@ def request_storage(custom_params: object, layers: int) -> tuple[Storage, str]:
     return requested_storage(dict(custom_params), layers)
 
 
+def uniform_storage(reqs: Sequence[ReqView]) -> Storage | None:
+    """The FP8 storage every marked request of a pass asks for, if they agree on one: the
+    pass can then be quantized as a whole where its rows are produced (else None: its rows
+    stay bfloat16 and FP8 parts are quantized on the host, part by part)."""
+    wanted = {req.storage for req in reqs if req.ns is not None and not req.aborted}
+    if len(wanted) != 1:
+        return None
+    storage = wanted.pop()
+    return storage if storage.is_fp8 else None
+
+
 def shown(name: object) -> str:
     """A request-supplied name made safe and short for a log line."""
     text = repr(name)
@@ -598,13 +609,18 @@ def encoded_part(hidden: PassRows, write: PartWrite) -> list[memoryview]:
     row, count = write.batch_row, write.rows
     if isinstance(hidden, EncodedPass):
         return [s[row : row + count].data for s in hidden.sections]
+    return encode_bits(assemble_rows(hidden, row, count), write.storage)
+
+
+def encode_bits(rows: np.ndarray, storage: Storage) -> list[memoryview]:
+    """Host rows ``[n, L, H]`` of bfloat16 bit patterns (2-byte elements) as the bytes of
+    ``storage``'s sections, in order (:func:`hsx_async.quantize.encode_rows`)."""
     import torch  # noqa: PLC0415 (a bfloat16-only server never loads torch for this)
 
     from hsx_async.quantize import encode_rows  # noqa: PLC0415 (it imports torch)
 
-    bits = assemble_rows(hidden, row, count).view(np.int16)
-    rows = torch.from_numpy(bits).view(torch.bfloat16)
-    return [t.view(torch.uint8).numpy().reshape(-1).data for t in encode_rows(rows, write.storage)]
+    bf16 = torch.from_numpy(np.ascontiguousarray(rows).view(np.int16)).view(torch.bfloat16)
+    return [t.view(torch.uint8).numpy().reshape(-1).data for t in encode_rows(bf16, storage)]
 
 
 def assemble_rows(hidden: BatchHidden, row: int, count: int) -> np.ndarray:
