@@ -608,7 +608,7 @@ def encoded_part(hidden: PassRows, write: PartWrite) -> list[memoryview]:
     same quantizer, so the same bytes)."""
     row, count = write.batch_row, write.rows
     if isinstance(hidden, EncodedPass):
-        return [s[row : row + count].data for s in hidden.sections]
+        return [s[row : row + count].reshape(-1).data for s in hidden.sections]
     return encode_bits(assemble_rows(hidden, row, count), write.storage)
 
 
