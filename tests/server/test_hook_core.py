@@ -684,6 +684,18 @@ def encoded_pass(aux: np.ndarray, final: np.ndarray, storage: Storage) -> Encode
     return EncodedPass(storage=storage, sections=sections, aux_layers=LAYERS, hidden_size=H)
 
 
+def pass_loader(
+    aux: np.ndarray, final: np.ndarray, encoded: Storage | None
+) -> Callable[[], PassRows]:
+    """The pass's rows as bfloat16, or already encoded for ``encoded``."""
+    hidden: PassRows = (
+        BatchHidden(aux=aux, final=final, aux_layers=LAYERS)
+        if encoded is None
+        else encoded_pass(aux, final, encoded)
+    )
+    return lambda: hidden
+
+
 def test_request_storage_reads_the_custom_params() -> None:
     assert request_storage(None, 3) == (BF16_STORAGE, "")
     assert request_storage({"hsx_ns": NS}, 3) == (BF16_STORAGE, "")
@@ -724,9 +736,7 @@ def test_fp8_parts_are_encode_rows_of_the_bf16_dump(
 
         reqs = [[plain(2), mk(4, num_tokens=6, last=False)], [mk(2, start=4, num_tokens=6)]]
         for pass_reqs, (aux, final) in zip(reqs, passes, strict=True):
-            load: Callable[[], PassRows] = loader(aux, final)
-            if fp8 and encoded:
-                load = lambda a=aux, f=final: encoded_pass(a, f, storage)  # noqa: E731
+            load = pass_loader(aux, final, storage if fp8 and encoded else None)
             report = dumper.dump_batch(pass_reqs, load)
             assert report.rejects == [] and report.notes == []
     bf16 = read_bf16_rows(shm_root / NS / "bf")
