@@ -207,6 +207,7 @@ class HookState:
     storages: OrderedDict[str, Storage] = field(default_factory=OrderedDict)
     pass_rids: tuple[object, ...] | None = None
     encoded_passes: int = 0  # passes quantized on the device (tests, the log)
+    encoded_storages: set[Storage] = field(default_factory=set)  # logged once each
 
     @property
     def layers(self) -> int:
@@ -437,6 +438,14 @@ def _copy_encoded(result: Any, state: HookState | None, async_d2h: Callable[[Any
     setattr(result, _ENCODED_ATTR, (storage, encoded))
     out.hidden_states = None
     state.encoded_passes += 1
+    if storage not in state.encoded_storages:
+        state.encoded_storages.add(storage)
+        logger.info(
+            "hsx hook: quantizing passes to %s on the %s device (the first: %d rows)",
+            storage.describe(),
+            out.last_hidden_states.device.type,
+            int(out.last_hidden_states.shape[0]),
+        )
     return True
 
 

@@ -453,7 +453,7 @@ def test_fp8_pass_is_quantized_on_the_device(
         _, result = run_pass(api, runner, [short, long], [(0, 3), (0, 4)], x1, dtype=torch.float32)
         run_pass(api, runner, [long], [(4, 2)], x2, dtype=torch.float32)
         if prefix == "q":
-            assert state.encoded_passes == 2
+            assert state.encoded_passes == 2 and state.encoded_storages == {storage}
             assert result.logits_output.hidden_states is None  # no bfloat16 aux copy
             assert all(t.dtype == torch.uint8 for t in d2h_calls)
             per_row = storage.row_bytes(len(LAYERS) + 1, H)
