@@ -15,6 +15,13 @@ states arrive as two arrays of 2-byte elements (bfloat16 bit patterns): ``aux`` 
 layers of every row, ``[T, K*H]`` or ``[T, K, H]``, and ``final`` with the final (post-norm)
 hidden state, ``[T, H]``. "Layer k" is the residual stream entering decoder layer k, i.e.
 Hugging Face ``hidden_states[k]``.
+
+A request may ask for FP8 storage (``custom_params.hsx_dtype``/``hsx_quantized``, PROTOCOL
+§2): its parts then hold the sections of :func:`hsx_async.quantize.encode_rows` back to
+back. A pass whose requests all ask for one FP8 storage can arrive already encoded where
+its rows were produced (:class:`EncodedPass`, e.g. on the GPU before the copy to the host);
+otherwise its FP8 parts are quantized here from the bfloat16 rows, by the same quantizer.
+An unusable request is dumped as bfloat16 (noted once), and the client quantizes it.
 """
 
 from __future__ import annotations

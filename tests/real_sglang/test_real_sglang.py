@@ -10,6 +10,7 @@ One server per configuration (module-scoped, parametrised by TP), started and ki
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 import shutil
@@ -43,6 +44,7 @@ from hsx_async.protocol import (
     generate_body,
 )
 from hsx_async.quantize import assemble
+from hsx_async.run.dump import wait_for_meta
 from hsx_async.server.reference.model import TINY_HIDDEN, bf16_mismatch, reference_hidden_states
 from tests.e2e import config_raw, free_port, write_config
 from tests.real_sglang.conftest import (
@@ -356,6 +358,8 @@ def run_fp8(server: Server, tmp: Path, raw: dict[str, Any]) -> Fp8Run:
     for rid, storage in (("probe-bf16", BF16_STORAGE), ("probe-fp8", FP8_ALL)):
         body = generate_body(rid, PROBE_NS, ids, storage)
         check_response(server.post("/generate", body), rid=rid, num_tokens=len(ids))
+        # The commit follows the response (the hook's writer threads): wait as hsx does.
+        asyncio.run(wait_for_meta(server.dump_root / PROBE_NS / rid, 60.0))
         probes[rid] = tmp / rid
         shutil.copytree(server.dump_root / PROBE_NS / rid, probes[rid])
     shutil.rmtree(server.dump_root / PROBE_NS)

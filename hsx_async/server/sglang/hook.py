@@ -15,11 +15,15 @@ server's settings, then patches four methods in that process:
 - ``GenerationBatchResult.copy_to_cpu``: the final (post-norm) hidden state, which SGLang
   keeps next to the aux layers but does not copy, is copied along with them (with
   ``HSX_DEVICE_STACK=1`` on a GPU: both laid out as ``[T, L, H]`` on the device, then one
-  copy).
-- ``ModelRunner.forward``: before the first forward, the decoder stack's
-  ``layers_to_capture`` is set to ``HSX_AUX_LAYERS`` (layer k = the residual stream entering
-  layer k = Hugging Face ``hidden_states[k]``), whatever numbering the model's
-  ``set_eagle3_layers_to_capture`` uses.
+  copy). When every request of the pass asks for one FP8 storage (``hsx_dtype``,
+  ``hsx_quantized``), the rows are quantized on the device instead and only the FP8
+  sections are copied (:func:`encode_to_host`); other FP8 requests are quantized by the
+  writer threads, and an unusable request is dumped as bfloat16 (logged once).
+- ``ModelRunner.forward``: notes the pass's rids (``ForwardBatch.rids``) for the copy; and
+  before the first forward, the decoder stack's ``layers_to_capture`` is set to
+  ``HSX_AUX_LAYERS`` (layer k = the residual stream entering layer k = Hugging Face
+  ``hidden_states[k]``), whatever numbering the model's ``set_eagle3_layers_to_capture``
+  uses.
 - ``SchedulerBatchResultProcessor.process_batch_result_prefill``: before SGLang consumes a
   prefill result, attention-TP rank 0 (of each DP group, under DP attention) hands the
   pass to :class:`~hsx_async.server.hook_core.PrefillDumper`, which plans one part per
