@@ -608,15 +608,31 @@ def check_encoded(hidden: EncodedPass, total_rows: int, writes: Sequence[PartWri
             )
 
 
-def encoded_part(hidden: PassRows, write: PartWrite) -> list[memoryview]:
-    """The bytes of an FP8 part in file order (PROTOCOL §3): ``[fp8][f32 scales][bf16
-    kept]`` for its rows, exactly :func:`hsx_async.quantize.encode_rows` of its bfloat16
-    rows. Row slices of an :class:`EncodedPass`; from bfloat16 rows, quantized here (the
-    same quantizer, so the same bytes)."""
+# Rows quantized at once on the host: the float32 temporaries stay a few MiB per writer
+# thread, whatever the part.
+_ENCODE_BLOCK_BYTES = 4 << 20
+
+
+def encoded_part(hidden: PassRows, write: PartWrite) -> list[list[memoryview]]:
+    """The bytes of an FP8 part in file order (PROTOCOL §3), as ``writev`` lists:
+    ``[fp8][f32 scales][bf16 kept]`` for its rows, exactly
+    :func:`hsx_async.quantize.encode_rows` of its bfloat16 rows. Row slices of an
+    :class:`EncodedPass`; from bfloat16 rows, quantized here a block of rows at a time
+    (the same quantizer, per (row, slot) vector, so the same bytes)."""
     row, count = write.batch_row, write.rows
     if isinstance(hidden, EncodedPass):
-        return [s[row : row + count].reshape(-1).data for s in hidden.sections]
-    return encode_bits(assemble_rows(hidden, row, count), write.storage)
+        return [[s[row : row + count].reshape(-1).data for s in hidden.sections]]
+    layers = len(hidden.aux_layers) + 1
+    block = max(1, _ENCODE_BLOCK_BYTES // (layers * hidden.hidden_size * 2))
+    sections: list[list[memoryview]] = []
+    for first in range(row, row + count, block):
+        n = min(block, row + count - first)
+        encoded = encode_bits(assemble_rows(hidden, first, n), write.storage)
+        sections = sections or [[] for _ in encoded]
+        for out, data in zip(sections, encoded, strict=True):
+            out.append(data)
+    flat = [data for section in sections for data in section]
+    return [flat[i : i + IOV_MAX] for i in range(0, len(flat), IOV_MAX)]
 
 
 def encode_bits(rows: np.ndarray, storage: Storage) -> list[memoryview]:
@@ -736,7 +752,7 @@ def run_job(root: Path, job: PartJob, hidden: PassRows, *, assemble: bool = Fals
     try:
         with request_dir_fd(root, write.ns, write.rid) as dir_fd:
             if isinstance(hidden, EncodedPass) or write.storage.is_fp8:
-                write_part_vectored(dir_fd, write.start, write.end, [encoded_part(hidden, write)])
+                write_part_vectored(dir_fd, write.start, write.end, encoded_part(hidden, write))
             elif assemble:  # the pre-issue-16 path: one copy to lay the part out, then write
                 write_part(
                     dir_fd,

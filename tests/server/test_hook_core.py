@@ -28,6 +28,7 @@ from hsx_async.protocol import (
     row_bytes,
     storage_params,
 )
+from hsx_async.server import hook_core
 from hsx_async.server.hook_core import (
     BatchHidden,
     DumpRegistry,
@@ -722,11 +723,14 @@ def test_uniform_storage_of_a_pass() -> None:
 @pytest.mark.parametrize("storage", [FP8_ALL, FP8_AUX], ids=["all", "aux"])
 @pytest.mark.parametrize("encoded", [False, True], ids=["host", "device"])
 def test_fp8_parts_are_encode_rows_of_the_bf16_dump(
-    shm_root: Path, storage: Storage, encoded: bool
+    shm_root: Path, storage: Storage, encoded: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same two chunked passes, once for a bfloat16 request and once for an FP8 one:
     the FP8 parts are exactly encode_rows of the bfloat16 parts, whether the rows arrive as
-    bfloat16 (quantized on the host) or already encoded where they were produced."""
+    bfloat16 (quantized on the host, here in blocks of 3 rows and writev lists of 2
+    buffers) or already encoded where they were produced."""
+    monkeypatch.setattr(hook_core, "_ENCODE_BLOCK_BYTES", 3 * (K + 1) * H * 2)
+    monkeypatch.setattr(hook_core, "IOV_MAX", 2)
     dumper = make_dumper(shm_root)
     passes = [finite_arrays(2 + 4, seed=1), finite_arrays(2, seed=2)]
     for rid, fp8 in (("bf", False), ("q", True)):
