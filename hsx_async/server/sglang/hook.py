@@ -381,7 +381,7 @@ def _wrap_req_init(original: Wrapper, full_capture: object, state: HookState | N
             # Full capture for this request's batches, without return_hidden_states: the
             # rows are copied to the host, but never serialised into the response.
             self.return_hidden_states_mode = full_capture
-            if state is not None:
+            if state is not None and state.writer:
                 state.note_request(self.rid, params.custom_params)
 
     return __init__
@@ -432,7 +432,7 @@ def _copy_encoded(result: Any, state: HookState | None, async_d2h: Callable[[Any
     ``result`` for :func:`load_hidden`. SGLang's own copy of the aux rows is then not
     needed (no response of the pass carries hidden states): ``hidden_states`` is dropped.
     False: the bfloat16 path."""
-    storage = state.pass_storage() if state is not None else None
+    storage = state.pass_storage() if state is not None and state.writer else None
     if state is None or storage is None:
         return False
     out = result.logits_output

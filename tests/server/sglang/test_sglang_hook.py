@@ -278,6 +278,11 @@ def test_non_writer_rank_writes_nothing(api: SglangApi, state: HookState, shm_ro
     req = api.req_cls("r1", [1, 2], params())
     run_pass(api, runner, [req], [(0, 2)], torch.randn(2, H))
     assert req.finished()  # SGLang's own processing still ran
+    # Nor does it quantize: an FP8 pass is copied as SGLang copies it.
+    fp8 = api.req_cls("r2", [1, 2], params(**storage_params(FP8_ALL)))
+    _, result = run_pass(api, runner, [fp8], [(0, 2)], torch.randn(2, H))
+    assert fp8.finished() and result.logits_output.hidden_states is not None
+    assert state.encoded_passes == 0 and not state.storages
     assert list(shm_root.iterdir()) == []
 
 
