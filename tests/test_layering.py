@@ -1,5 +1,6 @@
 """The package's layering holds: the import-linter contracts in pyproject.toml, and the
-``server`` whitelist (what SGLang loads into its own process imports only the protocol)."""
+``server`` whitelist (what SGLang loads into its own process imports only the protocol and
+the quantizer)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,15 @@ import grimp
 from importlinter.cli import lint_imports
 
 ROOT = Path(__file__).resolve().parents[1]
-# The root package holds only __version__; importing any submodule imports it anyway.
-SERVER_MAY_IMPORT = ("hsx_async", "hsx_async.errors", "hsx_async.protocol", "hsx_async.server")
+# The root package holds only __version__; importing any submodule imports it anyway. The
+# quantizer (torch only) is the hooks' too: they quantize where the rows are produced.
+SERVER_MAY_IMPORT = (
+    "hsx_async",
+    "hsx_async.errors",
+    "hsx_async.protocol",
+    "hsx_async.quantize",
+    "hsx_async.server",
+)
 
 
 def test_import_linter_contracts_are_kept() -> None:

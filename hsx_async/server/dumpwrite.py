@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hsx_async.errors import DumpError
-from hsx_async.protocol import META_NAME, DumpMeta, part_name, valid_ns, valid_rid
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    META_NAME,
+    DumpMeta,
+    Storage,
+    part_name,
+    valid_ns,
+    valid_rid,
+)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -123,6 +131,8 @@ class RequestDump:
     # parts and its commit are skipped, and the scheduler's next pass poisons the rid. A
     # retried request starts a new RequestDump, so an old failure never leaks into it.
     failed: bool = False
+    # How its parts hold the rows (PROTOCOL §3): what the request asked for, or bfloat16.
+    storage: Storage = BF16_STORAGE
 
     @property
     def rows_done(self) -> int:
@@ -152,4 +162,5 @@ class RequestDump:
             parts=tuple(self.parts),
             model=model,
             server=server,
+            storage=self.storage,
         )

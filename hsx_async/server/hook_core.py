@@ -15,6 +15,13 @@ states arrive as two arrays of 2-byte elements (bfloat16 bit patterns): ``aux`` 
 layers of every row, ``[T, K*H]`` or ``[T, K, H]``, and ``final`` with the final (post-norm)
 hidden state, ``[T, H]``. "Layer k" is the residual stream entering decoder layer k, i.e.
 Hugging Face ``hidden_states[k]``.
+
+A request may ask for FP8 storage (``custom_params.hsx_dtype``/``hsx_quantized``, PROTOCOL
+§2): its parts then hold the sections of :func:`hsx_async.quantize.encode_rows` back to
+back. A pass whose requests all ask for one FP8 storage can arrive already encoded where
+its rows were produced (:class:`EncodedPass`, e.g. on the GPU before the copy to the host);
+otherwise its FP8 parts are quantized here from the bfloat16 rows, by the same quantizer.
+An unusable request is dumped as bfloat16 (noted once), and the client quantizes it.
 """
 
 from __future__ import annotations
@@ -29,10 +36,13 @@ import numpy as np
 
 from hsx_async.errors import ConfigError, DumpError
 from hsx_async.protocol import (
+    BF16_STORAGE,
     CUSTOM_PARAM_NS,
     DEFAULT_DUMP_ROOT,
     DumpMeta,
+    Storage,
     part_name,
+    requested_storage,
     valid_ns,
     valid_rid,
 )
@@ -266,6 +276,26 @@ def wants_dump(rid: object, custom_params: object, max_new_tokens: object) -> bo
     return ns is not None and valid_ns(ns) and valid_rid(rid) and max_new_tokens == 0
 
 
+def request_storage(custom_params: object, layers: int) -> tuple[Storage, str]:
+    """The storage a request's ``custom_params`` asks for (PROTOCOL §2): (storage, '') or,
+    for a request the hook cannot honour, (bfloat16, why): it is dumped as bfloat16 and the
+    client quantizes it."""
+    if not isinstance(custom_params, Mapping):
+        return BF16_STORAGE, ""
+    return requested_storage(dict(custom_params), layers)
+
+
+def uniform_storage(reqs: Sequence[ReqView]) -> Storage | None:
+    """The FP8 storage every marked request of a pass asks for, if they agree on one: the
+    pass can then be quantized as a whole where its rows are produced (else None: its rows
+    stay bfloat16 and FP8 parts are quantized on the host, part by part)."""
+    wanted = {req.storage for req in reqs if req.ns is not None and not req.aborted}
+    if len(wanted) != 1:
+        return None
+    storage = wanted.pop()
+    return storage if storage.is_fp8 else None
+
+
 def shown(name: object) -> str:
     """A request-supplied name made safe and short for a log line."""
     text = repr(name)
@@ -285,6 +315,8 @@ class ReqView:
     length). ``last_chunk``: no later chunk of this prompt is scheduled. ``retracted``: the
     server discards this pass for the request and will compute the prompt again from row
     0. ``aborted``: the request finished, is being aborted or has its output discarded.
+    ``storage``: how its rows are dumped (:func:`request_storage`); ``storage_note``: why
+    an FP8 request is dumped as bfloat16 instead (logged once, at its first pass).
     """
 
     rid: object
@@ -296,6 +328,8 @@ class ReqView:
     last_chunk: bool = True
     retracted: bool = False
     aborted: bool = False
+    storage: Storage = BF16_STORAGE
+    storage_note: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +342,7 @@ class PartWrite:
     start: int
     end: int
     last: bool
+    storage: Storage = BF16_STORAGE
 
     @property
     def rows(self) -> int:
@@ -327,6 +362,8 @@ class BatchPlan:
     writes: list[PartWrite] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)
     total_rows: int = 0
+    # Requests dumped as bfloat16 although they asked for FP8, and why (for the log).
+    notes: list[Reject] = field(default_factory=list)
 
 
 class DumpRegistry:
@@ -358,16 +395,14 @@ class DumpRegistry:
             plan.total_rows += req.rows
             if req.ns is None:
                 continue
-            outcome = self._plan_one(req, batch_row, plan.rejects)
+            outcome = self._plan_one(req, batch_row, plan)
             if isinstance(outcome, PartWrite):
                 plan.writes.append(outcome)
             elif outcome is not None:
                 plan.rejects.append(outcome)
         return plan
 
-    def _plan_one(
-        self, req: ReqView, batch_row: int, rejects: list[Reject]
-    ) -> PartWrite | Reject | None:
+    def _plan_one(self, req: ReqView, batch_row: int, plan: BatchPlan) -> PartWrite | Reject | None:
         # Requests the hook never dumps keep no state: they are reported on their first
         # pass (row 0) and skipped silently on later chunks and mixed-in decode steps.
         names = _dumpable_names(req)
@@ -398,8 +433,12 @@ class DumpRegistry:
                     f"[0, {req.start}) came from the prefix cache (start SGLang with "
                     "--disable-radix-cache)",
                 )
-            dump = RequestDump(rid=rid, ns=ns, num_tokens=req.num_tokens)
-            self._insert(rid, dump, rejects)
+            dump = RequestDump(rid=rid, ns=ns, num_tokens=req.num_tokens, storage=req.storage)
+            self._insert(rid, dump, plan.rejects)
+            if req.storage_note:
+                plan.notes.append(
+                    Reject(rid, f"dumped as bfloat16 (the client quantizes): {req.storage_note}")
+                )
         return self._continue(dump, req, batch_row)
 
     def _continue(self, dump: RequestDump, req: ReqView, batch_row: int) -> PartWrite | Reject:
@@ -417,7 +456,7 @@ class DumpRegistry:
                 True,
                 f"last chunk ends at row {end}, the prompt has {dump.num_tokens} tokens",
             )
-        return PartWrite(dump.ns, dump.rid, batch_row, req.start, end, req.last_chunk)
+        return PartWrite(dump.ns, dump.rid, batch_row, req.start, end, req.last_chunk, dump.storage)
 
     def _insert(self, rid: str, dump: RequestDump, rejects: list[Reject]) -> None:
         while len(self._open) >= self._max_open:
@@ -515,6 +554,98 @@ def check_hidden(hidden: BatchHidden, total_rows: int) -> None:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class EncodedPass:
+    """A pass's rows already in the sections of one FP8 storage, quantized where they were
+    produced (on the device, before the copy to the host: the host buffer carries the
+    smaller bytes). ``sections[i]`` is a C-contiguous ``uint8`` array ``[T, row bytes]`` of
+    ``storage.sections(L, H)[i]``: a part is the row slice of each, back to back."""
+
+    storage: Storage
+    sections: tuple[np.ndarray, ...]
+    aux_layers: tuple[int, ...]
+    hidden_size: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(s.nbytes) for s in self.sections)
+
+
+# What a pass hands the dumper: bfloat16 rows (any storage is written from them; FP8 parts
+# are quantized on the host) or rows encoded on the device for one FP8 storage.
+PassRows = BatchHidden | EncodedPass
+
+
+def pass_nbytes(hidden: PassRows) -> int:
+    """Host bytes a pass's rows hold (what a background writer's budget counts)."""
+    if isinstance(hidden, EncodedPass):
+        return hidden.nbytes
+    return int(hidden.aux.nbytes + hidden.final.nbytes)
+
+
+def check_encoded(hidden: EncodedPass, total_rows: int, writes: Sequence[PartWrite]) -> None:
+    """Every section holds the pass's rows at its row size, and every part of the pass
+    wants exactly this storage."""
+    layers = len(hidden.aux_layers) + 1
+    wanted = hidden.storage.sections(layers, hidden.hidden_size)
+    if len(hidden.sections) != len(wanted):
+        raise DumpError(
+            f"the pass was encoded into {len(hidden.sections)} sections, its storage "
+            f"{hidden.storage.describe()} has {len(wanted)}"
+        )
+    for got, section in zip(hidden.sections, wanted, strict=True):
+        shape = (total_rows, section.row_bytes)
+        if got.dtype != np.uint8 or got.shape != shape or not got.flags.c_contiguous:
+            raise DumpError(
+                f"encoded section {section.name} is {got.dtype} {got.shape}, expected "
+                f"uint8 {shape} (C order)"
+            )
+    for write in writes:
+        if write.storage != hidden.storage:
+            raise DumpError(
+                f"rid {write.rid} asked for {write.storage.describe()} but the pass was "
+                f"encoded as {hidden.storage.describe()}"
+            )
+
+
+# Rows quantized at once on the host: the float32 temporaries stay a few MiB per writer
+# thread, whatever the part.
+_ENCODE_BLOCK_BYTES = 4 << 20
+
+
+def encoded_part(hidden: PassRows, write: PartWrite) -> list[list[memoryview]]:
+    """The bytes of an FP8 part in file order (PROTOCOL §3), as ``writev`` lists:
+    ``[fp8][f32 scales][bf16 kept]`` for its rows, exactly
+    :func:`hsx_async.quantize.encode_rows` of its bfloat16 rows. Row slices of an
+    :class:`EncodedPass`; from bfloat16 rows, quantized here a block of rows at a time
+    (the same quantizer, per (row, slot) vector, so the same bytes)."""
+    row, count = write.batch_row, write.rows
+    if isinstance(hidden, EncodedPass):
+        return [[s[row : row + count].reshape(-1).data for s in hidden.sections]]
+    layers = len(hidden.aux_layers) + 1
+    block = max(1, _ENCODE_BLOCK_BYTES // (layers * hidden.hidden_size * 2))
+    sections: list[list[memoryview]] = []
+    for first in range(row, row + count, block):
+        n = min(block, row + count - first)
+        encoded = encode_bits(assemble_rows(hidden, first, n), write.storage)
+        sections = sections or [[] for _ in encoded]
+        for out, data in zip(sections, encoded, strict=True):
+            out.append(data)
+    flat = [data for section in sections for data in section]
+    return [flat[i : i + IOV_MAX] for i in range(0, len(flat), IOV_MAX)]
+
+
+def encode_bits(rows: np.ndarray, storage: Storage) -> list[memoryview]:
+    """Host rows ``[n, L, H]`` of bfloat16 bit patterns (2-byte elements) as the bytes of
+    ``storage``'s sections, in order (:func:`hsx_async.quantize.encode_rows`)."""
+    import torch  # noqa: PLC0415 (a bfloat16-only server never loads torch for this)
+
+    from hsx_async.quantize import encode_rows  # noqa: PLC0415 (it imports torch)
+
+    bf16 = torch.from_numpy(np.ascontiguousarray(rows).view(np.int16)).view(torch.bfloat16)
+    return [t.view(torch.uint8).numpy().reshape(-1).data for t in encode_rows(bf16, storage)]
+
+
 def assemble_rows(hidden: BatchHidden, row: int, count: int) -> np.ndarray:
     """Rows ``[row, row+count)`` of the pass as one part: ``[count, K+1, H]``, C order,
     the aux layers in order, then the final hidden state."""
@@ -592,6 +723,7 @@ class BatchReport:
     committed: list[str] = field(default_factory=list)
     rejects: list[Reject] = field(default_factory=list)
     queued: list[PartWrite] = field(default_factory=list)
+    notes: list[Reject] = field(default_factory=list)  # FP8 requests dumped as bfloat16
 
 
 @dataclass(frozen=True, slots=True)
@@ -612,14 +744,16 @@ class JobOutcome:
     reject: Reject | None
 
 
-def run_job(root: Path, job: PartJob, hidden: BatchHidden, *, assemble: bool = False) -> JobOutcome:
+def run_job(root: Path, job: PartJob, hidden: PassRows, *, assemble: bool = False) -> JobOutcome:
     """Write ``job``'s part (and commit) unless an earlier part of its dump failed."""
     write = job.write
     if job.dump.failed:
         return JobOutcome(wrote=False, committed=False, reject=None)
     try:
         with request_dir_fd(root, write.ns, write.rid) as dir_fd:
-            if assemble:  # the pre-issue-16 path: one copy to lay the part out, then write
+            if isinstance(hidden, EncodedPass) or write.storage.is_fp8:
+                write_part_vectored(dir_fd, write.start, write.end, encoded_part(hidden, write))
+            elif assemble:  # the pre-issue-16 path: one copy to lay the part out, then write
                 write_part(
                     dir_fd,
                     write.start,
@@ -642,7 +776,7 @@ class PartSink(Protocol):
     """Where :class:`PrefillDumper` hands a pass's jobs when it does not write them itself
     (:class:`hsx_async.server.hook_writer.BackgroundWriter`)."""
 
-    def submit(self, hidden: BatchHidden, jobs: Sequence[PartJob]) -> None: ...
+    def submit(self, hidden: PassRows, jobs: Sequence[PartJob]) -> None: ...
 
 
 class PrefillDumper:
@@ -670,17 +804,20 @@ class PrefillDumper:
         self.background = background
         self.assemble = assemble
 
-    def dump_batch(self, reqs: Sequence[ReqView], load: Callable[[], BatchHidden]) -> BatchReport:
+    def dump_batch(self, reqs: Sequence[ReqView], load: Callable[[], PassRows]) -> BatchReport:
         """Write (or queue) this pass's parts. ``load`` is called only when some part is
         due, and may raise :class:`DumpError` to refuse the pass (its marked requests get
         no dump)."""
         plan = self.registry.plan(reqs)
-        report = BatchReport(rejects=plan.rejects)
+        report = BatchReport(rejects=plan.rejects, notes=plan.notes)
         if not plan.writes:
             return report
         try:
             hidden = load()
-            check_hidden(hidden, plan.total_rows)
+            if isinstance(hidden, EncodedPass):
+                check_encoded(hidden, plan.total_rows, plan.writes)
+            else:
+                check_hidden(hidden, plan.total_rows)
         except DumpError as exc:
             for write in plan.writes:
                 self.registry.poison(write.rid, last=write.last)
@@ -702,7 +839,7 @@ class PrefillDumper:
             self._write_now(job, hidden, report)
         return report
 
-    def _job(self, write: PartWrite, hidden: BatchHidden) -> PartJob:
+    def _job(self, write: PartWrite, hidden: PassRows) -> PartJob:
         # Recorded when planned, not when written: the next pass's plan must see this
         # part even while a background writer still holds it.
         dump = self.registry.entry(write.rid)
@@ -717,7 +854,7 @@ class PrefillDumper:
             )
         return PartJob(write=write, dump=dump, meta=meta)
 
-    def _write_now(self, job: PartJob, hidden: BatchHidden, report: BatchReport) -> None:
+    def _write_now(self, job: PartJob, hidden: PassRows, report: BatchReport) -> None:
         outcome = run_job(self.config.dump_root, job, hidden, assemble=self.assemble)
         if outcome.wrote:
             report.parts.append(job.write)

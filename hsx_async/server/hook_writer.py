@@ -34,7 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsx_async.errors import DumpError
-from hsx_async.server.hook_core import BatchHidden, JobOutcome, PartJob, Reject, run_job
+from hsx_async.server.hook_core import (
+    JobOutcome,
+    PartJob,
+    PassRows,
+    Reject,
+    pass_nbytes,
+    run_job,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +72,8 @@ class _Pass:
 
     __slots__ = ("hidden", "nbytes", "pending")
 
-    def __init__(self, hidden: BatchHidden, nbytes: int, pending: int) -> None:
-        self.hidden: BatchHidden | None = hidden
+    def __init__(self, hidden: PassRows, nbytes: int, pending: int) -> None:
+        self.hidden: PassRows | None = hidden
         self.nbytes = nbytes
         self.pending = pending
 
@@ -113,11 +120,11 @@ class BackgroundWriter:
 
     # -- the scheduler thread's side ---------------------------------------------------
 
-    def submit(self, hidden: BatchHidden, jobs: Sequence[PartJob]) -> None:
+    def submit(self, hidden: PassRows, jobs: Sequence[PartJob]) -> None:
         """Queue a pass's jobs; blocks while the budget is full. DumpError once closed."""
         if not jobs:
             return
-        nbytes = int(hidden.aux.nbytes + hidden.final.nbytes)
+        nbytes = pass_nbytes(hidden)
         with self._cond:
             self._wait_for_room(nbytes)
             if self._closed:
@@ -248,4 +255,5 @@ def _part_bytes(ticket: _Pass, job: PartJob) -> int:
     hidden = ticket.hidden
     if hidden is None:
         return 0
-    return job.write.rows * (len(hidden.aux_layers) + 1) * hidden.hidden_size * 2
+    layers = len(hidden.aux_layers) + 1
+    return job.write.rows * job.write.storage.row_bytes(layers, hidden.hidden_size)

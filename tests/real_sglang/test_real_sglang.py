@@ -10,6 +10,7 @@ One server per configuration (module-scoped, parametrised by TP), started and ki
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 import shutil
@@ -26,11 +27,24 @@ import numpy as np
 import orjson
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import read_manifest
+from hsx_async.dataset.provenance import dataset_storage, read_provenance
 from hsx_async.prepare.template import ChatEncoder, load_tokenizer
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    FP8,
+    HIDDEN,
+    SCALES,
+    Storage,
+    check_response,
+    generate_body,
+)
+from hsx_async.quantize import assemble
+from hsx_async.run.dump import wait_for_meta
 from hsx_async.server.reference.model import TINY_HIDDEN, bf16_mismatch, reference_hidden_states
 from tests.e2e import config_raw, free_port, write_config
 from tests.real_sglang.conftest import (
@@ -42,6 +56,7 @@ from tests.real_sglang.conftest import (
     running,
     wait_ready,
 )
+from tests.server.fp8 import check_fp8_dump, read_bf16_rows
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(600)]
 
@@ -83,6 +98,20 @@ class Run:
     dump_root_after: list[str]
     regen: subprocess.CompletedProcess[str] | None = None  # hsx regenerate (TP=1 only)
     regen_out: Path | None = None
+    fp8: Fp8Run | None = None  # the FP8 run and probe (TP=1 only)
+
+
+@dataclass
+class Fp8Run:
+    """``hsx run`` of the same samples with FP8 storage of every slot, and two requests
+    sent straight to the server (one bfloat16, one FP8, same prompt) whose dumps were
+    copied out of /dev/shm before anything consumed them."""
+
+    hsx: subprocess.CompletedProcess[str]
+    out: Path
+    probe_ids: list[int]
+    probe_bf16: Path
+    probe_fp8: Path
 
 
 def generate_plain(server: Server, ids: list[int]) -> dict[str, Any]:
@@ -166,13 +195,16 @@ def run(
             p.alone = generate_plain(server, p.input_ids)
         hsx = run_hsx_beside_plain_traffic(server, config, plain)
         regen = run_regenerate(server, tmp, model_dir) if tp == 1 else None
+        fp8 = run_fp8(server, tmp, raw) if tp == 1 else None
         info = server.get("/get_server_info")
         left = sorted(p.name for p in server.dump_root.iterdir())
     # The server is gone before the checks: its idle schedulers would take the CPU the
     # Hugging Face forwards need (SGLang binds its threads to the cores under TP=2).
     if tp == 1 and hsx.returncode == 0:
         engine_datasets["sglang"] = (tmp / "out", samples)  # tests/real_vllm compares
-    yield Run(tp, server, tmp / "out", samples, plain, hsx, info, left, regen, tmp / "regen.jsonl")
+    yield Run(
+        tp, server, tmp / "out", samples, plain, hsx, info, left, regen, tmp / "regen.jsonl", fp8
+    )
 
 
 def test_server_runs_the_configuration(run: Run) -> None:
@@ -309,3 +341,79 @@ def test_regenerate_answers_are_the_models_own(run: Run, hf_model: Any, model_di
                 answered += 1
             history.append({"role": turn["role"], "content": turn["content"]})
     assert answered >= REGEN_CONVERSATIONS
+
+
+# --- FP8 storage (TP=1) -----------------------------------------------------------------
+
+FP8_ALL = Storage(FP8, (0, 1, 2, 3))
+PROBE_NS = "fp8-probe"
+
+
+def run_fp8(server: Server, tmp: Path, raw: dict[str, Any]) -> Fp8Run:
+    """The probe (a prompt of 2 chunks and a bit, as bfloat16 then as FP8, each alone in
+    its passes), then ``hsx run`` of the same samples as the bfloat16 run into an FP8
+    dataset. The probe's dumps are moved out of the dump root (nothing else reads them)."""
+    ids = [3 + (7 * i) % 1000 for i in range(2 * CHUNK + 3)]
+    probes = {}
+    for rid, storage in (("probe-bf16", BF16_STORAGE), ("probe-fp8", FP8_ALL)):
+        body = generate_body(rid, PROBE_NS, ids, storage)
+        check_response(server.post("/generate", body), rid=rid, num_tokens=len(ids))
+        # The commit follows the response (the hook's writer threads): wait as hsx does.
+        asyncio.run(wait_for_meta(server.dump_root / PROBE_NS / rid, 60.0))
+        probes[rid] = tmp / rid
+        shutil.copytree(server.dump_root / PROBE_NS / rid, probes[rid])
+    shutil.rmtree(server.dump_root / PROBE_NS)
+    fp8_raw = {**raw, "output": {**raw["output"], "dir": str(tmp / "fp8-out"), "dtype": FP8}}
+    config = write_config(tmp, fp8_raw, "fp8.toml")
+    cmd = [*hsx_command(), "run", "--config", str(config)]
+    hsx = subprocess.run(cmd, capture_output=True, text=True, timeout=HSX_TIMEOUT, check=False)
+    return Fp8Run(hsx, tmp / "fp8-out", ids, probes["probe-bf16"], probes["probe-fp8"])
+
+
+def test_fp8_dumps_are_quantized_by_the_hook(run: Run) -> None:
+    """In /dev/shm, before the client saw it: the hook's FP8 dump of a prompt is exactly
+    encode_rows of its bfloat16 dump of the same prompt, at the FP8 part sizes; and every
+    pass of the FP8 run was quantized on the device, none left to the client."""
+    if run.fp8 is None:
+        pytest.skip("the FP8 run is against the TP=1 server only")
+    fp8 = run.fp8
+    bf16 = read_bf16_rows(fp8.probe_bf16)
+    parts = check_fp8_dump(fp8.probe_fp8, bf16, FP8_ALL, aux_layers=AUX, rid="probe-fp8")
+    assert len(parts) == 3  # chunked: 16 + 16 + 3 rows
+    log = run.server.log_text()
+    assert "hsx hook: quantizing passes to float8_e4m3fn (slots 0,1,2,3) on the cpu" in log
+    assert "dumped as bfloat16" not in log and "hsx: no dump for rid" not in log
+
+
+def test_fp8_run_matches_the_hugging_face_forward_in_half_the_bytes(
+    run: Run, hf_model: Any
+) -> None:
+    if run.fp8 is None:
+        pytest.skip("the FP8 run is against the TP=1 server only")
+    fp8 = run.fp8
+    assert fp8.hsx.returncode == 0, fp8.hsx.stdout[-3000:] + fp8.hsx.stderr[-3000:]
+    entries = {canonical_id(e.id): e for e in read_manifest(fp8.out)}
+    assert set(entries) == set(run.samples)
+    assert dataset_storage(read_provenance(fp8.out)) == FP8_ALL
+    hidden_bytes = {"bf16": 0, "fp8": 0}
+    for sid, entry in entries.items():
+        ids = run.samples[sid]
+        with safe_open(str(fp8.out / entry.path), framework="pt") as f:
+            assert f.metadata()["dtype"] == FP8 and f.metadata()["quantized"] == "0,1,2,3"
+            q, scales = f.get_tensor(HIDDEN), f.get_tensor(SCALES)
+            assert set(f.keys()) == {"input_ids", HIDDEN, SCALES}  # no slot kept
+        assert q.dtype == torch.float8_e4m3fn and q.shape == (len(ids), 4, TINY_HIDDEN)
+        got = assemble(q, scales, None, FP8_ALL, torch.float32)
+        truth = reference_hidden_states(hf_model, ids, AUX).float()
+        err = (got - truth).norm(dim=-1) / truth.norm(dim=-1)
+        cosine = torch.nn.functional.cosine_similarity(got, truth, dim=-1)
+        assert float(err.max()) < 0.08, f"{sid}: relative RMS error {float(err.max()):.4f}"
+        assert float(cosine.min()) > 0.995, f"{sid}: cosine {float(cosine.min()):.5f}"
+        hidden_bytes["fp8"] += q.numel() + scales.numel() * 4
+        hidden_bytes["bf16"] += truth.numel() * 2
+    # Measured from the files: the hidden states take (4H + 16) / 8H of the bfloat16 run's
+    # (0.508 at H 256); the whole files a little more (ids, headers, 4 KiB alignment).
+    bf16_files = sum(e.size for e in read_manifest(run.out))
+    fp8_files = sum(e.size for e in entries.values())
+    assert hidden_bytes["fp8"] / hidden_bytes["bf16"] < 0.51
+    assert fp8_files / bf16_files < 0.6, (fp8_files, bf16_files)

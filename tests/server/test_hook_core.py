@@ -7,37 +7,50 @@ import dataclasses
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hsx_async.errors import ConfigError, DumpError
 from hsx_async.protocol import (
+    BF16_STORAGE,
+    FP8,
     META_NAME,
+    Storage,
     check_meta,
     check_part_sizes,
     parse_meta,
     parse_part_name,
     row_bytes,
+    storage_params,
 )
+from hsx_async.server import hook_core
 from hsx_async.server.hook_core import (
     BatchHidden,
     DumpRegistry,
+    EncodedPass,
     HookConfig,
     PartWrite,
+    PassRows,
     PrefillDumper,
     ReqView,
     ServerSettings,
     assemble_rows,
     check_hidden,
     check_server_settings,
+    encode_bits,
     parse_aux_layers,
     request_namespace,
+    request_storage,
     server_problems,
+    uniform_storage,
     wants_dump,
 )
+from tests.server.fp8 import FP8_ALL, FP8_AUX, check_fp8_dump, read_bf16_rows
 
 NS = "w0"
 H = 4
@@ -635,3 +648,140 @@ def test_any_chunking_reassembles_every_prompt(
     for rid, (aux, final) in truth.items():
         rows, n = read_dump(root, rid)
         np.testing.assert_array_equal(rows, expected_rows(aux, final, 0, n))
+
+
+# --------------------------------------------------------------------------------------
+# FP8 storage (PROTOCOL §3, version 3)
+# --------------------------------------------------------------------------------------
+
+
+def finite_arrays(total: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Finite bfloat16 rows of very different magnitudes per (row, slice): aux [T, K*H],
+    final [T, H], as bit patterns."""
+    rng = np.random.default_rng(seed)
+    gains = 10.0 ** rng.uniform(-3, 3, size=(total, K + 1, 1))
+    rows = torch.from_numpy(rng.standard_normal((total, K + 1, H)) * gains).to(torch.bfloat16)
+    bits = rows.view(torch.int16).numpy().view(np.uint16)
+    return np.ascontiguousarray(bits[:, :K].reshape(total, K * H)), np.ascontiguousarray(bits[:, K])
+
+
+def fp8_params(storage: Storage) -> dict[str, object]:
+    return {"hsx_ns": NS, **storage_params(storage)}
+
+
+def fp8_view(rid: str, rows: int, storage: Storage, **kw: Any) -> ReqView:
+    got, note = request_storage(fp8_params(storage), K + 1)
+    assert (got, note) == (storage, "")
+    return dataclasses.replace(view(rid, rows, **kw), storage=got)
+
+
+def encoded_pass(aux: np.ndarray, final: np.ndarray, storage: Storage) -> EncodedPass:
+    """The pass as a device would hand it over: every row's sections, [T, row bytes]."""
+    rows = assemble_rows(BatchHidden(aux=aux, final=final, aux_layers=LAYERS), 0, len(aux))
+    t = rows.shape[0]
+    sections = tuple(
+        np.frombuffer(b, dtype=np.uint8).reshape(t, -1) for b in encode_bits(rows, storage)
+    )
+    return EncodedPass(storage=storage, sections=sections, aux_layers=LAYERS, hidden_size=H)
+
+
+def pass_loader(
+    aux: np.ndarray, final: np.ndarray, encoded: Storage | None
+) -> Callable[[], PassRows]:
+    """The pass's rows as bfloat16, or already encoded for ``encoded``."""
+    hidden: PassRows = (
+        BatchHidden(aux=aux, final=final, aux_layers=LAYERS)
+        if encoded is None
+        else encoded_pass(aux, final, encoded)
+    )
+    return lambda: hidden
+
+
+def test_request_storage_reads_the_custom_params() -> None:
+    assert request_storage(None, 3) == (BF16_STORAGE, "")
+    assert request_storage({"hsx_ns": NS}, 3) == (BF16_STORAGE, "")
+    assert request_storage(fp8_params(FP8_AUX), 3) == (FP8_AUX, "")
+    for bad, fragment in (
+        ({"hsx_dtype": "float8_e5m2", "hsx_quantized": [0]}, "float8_e5m2"),
+        ({"hsx_dtype": FP8, "hsx_quantized": [0, 3]}, "past the 3 layer slots"),
+        ({"hsx_dtype": FP8, "hsx_quantized": [1, 0]}, "ascending"),
+        ({"hsx_dtype": FP8}, "expected a list of slot indices"),
+    ):
+        storage, why = request_storage({"hsx_ns": NS, **bad}, 3)
+        assert storage == BF16_STORAGE and fragment in why
+
+
+def test_uniform_storage_of_a_pass() -> None:
+    a, b = fp8_view("a", 1, FP8_ALL), fp8_view("b", 1, FP8_ALL)
+    assert uniform_storage([plain(2), a, b]) == FP8_ALL
+    assert uniform_storage([a, fp8_view("c", 1, FP8_AUX)]) is None
+    assert uniform_storage([a, view("d", 1)]) is None  # a bfloat16 request in the pass
+    assert uniform_storage([view("d", 1), plain(1)]) is None
+    assert uniform_storage([dataclasses.replace(view("d", 1), aborted=True), a]) == FP8_ALL
+
+
+@pytest.mark.parametrize("storage", [FP8_ALL, FP8_AUX], ids=["all", "aux"])
+@pytest.mark.parametrize("encoded", [False, True], ids=["host", "device"])
+def test_fp8_parts_are_encode_rows_of_the_bf16_dump(
+    shm_root: Path, storage: Storage, encoded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same two chunked passes, once for a bfloat16 request and once for an FP8 one:
+    the FP8 parts are exactly encode_rows of the bfloat16 parts, whether the rows arrive as
+    bfloat16 (quantized on the host, here in blocks of 3 rows and writev lists of 2
+    buffers) or already encoded where they were produced."""
+    monkeypatch.setattr(hook_core, "_ENCODE_BLOCK_BYTES", 3 * (K + 1) * H * 2)
+    monkeypatch.setattr(hook_core, "IOV_MAX", 2)
+    dumper = make_dumper(shm_root)
+    passes = [finite_arrays(2 + 4, seed=1), finite_arrays(2, seed=2)]
+    for rid, fp8 in (("bf", False), ("q", True)):
+
+        def mk(rows: int, **kw: Any) -> ReqView:
+            return fp8_view(rid, rows, storage, **kw) if fp8 else view(rid, rows, **kw)  # noqa: B023
+
+        reqs = [[plain(2), mk(4, num_tokens=6, last=False)], [mk(2, start=4, num_tokens=6)]]
+        for pass_reqs, (aux, final) in zip(reqs, passes, strict=True):
+            load = pass_loader(aux, final, storage if fp8 and encoded else None)
+            report = dumper.dump_batch(pass_reqs, load)
+            assert report.rejects == [] and report.notes == []
+    bf16 = read_bf16_rows(shm_root / NS / "bf")
+    parts = check_fp8_dump(shm_root / NS / "q", bf16, storage, aux_layers=LAYERS)
+    assert parts == [(0, 4), (4, 6)]
+    assert parse_meta((shm_root / NS / "q" / META_NAME).read_bytes()).model == "tiny-model"
+
+
+def test_unusable_fp8_request_is_dumped_bf16_and_noted_once(shm_root: Path) -> None:
+    dumper = make_dumper(shm_root)
+    bad = {"hsx_ns": NS, "hsx_dtype": FP8, "hsx_quantized": [0, 7]}
+    storage, why = request_storage(bad, K + 1)
+    assert storage == BF16_STORAGE and why
+
+    def bad_view(rows: int, **kw: Any) -> ReqView:
+        return dataclasses.replace(view("r", rows, **kw), storage=storage, storage_note=why)
+
+    (aux1, final1), (aux2, final2) = finite_arrays(3, seed=1), finite_arrays(2, seed=2)
+    r1 = dumper.dump_batch([bad_view(3, num_tokens=5, last=False)], loader(aux1, final1))
+    r2 = dumper.dump_batch([bad_view(2, start=3, num_tokens=5)], loader(aux2, final2))
+    assert [(n.rid, "past the 3 layer slots" in n.reason) for n in r1.notes] == [("r", True)]
+    assert "dumped as bfloat16" in r1.notes[0].reason
+    assert r2.notes == [] and r2.committed == ["r"]
+    rows, _ = read_dump(shm_root, "r")  # a plain bfloat16 dump, checked as the client does
+    want = np.concatenate([expected_rows(aux1, final1, 0, 3), expected_rows(aux2, final2, 0, 2)])
+    np.testing.assert_array_equal(rows, want)
+
+
+def test_encoded_pass_must_match_its_requests(shm_root: Path) -> None:
+    dumper = make_dumper(shm_root)
+    aux, final = finite_arrays(3)
+    other = dumper.dump_batch(
+        [fp8_view("a", 3, FP8_AUX)], lambda: encoded_pass(aux, final, FP8_ALL)
+    )
+    assert [r.rid for r in other.rejects] == ["a"]
+    assert "encoded as float8_e4m3fn (slots 0,1,2)" in other.rejects[0].reason
+    short = encoded_pass(aux, final, FP8_ALL)
+    short = dataclasses.replace(short, sections=(short.sections[0][:2], *short.sections[1:]))
+    cut = dumper.dump_batch([fp8_view("b", 3, FP8_ALL)], lambda: short)
+    assert "encoded section hidden_states is uint8 (2, 12)" in cut.rejects[0].reason
+    missing = dataclasses.replace(short, sections=short.sections[1:])
+    gone = dumper.dump_batch([fp8_view("c", 3, FP8_ALL)], lambda: missing)
+    assert "encoded into 1 sections" in gone.rejects[0].reason
+    assert not (shm_root / NS).exists()  # refused before any file was written

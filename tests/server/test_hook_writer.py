@@ -4,6 +4,7 @@ its rid, shutdown draining or abandoning a full queue, and the copy-free part la
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -15,7 +16,14 @@ import numpy as np
 import pytest
 
 from hsx_async.errors import DumpError
-from hsx_async.protocol import META_NAME, check_meta, check_part_sizes, parse_meta, parse_part_name
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    META_NAME,
+    check_meta,
+    check_part_sizes,
+    parse_meta,
+    parse_part_name,
+)
 from hsx_async.server import dumpwrite, hook_core, hook_writer
 from hsx_async.server.hook_core import (
     BatchHidden,
@@ -27,6 +35,8 @@ from hsx_async.server.hook_core import (
     stacked_rows,
 )
 from hsx_async.server.hook_writer import BackgroundWriter, WriterStats
+from tests.server.fp8 import FP8_AUX, check_fp8_dump, read_bf16_rows
+from tests.server.test_hook_core import finite_arrays, pass_loader
 
 NS = "w0"
 H = 4
@@ -490,3 +500,29 @@ def test_writer_needs_a_thread_and_a_budget(shm_root: Path) -> None:
     with pytest.raises(ValueError, match="at least one thread"):
         BackgroundWriter(shm_root, threads=0, queue_bytes=1)
     assert WriterStats().queued_bytes == 0
+
+
+@pytest.mark.parametrize("encoded", [False, True], ids=["host", "device"])
+def test_fp8_parts_in_the_background(
+    shm_root: Path, closing: list[BackgroundWriter], encoded: bool
+) -> None:
+    """FP8 requests through the writer threads: the same bytes as written synchronously,
+    the budget counts the host bytes the pass holds, and bytes_written the part sizes."""
+    dumper, writer = make(shm_root, threads=2)
+    closing.append(writer)
+    (aux1, final1), (aux2, final2) = finite_arrays(1 + 5, seed=3), finite_arrays(3, seed=4)
+    for rid, fp8 in (("bf", False), ("q", True)):
+        storage = FP8_AUX if fp8 else BF16_STORAGE
+        first = dataclasses.replace(view(rid, 5, num_tokens=8), storage=storage)
+        second = dataclasses.replace(view(rid, 3, start=5), storage=storage)
+        for req, aux, final in ((first, aux1, final1), (second, aux2, final2)):
+            load = pass_loader(aux, final, FP8_AUX if fp8 and encoded else None)
+            reqs = [plain(1), req] if req.start == 0 else [req]
+            queued = dumper.dump_batch(reqs, load).queued
+            assert [(w.rid, w.storage) for w in queued] == [(rid, req.storage)]
+    assert writer.flush(WAIT_S)
+    check_fp8_dump(shm_root / NS / "q", read_bf16_rows(shm_root / NS / "bf"), FP8_AUX,
+                   aux_layers=LAYERS)  # fmt: skip
+    fp8_row = FP8_AUX.row_bytes(K + 1, H)
+    assert writer.stats.bytes_written == 8 * ROW_BYTES + 8 * fp8_row
+    assert writer.stats.queued_bytes == 0 and writer.stats.committed == 2

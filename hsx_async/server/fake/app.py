@@ -30,6 +30,7 @@ from hsx_async.server.fake.request import (
     response_body,
 )
 from hsx_async.server.fake.sched import DumpSpec, Job, Scheduler, ServerStopped, commit
+from hsx_async.server.hook_core import request_storage
 
 SERVER_NAME = f"hsx-fake {__version__}"
 _log = logging.getLogger(__name__)
@@ -96,6 +97,10 @@ async def _serve_hsx(request: web.Request, state: _State, req: GenerateRequest) 
         await state.stopping.wait()
         return _drop(request)
     cuts = random_cuts(options.seed, req.rid, req.prompt_tokens) if options.random_chunks else ()
+    storage, why = request_storage(req.custom_params, len(state.spec.aux_layers) + 1)
+    state.stats.note_storage(storage, why)
+    if why:
+        _log.warning("rid %s dumped as bfloat16 (the client quantizes): %s", req.rid, why)
     job = Job(
         rid=req.rid,
         ns=req.ns,
@@ -103,6 +108,7 @@ async def _serve_hsx(request: web.Request, state: _State, req: GenerateRequest) 
         fault=fault,
         cuts=(*cuts[:-1], req.prompt_tokens),
         done=asyncio.get_running_loop().create_future(),
+        storage=storage,
     )
     state.scheduler.submit(job)
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx_async.errors import ConfigError
-from hsx_async.protocol import DEFAULT_DUMP_ROOT
+from hsx_async.protocol import DEFAULT_DUMP_ROOT, Storage
 
 # Every fault makes the attempt fail on a correct client, except LATE_META, which a client
 # with a long enough dump timeout must ride out.
@@ -176,6 +176,8 @@ class FakeStats:
     parts_written: int = 0
     tokens_dumped: int = 0  # rows written to part files (faulty parts included)
     commits: int = 0  # meta.json files written
+    fp8_requests: int = 0  # hsx requests dumped as FP8 (quantized by this server)
+    storage_fallbacks: int = 0  # FP8 requests this server could not honour: dumped bf16
     restarts: int = 0
     faults: dict[str, int] = field(default_factory=dict)  # injected faults by kind
     fault_log: dict[str, str] = field(default_factory=dict)  # rid -> injected fault
@@ -188,6 +190,10 @@ class FakeStats:
             self.faults[fault] = self.faults.get(fault, 0) + 1
             self.fault_log[rid] = fault
         self._received.mark(rid)
+
+    def note_storage(self, storage: Storage, why: str) -> None:
+        self.fp8_requests += storage.is_fp8
+        self.storage_fallbacks += bool(why)
 
     def note_committed(self, rid: str) -> None:
         self.commits += 1
@@ -211,6 +217,8 @@ class FakeStats:
             "parts_written": self.parts_written,
             "tokens_dumped": self.tokens_dumped,
             "commits": self.commits,
+            "fp8_requests": self.fp8_requests,
+            "storage_fallbacks": self.storage_fallbacks,
             "restarts": self.restarts,
             "faults": dict(self.faults),
             "fault_log": dict(self.fault_log),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,8 @@ class GenerateRequest:
     ns: str | None  # None: ordinary traffic, no dump
     input_ids: I64
     prompt_tokens: int
+    # An hsx request's custom_params as sent: the storage it asks for (PROTOCOL §2).
+    custom_params: dict[str, Any] = field(default_factory=dict)
 
 
 def _parse_ids(raw: object, *, required: bool) -> I64:
@@ -70,7 +72,8 @@ def parse_generate(raw: bytes) -> GenerateRequest:
         return GenerateRequest(rid if isinstance(rid, str) else None, None, ids, tokens)
     _check_hsx(body, sampling, ns)
     ids = _parse_ids(body.get("input_ids"), required=True)
-    return GenerateRequest(body["rid"], ns, ids, int(ids.shape[0]))
+    params = dict(custom) if isinstance(custom, dict) else {}
+    return GenerateRequest(body["rid"], ns, ids, int(ids.shape[0]), params)
 
 
 def response_body(rid: str, prompt_tokens: int, fault: str | None) -> dict[str, Any]:

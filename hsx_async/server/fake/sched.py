@@ -21,10 +21,11 @@ from typing import Any
 import numpy as np
 
 from hsx_async.errors import HsxError
-from hsx_async.protocol import DumpMeta
+from hsx_async.protocol import BF16_STORAGE, DumpMeta, Storage
 from hsx_async.server.dumpwrite import RequestDump, request_dir_fd, write_meta, write_part
 from hsx_async.server.fake.content import I64, U16, fill_rows
 from hsx_async.server.fake.options import FakeStats
+from hsx_async.server.hook_core import encode_bits
 
 # Faults whose meta.json is not written at the end of the last pass.
 _NO_COMMIT_IN_PASS = frozenset({"abort_dump", "late_meta"})
@@ -58,10 +59,13 @@ class Job:
     scheduled: int = 0  # rows handed to passes so far (touched on the loop only)
     listed: list[tuple[int, int]] = field(default_factory=list)  # parts as named on disk
     error: str | None = None  # why the dump failed (e.g. a symlink in the dump root)
+    storage: Storage = BF16_STORAGE  # how its parts hold the rows (what it asked for)
     dump: RequestDump = field(init=False)
 
     def __post_init__(self) -> None:
-        self.dump = RequestDump(rid=self.rid, ns=self.ns, num_tokens=self.num_tokens)
+        self.dump = RequestDump(
+            rid=self.rid, ns=self.ns, num_tokens=self.num_tokens, storage=self.storage
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -115,11 +119,18 @@ def part_spans(fault: str | None, start: int, end: int, num_tokens: int) -> list
     return [(start, end)]
 
 
-def part_bytes(fault: str | None, rows: U16, is_last: bool) -> bytes | memoryview:
-    data = memoryview(rows.data).cast("B")
-    if not is_last or rows.shape[0] == 0:
+def encoded(rows: U16, storage: Storage) -> memoryview:
+    """A part's bytes: the rows' bfloat16 bits, or their FP8 sections back to back
+    (quantized here, where the rows are produced, by the hook's own quantizer)."""
+    if not storage.is_fp8:
+        return memoryview(rows.data).cast("B")
+    return memoryview(b"".join(encode_bits(rows, storage)))
+
+
+def part_bytes(fault: str | None, data: memoryview, rows: int, is_last: bool) -> bytes | memoryview:
+    if not is_last or rows == 0:
         return data
-    row = len(data) // rows.shape[0]
+    row = len(data) // rows
     if fault == "truncated_part":
         return data[: len(data) - max(1, row // 2)]
     if fault == "oversized_part":
@@ -180,7 +191,8 @@ class PassWriter:
             for i, (s, e) in enumerate(spans):
                 view = rows[(s - start) :] if i > 0 else rows
                 is_last = end == job.num_tokens and i == len(spans) - 1
-                write_part(dir_fd, s, e, part_bytes(job.fault, view, is_last))
+                data = encoded(view, job.storage)
+                write_part(dir_fd, s, e, part_bytes(job.fault, data, view.shape[0], is_last))
         job.dump.add_part(start, end)
         job.listed.extend(spans)
         return len(spans)

@@ -8,7 +8,7 @@ no tokenizer, so there is no ``text`` prompt and the ``text`` answer is empty).
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hsx_async.protocol import CUSTOM_PARAM_NS, NS_PATTERN, RID_PATTERN, valid_ns, valid_rid
@@ -44,6 +44,8 @@ class GenerateRequest:
     max_new_tokens: int
     ns: str | None  # None: ordinary traffic, dumps nothing
     sampling: Sampling = Sampling()
+    # As sent: the hook reads the storage an hsx request asks for from it (PROTOCOL §2).
+    custom_params: dict[str, Any] = field(default_factory=dict)
 
 
 def _input_ids(body: dict[str, Any], vocab_size: int) -> list[int]:
@@ -61,8 +63,8 @@ def _input_ids(body: dict[str, Any], vocab_size: int) -> list[int]:
     return ids
 
 
-def _sampling(body: dict[str, Any]) -> tuple[int, str | None]:
-    """(max_new_tokens, hsx_ns) from ``sampling_params``."""
+def _sampling(body: dict[str, Any]) -> tuple[int, str | None, dict[str, Any]]:
+    """(max_new_tokens, hsx_ns, custom_params) from ``sampling_params``."""
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise BadRequest("sampling_params must be a JSON object")
@@ -75,7 +77,7 @@ def _sampling(body: dict[str, Any]) -> tuple[int, str | None]:
     ns = custom.get(CUSTOM_PARAM_NS)
     if ns is not None and not valid_ns(ns):
         raise BadRequest(f"{CUSTOM_PARAM_NS} {ns!r} does not match {NS_PATTERN}")
-    return max_new, ns
+    return max_new, ns, custom
 
 
 def _number(params: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -111,7 +113,7 @@ def parse_generate(body: object, *, vocab_size: int, max_positions: int | None) 
     if body.get("stream"):
         raise BadRequest("stream=true is not supported")
     ids = _input_ids(body, vocab_size)
-    max_new, ns = _sampling(body)
+    max_new, ns, custom = _sampling(body)
     rid = body.get("rid")
     if ns is not None:
         if not (isinstance(rid, str) and valid_rid(rid)):
@@ -128,7 +130,14 @@ def parse_generate(body: object, *, vocab_size: int, max_positions: int | None) 
             f"{max_positions} positions"
         )
     sampling = parse_sampling(body.get("sampling_params") or {}, vocab_size)
-    return GenerateRequest(rid=rid, input_ids=ids, max_new_tokens=max_new, ns=ns, sampling=sampling)
+    return GenerateRequest(
+        rid=rid,
+        input_ids=ids,
+        max_new_tokens=max_new,
+        ns=ns,
+        sampling=sampling,
+        custom_params=custom,
+    )
 
 
 def generate_response(

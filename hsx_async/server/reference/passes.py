@@ -16,7 +16,18 @@ from pathlib import Path
 
 import torch
 
-from hsx_async.server.hook_core import BatchHidden, HookConfig, PrefillDumper, ReqView
+from hsx_async.protocol import Storage
+from hsx_async.quantize import encode_rows
+from hsx_async.server.hook_core import (
+    BatchHidden,
+    EncodedPass,
+    HookConfig,
+    PassRows,
+    PrefillDumper,
+    ReqView,
+    request_storage,
+    uniform_storage,
+)
 from hsx_async.server.reference.model import PackedEngine, Segment, SegmentOutput
 from hsx_async.server.reference.sched import Job, Slice, SliceResult
 
@@ -49,8 +60,10 @@ class PassRunner:
             for s in slices
         ]
         outputs = self._engine.forward(segments)
-        views = self._aborted() + [_view(s) for s in slices]
-        report = self.dumper.dump_batch(views, lambda: self._hidden(outputs))
+        layers = len(self._engine.aux_layers) + 1
+        views = self._aborted() + [_view(s, layers) for s in slices]
+        storage = uniform_storage(views)
+        report = self.dumper.dump_batch(views, lambda: self._hidden(outputs, storage))
         errors = {r.rid: r.reason for r in report.rejects}
         return [
             SliceResult(kv=out.kv, next_token=out.next_token, error=self._error(s, errors))
@@ -64,11 +77,24 @@ class PassRunner:
             views.append(ReqView(rid, "dropped", 0, 0, 0, 0, aborted=True))
         return views
 
-    def _hidden(self, outputs: Sequence[SegmentOutput]) -> BatchHidden:
-        """The pass's rows in batch order: aux ``[T, K, H]`` and final ``[T, H]`` bits."""
-        rows = torch.cat([out.hidden for out in outputs]).view(torch.int16).numpy()
-        k = len(self._engine.aux_layers)
-        return BatchHidden(aux=rows[:, :k], final=rows[:, k], aux_layers=self._engine.aux_layers)
+    def _hidden(self, outputs: Sequence[SegmentOutput], storage: Storage | None) -> PassRows:
+        """The pass's rows in batch order: aux ``[T, K, H]`` and final ``[T, H]`` bits; or,
+        when every hsx request of the pass asks for one FP8 storage, the pass quantized
+        here, where the model produced its rows (the hook's own quantizer)."""
+        hidden = torch.cat([out.hidden for out in outputs])
+        layers = self._engine.aux_layers
+        if storage is not None:
+            t = hidden.shape[0]
+            sections = encode_rows(hidden, storage)
+            return EncodedPass(
+                storage=storage,
+                sections=tuple(s.view(torch.uint8).reshape(t, -1).numpy() for s in sections),
+                aux_layers=layers,
+                hidden_size=int(hidden.shape[-1]),
+            )
+        rows = hidden.view(torch.int16).numpy()
+        k = len(layers)
+        return BatchHidden(aux=rows[:, :k], final=rows[:, k], aux_layers=layers)
 
     def _error(self, s: Slice, errors: dict[str, str]) -> str | None:
         """A refused or failed dump fails that request only; the others of the pass stand."""
@@ -78,8 +104,9 @@ class PassRunner:
         return f"cannot write the dump of rid {s.job.rid} under {self._root}: {reason}"
 
 
-def _view(s: Slice) -> ReqView:
+def _view(s: Slice, layers: int) -> ReqView:
     job = s.job
+    storage, note = request_storage(job.custom_params, layers)
     return ReqView(
         rid=job.rid,
         ns=job.ns,
@@ -88,4 +115,6 @@ def _view(s: Slice) -> ReqView:
         start=s.start,
         rows=s.end - s.start,
         last_chunk=s.end >= job.prompt_len,
+        storage=storage,
+        storage_note=note,
     )

@@ -50,6 +50,7 @@ class Job:
     kv: Any = None  # the engine's cache of rows [0, rows_done)
     stop_ids: frozenset[int] = frozenset()  # decoding ends once one is generated
     picker: Any = None  # picks the next token from logits; None: greedy
+    custom_params: dict[str, Any] = field(default_factory=dict)  # as the request sent them
     future: asyncio.Future[Completion] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -187,7 +187,9 @@ async def _generate(request: web.Request) -> web.Response:
         return _json(error_body(f"the request body is not JSON: {exc}"), 400)
     except BadRequest as exc:
         return _json(error_body(str(exc)), 400)
-    job = Job(req.rid, list(req.input_ids), req.max_new_tokens, req.ns)
+    job = Job(
+        req.rid, list(req.input_ids), req.max_new_tokens, req.ns, custom_params=req.custom_params
+    )
     job.stop_ids = req.sampling.stop_token_ids
     if req.max_new_tokens and not req.sampling.greedy:
         from hsx_async.server.reference.sampling import TokenPicker  # noqa: PLC0415 - torch

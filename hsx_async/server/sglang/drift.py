@@ -92,6 +92,8 @@ SGLANG_TARGETS: tuple[Target, ...] = (
             "takes the aux layers and the final hidden state from it"),
     Target("srt/model_executor/forward_batch_info.py", "CaptureHiddenMode", "FULL", "attr",
            "asks for full capture with it"),
+    Target("srt/model_executor/forward_batch_info.py", "ForwardBatch", "rids", "attr",
+           "quantizes a pass on the device when all its requests ask for one FP8 storage"),
     Target("srt/utils/common.py", None, "async_d2h", "function",
            "copies the final hidden state to the host with it"),
     # Model side (Llama as the reference family): capture before layer i if i is listed.

@@ -15,11 +15,15 @@ server's settings, then patches four methods in that process:
 - ``GenerationBatchResult.copy_to_cpu``: the final (post-norm) hidden state, which SGLang
   keeps next to the aux layers but does not copy, is copied along with them (with
   ``HSX_DEVICE_STACK=1`` on a GPU: both laid out as ``[T, L, H]`` on the device, then one
-  copy).
-- ``ModelRunner.forward``: before the first forward, the decoder stack's
-  ``layers_to_capture`` is set to ``HSX_AUX_LAYERS`` (layer k = the residual stream entering
-  layer k = Hugging Face ``hidden_states[k]``), whatever numbering the model's
-  ``set_eagle3_layers_to_capture`` uses.
+  copy). When every request of the pass asks for one FP8 storage (``hsx_dtype``,
+  ``hsx_quantized``), the rows are quantized on the device instead and only the FP8
+  sections are copied (:func:`encode_to_host`); other FP8 requests are quantized by the
+  writer threads, and an unusable request is dumped as bfloat16 (logged once).
+- ``ModelRunner.forward``: notes the pass's rids (``ForwardBatch.rids``) for the copy; and
+  before the first forward, the decoder stack's ``layers_to_capture`` is set to
+  ``HSX_AUX_LAYERS`` (layer k = the residual stream entering layer k = Hugging Face
+  ``hidden_states[k]``), whatever numbering the model's ``set_eagle3_layers_to_capture``
+  uses.
 - ``SchedulerBatchResultProcessor.process_batch_result_prefill``: before SGLang consumes a
   prefill result, attention-TP rank 0 (of each DP group, under DP attention) hands the
   pass to :class:`~hsx_async.server.hook_core.PrefillDumper`, which plans one part per
@@ -41,22 +45,28 @@ import importlib.metadata
 import json
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
 
 from hsx_async.errors import ConfigError, DumpError
+from hsx_async.protocol import BF16_STORAGE, Storage
 from hsx_async.server.hook_core import (
+    DEFAULT_MAX_OPEN,
     ENV_AUX_LAYERS,
     BatchHidden,
+    EncodedPass,
     HookConfig,
+    PassRows,
     PrefillDumper,
     ReqView,
     ServerSettings,
     check_server_settings,
     request_namespace,
+    request_storage,
     wants_dump,
 )
 from hsx_async.server.hook_writer import BackgroundWriter
@@ -195,6 +205,39 @@ class HookState:
     graph_layers: tuple[int, ...] | None = None
     # The threads that write this process's parts (None: written on the scheduler thread).
     background: BackgroundWriter | None = None
+    # The storage each live marked request asked for (bfloat16 for an unusable request),
+    # by rid, and the rids of the last forward: a pass whose requests are all marked for
+    # one FP8 storage is quantized on the device before its copy to the host.
+    storages: OrderedDict[str, Storage] = field(default_factory=OrderedDict)
+    pass_rids: tuple[object, ...] | None = None
+    encoded_passes: int = 0  # passes quantized on the device (tests, the log)
+    encoded_storages: set[Storage] = field(default_factory=set)  # logged once each
+
+    @property
+    def layers(self) -> int:
+        return len(self.config.aux_layers) + 1
+
+    def note_request(self, rid: object, custom_params: object) -> None:
+        """A marked request was created: remember its storage (bounded, oldest first)."""
+        if not isinstance(rid, str):
+            return
+        storage, _ = request_storage(custom_params, self.layers)
+        self.storages[rid] = storage
+        self.storages.move_to_end(rid)
+        while len(self.storages) > 2 * DEFAULT_MAX_OPEN:
+            self.storages.popitem(last=False)
+
+    def pass_storage(self) -> Storage | None:
+        """The FP8 storage every request of the last forward asked for, if there is one
+        (else None: the pass is copied as bfloat16, and FP8 parts quantized on the host)."""
+        rids = self.pass_rids
+        if not rids:
+            return None
+        wanted = {self.storages.get(rid) if isinstance(rid, str) else None for rid in rids}
+        if len(wanted) != 1:
+            return None
+        storage = wanted.pop()
+        return storage if storage is not None and storage.is_fp8 else None
 
 
 class _Installed:
@@ -310,12 +353,15 @@ def _patch_plan(
     state: HookState | None, api: SglangApi
 ) -> list[tuple[type[Any], str, Callable[[Wrapper], Wrapper]]]:
     return [
-        (api.req_cls, "__init__", lambda orig: _wrap_req_init(orig, api.full_capture)),
+        (api.req_cls, "__init__", lambda orig: _wrap_req_init(orig, api.full_capture, state)),
         (
             api.result_cls,
             "copy_to_cpu",
             lambda orig: _wrap_copy_to_cpu(
-                orig, api.async_d2h, device_stack=state is not None and state.config.device_stack
+                orig,
+                api.async_d2h,
+                device_stack=state is not None and state.config.device_stack,
+                state=state,
             ),
         ),
         (api.runner_cls, "forward", lambda orig: _wrap_forward(orig, state)),
@@ -327,7 +373,7 @@ def _patch_plan(
     ]
 
 
-def _wrap_req_init(original: Wrapper, full_capture: object) -> Wrapper:
+def _wrap_req_init(original: Wrapper, full_capture: object, state: HookState | None) -> Wrapper:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         params = self.sampling_params
@@ -335,12 +381,23 @@ def _wrap_req_init(original: Wrapper, full_capture: object) -> Wrapper:
             # Full capture for this request's batches, without return_hidden_states: the
             # rows are copied to the host, but never serialised into the response.
             self.return_hidden_states_mode = full_capture
+            if state is not None and state.writer:
+                state.note_request(self.rid, params.custom_params)
 
     return __init__
 
 
+# Where the copy_to_cpu wrapper leaves a pass's device-encoded sections for load_hidden:
+# (storage, host tensors being copied), an attribute of SGLang's GenerationBatchResult.
+_ENCODED_ATTR = "_hsx_encoded"
+
+
 def _wrap_copy_to_cpu(
-    original: Wrapper, async_d2h: Callable[[Any], Any], *, device_stack: bool = False
+    original: Wrapper,
+    async_d2h: Callable[[Any], Any],
+    *,
+    device_stack: bool = False,
+    state: HookState | None = None,
 ) -> Wrapper:
     def copy_to_cpu(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = self.logits_output
@@ -348,16 +405,52 @@ def _wrap_copy_to_cpu(
         if wanted and out is not None and out.last_hidden_states is not None:
             # Queued before SGLang's own copies, so its copy_done event covers this one
             # too, and right behind the forward, before a later pass reuses the buffer.
-            stacked = None
-            if device_stack and _on_accelerator(out.last_hidden_states):
-                stacked = stack_to_host(out.hidden_states, out.last_hidden_states, async_d2h)
-            if stacked is not None:
-                out.hidden_states, out.last_hidden_states = stacked
-            else:
-                out.last_hidden_states = async_d2h(out.last_hidden_states)
+            _queue_copies(self, state, async_d2h, device_stack=device_stack)
         return original(self, *args, **kwargs)
 
     return copy_to_cpu
+
+
+def _queue_copies(
+    result: Any, state: HookState | None, async_d2h: Callable[[Any], Any], *, device_stack: bool
+) -> None:
+    if _copy_encoded(result, state, async_d2h):
+        return
+    out = result.logits_output
+    stacked = None
+    if device_stack and _on_accelerator(out.last_hidden_states):
+        stacked = stack_to_host(out.hidden_states, out.last_hidden_states, async_d2h)
+    if stacked is not None:
+        out.hidden_states, out.last_hidden_states = stacked
+    else:
+        out.last_hidden_states = async_d2h(out.last_hidden_states)
+
+
+def _copy_encoded(result: Any, state: HookState | None, async_d2h: Callable[[Any], Any]) -> bool:
+    """An FP8 pass (every request of the last forward is marked for one FP8 storage): its
+    rows quantized on the device and only the sections' bytes queued to the host, left on
+    ``result`` for :func:`load_hidden`. SGLang's own copy of the aux rows is then not
+    needed (no response of the pass carries hidden states): ``hidden_states`` is dropped.
+    False: the bfloat16 path."""
+    storage = state.pass_storage() if state is not None and state.writer else None
+    if state is None or storage is None:
+        return False
+    out = result.logits_output
+    encoded = encode_to_host(out.hidden_states, out.last_hidden_states, storage, async_d2h)
+    if encoded is None:
+        return False
+    setattr(result, _ENCODED_ATTR, (storage, encoded))
+    out.hidden_states = None
+    state.encoded_passes += 1
+    if storage not in state.encoded_storages:
+        state.encoded_storages.add(storage)
+        logger.info(
+            "hsx hook: quantizing passes to %s on the %s device (the first: %d rows)",
+            storage.describe(),
+            out.last_hidden_states.device.type,
+            int(out.last_hidden_states.shape[0]),
+        )
+    return True
 
 
 def _on_accelerator(tensor: Any) -> bool:
@@ -391,10 +484,41 @@ def stack_to_host(aux: Any, final: Any, async_d2h: Callable[[Any], Any]) -> tupl
     return host.as_strided((t, k * h), ((k + 1) * h, 1)), host[:, k, :]
 
 
+def encode_to_host(
+    aux: Any, final: Any, storage: Storage, async_d2h: Callable[[Any], Any]
+) -> list[Any] | None:
+    """An FP8 pass: lay the rows out as ``[T, L, H]`` bfloat16 on their device (the same
+    rounding as the bfloat16 path's host conversion), quantize them there
+    (:func:`hsx_async.quantize.encode_rows`), and queue one copy per section, as ``uint8
+    [T, row bytes]``, to the host with SGLang's own ``async_d2h``. The host buffer,
+    /dev/shm and the disk then carry the section bytes only. None (the bfloat16 path) when
+    the shapes do not allow it. Pure torch: the tests run it on CPU tensors."""
+    import torch  # noqa: PLC0415 (see tensor_bits)
+
+    from hsx_async.quantize import encode_rows  # noqa: PLC0415 (it imports torch)
+
+    if aux is None or final.ndim != 2 or aux.device != final.device:
+        return None
+    t, h = int(final.shape[0]), int(final.shape[1])
+    if t == 0 or aux.shape[0] != t or aux.numel() % (t * h):
+        return None
+    k = aux.numel() // (t * h)
+    if k + 1 <= storage.quantized[-1]:
+        return None
+    rows = torch.empty((t, k + 1, h), dtype=torch.bfloat16, device=final.device)
+    rows[:, :k, :].copy_(aux.reshape(t, k, h))
+    rows[:, k, :].copy_(final)
+    return [async_d2h(s.view(torch.uint8).reshape(t, -1)) for s in encode_rows(rows, storage)]
+
+
 def _wrap_forward(original: Wrapper, state: HookState | None) -> Wrapper:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if state is not None and state.stack is None:
-            set_capture_layers(state, self.model)
+        if state is not None:
+            if state.stack is None:
+                set_capture_layers(state, self.model)
+            batch = args[0] if args else kwargs.get("forward_batch")
+            rids = getattr(batch, "rids", None)
+            state.pass_rids = tuple(rids) if isinstance(rids, list | tuple) else None
         return original(self, *args, **kwargs)
 
     return forward
@@ -456,19 +580,21 @@ def set_capture_layers(state: HookState, model: Any) -> None:
     )
 
 
-def req_views(batch: Any, result: Any) -> list[ReqView]:
-    """Each request of a prefill pass; raises ValueError if the pass's layout is odd."""
+def req_views(batch: Any, result: Any, layers: int = 0) -> list[ReqView]:
+    """Each request of a prefill pass; raises ValueError if the pass's layout is odd.
+    ``layers`` (L) checks the storage a request asks for; 0: every dump is bfloat16."""
     lens = getattr(result, "extend_input_len_per_req", None)
     if lens is None:
         lens = batch.extend_lens
     return [
-        _req_view(req, start, rows)
+        _req_view(req, start, rows, layers)
         for req, start, rows in zip(batch.reqs, batch.prefix_lens, lens, strict=True)
     ]
 
 
-def _req_view(req: Any, start: int, rows: int) -> ReqView:
+def _req_view(req: Any, start: int, rows: int, layers: int) -> ReqView:
     params = req.sampling_params
+    storage, note = request_storage(params.custom_params, layers) if layers else (BF16_STORAGE, "")
     return ReqView(
         rid=req.rid,
         ns=request_namespace(params.custom_params),
@@ -481,27 +607,37 @@ def _req_view(req: Any, start: int, rows: int) -> ReqView:
         aborted=bool(
             req.finished() or req.to_finish is not None or req.discard_output_reason is not None
         ),
+        storage=storage,
+        storage_note=note,
     )
 
 
 def dump_prefill(state: HookState, batch: Any, result: Any) -> None:
     try:
-        views = req_views(batch, result)
+        views = req_views(batch, result, state.layers)
     except ValueError:
         logger.exception("hsx: cannot map a prefill pass to its requests; no dumps from it")
         return
     report = state.dumper.dump_batch(views, lambda: load_hidden(state, result))
+    for view in views:
+        if isinstance(view.rid, str) and (view.last_chunk or view.aborted):
+            state.storages.pop(view.rid, None)
+    for note in report.notes:
+        logger.warning("hsx: rid %s %s", note.rid, note.reason)
     for reject in report.rejects:
         logger.warning("hsx: no dump for rid %s: %s", reject.rid, reject.reason)
     for rid in report.committed:
         logger.debug("hsx: committed %s", rid)
 
 
-def load_hidden(state: HookState, result: Any) -> BatchHidden:
+def load_hidden(state: HookState, result: Any) -> PassRows:
     """The pass's hidden rows, refused (DumpError) unless they are the configured layers."""
     # SGLang's host copies replace the tensors on the result; wait for them first.
     if getattr(result, "copy_done", None) is not None:
         result.copy_done.synchronize()
+    encoded = getattr(result, _ENCODED_ATTR, None)
+    if encoded is not None:
+        return _encoded_pass(state, result, *encoded)
     out = getattr(result, "logits_output", None)
     if out is None or out.hidden_states is None or out.last_hidden_states is None:
         raise DumpError(
@@ -520,6 +656,22 @@ def load_hidden(state: HookState, result: Any) -> BatchHidden:
         aux=tensor_bits(out.hidden_states),
         final=tensor_bits(out.last_hidden_states),
         aux_layers=layers,
+    )
+
+
+def _encoded_pass(state: HookState, result: Any, storage: Storage, hosts: list[Any]) -> EncodedPass:
+    layers = _layers_in_effect(state)
+    if result.can_run_cuda_graph and state.graph_layers != layers:
+        raise DumpError(
+            f"the pass ran through a prefill CUDA graph recorded with layers "
+            f"{list(state.graph_layers or ())}: start SGLang with --disable-prefill-cuda-graph"
+        )
+    final = result.logits_output.last_hidden_states
+    return EncodedPass(
+        storage=storage,
+        sections=tuple(host.numpy() for host in hosts),
+        aux_layers=layers,
+        hidden_size=int(final.shape[-1]),
     )
 
 

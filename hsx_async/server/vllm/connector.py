@@ -12,7 +12,10 @@ bookkeeping (block ids held until the rows are read back, TP rank 0 only); this 
   helpers as the SGLang hook, on its writer threads, instead of one safetensors file per
   request; on a CPU it reads the rows straight from the cache (vLLM's class assumes CUDA:
   pinned memory and CUDA events), on a GPU it copies them on a side stream into pinned
-  memory first, as vLLM does.
+  memory first, as vLLM does;
+- for a request asking for FP8 (``hsx_dtype``/``hsx_quantized``), quantizes the rows where
+  they are read back (on the GPU, before the copy: the pinned buffer, /dev/shm and the
+  disk carry the smaller sections).
 
 Only vLLM imports this module (it imports vLLM and torch).
 """
@@ -31,6 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 from vllm.logger import init_logger
 
+from hsx_async.protocol import Storage
+from hsx_async.quantize import encode_rows
 from hsx_async.server.vllm.core import (
     PARAM_NS,
     PARAM_RID,
@@ -39,6 +44,7 @@ from hsx_async.server.vllm.core import (
     dump_root,
     layer_plan,
     marked_target,
+    parse_target_path,
     write_dump,
 )
 
@@ -49,6 +55,12 @@ def _bf16(rows: torch.Tensor) -> torch.Tensor:
     """The dump's dtype (PROTOCOL §3): a float32 or float16 model's rows are rounded once,
     on the device, before the copy (which then moves half the bytes of float32)."""
     return rows.to(torch.bfloat16).contiguous()
+
+
+def _sections(rows: torch.Tensor, storage: Storage) -> list[torch.Tensor]:
+    """The part's tensors, as flat bytes on the rows' device: the bfloat16 rows, or their
+    FP8 sections (quantized there) in file order."""
+    return [t.view(torch.uint8).reshape(-1) for t in encode_rows(_bf16(rows), storage)]
 
 
 class _Copied:
@@ -91,9 +103,17 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._pending_saves.clear()
         for new_req in scheduler_output.scheduled_new_reqs:
             extra = new_req.sampling_params.extra_args if new_req.sampling_params else None
-            target = marked_target((extra or {}).get("kv_transfer_params"))
+            target = marked_target(
+                (extra or {}).get("kv_transfer_params"), len(self._plan.capture_ids)
+            )
             if isinstance(target, Target):
                 self._targets[new_req.req_id] = target
+                if target.note:
+                    log.warning(
+                        "hsx: request %s dumped as bfloat16 (the client quantizes): %s",
+                        new_req.req_id,
+                        target.note,
+                    )
             elif isinstance(target, str):
                 log.warning("hsx: request %s not dumped: %s", new_req.req_id, target)
         return meta
@@ -106,7 +126,7 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
             return False, None  # an ordinary request: its blocks are freed as usual
         self._pending_saves[request.request_id] = PendingSave(
             req_id=request.request_id,
-            filename=f"{target.ns}/{target.rid}",
+            filename=target.path,
             token_ids=torch.tensor(list(request.prompt_token_ids or [])),
             block_ids=list(block_ids),
         )
@@ -122,40 +142,48 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
         offsets = torch.arange(self._block_size, dtype=torch.long)
         slots = (offsets.reshape(1, -1) + blocks.reshape(-1, 1) * self._block_size).flatten()
         num_tokens = int(pending.token_ids.shape[0])
-        host, copied = self._rows_to_host(slots, num_tokens)
-        ns, rid = pending.filename.split("/")
-        future = self._executor.submit(self._write, Target(ns, rid), host, copied, num_tokens)
+        target = parse_target_path(pending.filename)
+        host, copied = self._rows_to_host(slots, num_tokens, target.storage)
+        future = self._executor.submit(self._write, target, host, copied, num_tokens)
         self._req_copy_events[pending.req_id] = copied
         self._req_futures[pending.req_id] = future
         future.add_done_callback(lambda f, req=pending.req_id: self._on_write_done(req, f))
 
-    def _rows_to_host(self, slots: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, Any]:
-        """``[T, L, H]`` rows on the host, and what says the copy is done."""
+    def _rows_to_host(
+        self, slots: torch.Tensor, num_tokens: int, storage: Storage
+    ) -> tuple[list[torch.Tensor], Any]:
+        """The part's bytes on the host (the ``[T, L, H]`` bfloat16 rows, or their FP8
+        sections), and what says the copy is done."""
         cache = self._kv_cache
         assert cache is not None
         if not cache.is_cuda:
-            return _bf16(extract_from_kv_cache(cache, slots, num_tokens)), _Copied()
+            return _sections(extract_from_kv_cache(cache, slots, num_tokens), storage), _Copied()
         stream = self._get_copy_stream()
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record()
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
-            rows = _bf16(
-                extract_from_kv_cache(cache, slots.to(cache.device, non_blocking=True), num_tokens)
+            rows = extract_from_kv_cache(
+                cache, slots.to(cache.device, non_blocking=True), num_tokens
             )
-            host = torch.empty_like(rows, device="cpu", pin_memory=True)
-            host.copy_(rows, non_blocking=True)
+            host = []
+            for section in _sections(rows, storage):
+                buffer = torch.empty_like(section, device="cpu", pin_memory=True)
+                buffer.copy_(section, non_blocking=True)
+                host.append(buffer)
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(stream)
         return host, done
 
-    def _write(self, target: Target, host: torch.Tensor, copied: Any, num_tokens: int) -> None:
+    def _write(
+        self, target: Target, host: list[torch.Tensor], copied: Any, num_tokens: int
+    ) -> None:
         copied.synchronize()
-        rows = host.view(torch.int16).numpy().data.cast("B")  # bf16 bits, little-endian
+        buffers = [t.numpy().data for t in host]  # flat bytes: bf16 bits are little-endian
         write_dump(
             self._root,
             target,
-            rows,
+            buffers,
             num_tokens=num_tokens,
             plan=self._plan,
             model=self._model_name,

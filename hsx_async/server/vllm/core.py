@@ -14,7 +14,10 @@ rows.
 
 A marked request carries ``kv_transfer_params = {"hsx_ns": ns, "hsx_rid": rid}``
 (vLLM passes a completion request's ``kv_transfer_params`` to the connector); both are
-checked against the protocol patterns before any path is built from them.
+checked against the protocol patterns before any path is built from them. It may add
+``hsx_dtype``/``hsx_quantized`` (PROTOCOL §2): the connector then quantizes the rows on the
+device before their copy to the host and writes the FP8 sections; an unusable request is
+dumped as bfloat16 (the client quantizes it).
 """
 
 from __future__ import annotations
@@ -27,15 +30,19 @@ from pathlib import Path
 
 from hsx_async.errors import ConfigError, DumpError
 from hsx_async.protocol import (
+    BF16_STORAGE,
     CUSTOM_PARAM_NS,
     DEFAULT_DUMP_ROOT,
     NS_PATTERN,
     RID_PATTERN,
     DumpMeta,
+    Storage,
+    parse_storage,
+    requested_storage,
     valid_ns,
     valid_rid,
 )
-from hsx_async.server.dumpwrite import request_dir_fd, write_meta, write_part
+from hsx_async.server.dumpwrite import request_dir_fd, write_meta, write_part_vectored
 
 # kv_transfer_params keys of a marked request (PROTOCOL §2, vLLM form).
 PARAM_NS = CUSTOM_PARAM_NS
@@ -45,16 +52,44 @@ FINAL_STATE = "pre_norm"
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """Where one marked request's dump goes."""
+    """Where one marked request's dump goes, and how its rows are stored (``note``: why
+    an FP8 request is dumped as bfloat16 instead)."""
 
     ns: str
     rid: str
+    storage: Storage = BF16_STORAGE
+    note: str = ""
+
+    @property
+    def path(self) -> str:
+        """What travels from vLLM's scheduler to its worker (``PendingSave.filename``):
+        ``ns/rid``, then ``/dtype:slots`` for FP8."""
+        if not self.storage.is_fp8:
+            return f"{self.ns}/{self.rid}"
+        slots = ",".join(map(str, self.storage.quantized))
+        return f"{self.ns}/{self.rid}/{self.storage.dtype}:{slots}"
 
 
-def marked_target(params: object) -> Target | str | None:
+def parse_target_path(text: str) -> Target:
+    """The inverse of :attr:`Target.path` (DumpError for anything else)."""
+    parts = text.split("/")
+    if len(parts) not in (2, 3) or not (valid_ns(parts[0]) and valid_rid(parts[1])):
+        raise DumpError(f"dump target {text!r} is not ns/rid[/dtype:slots]")
+    if len(parts) == 2:
+        return Target(parts[0], parts[1])
+    dtype, _, slots = parts[2].partition(":")
+    try:
+        quantized = [int(x) for x in slots.split(",")]
+    except ValueError:
+        raise DumpError(f"dump target {text!r} names no quantized slots") from None
+    return Target(parts[0], parts[1], parse_storage(dtype, quantized, f"dump target {text!r}"))
+
+
+def marked_target(params: object, layers: int = 0) -> Target | str | None:
     """The dump target of a request's ``kv_transfer_params``: a :class:`Target`; ``None``
     for an ordinary request (no hsx keys: served as usual, nothing dumped); or the reason
-    a marked request is refused (nothing is written for it)."""
+    a marked request is refused (nothing is written for it). ``layers`` (L, the capture
+    ids) checks the storage it asks for; 0 dumps every request as bfloat16."""
     if not isinstance(params, Mapping) or (PARAM_NS not in params and PARAM_RID not in params):
         return None
     ns, rid = params.get(PARAM_NS), params.get(PARAM_RID)
@@ -63,7 +98,9 @@ def marked_target(params: object) -> Target | str | None:
     if not valid_rid(rid):
         return f"hsx_rid {rid!r} does not match {RID_PATTERN}"
     assert isinstance(ns, str) and isinstance(rid, str)  # narrowed by valid_ns/valid_rid
-    return Target(ns, rid)
+    assert isinstance(params, Mapping)
+    storage, note = requested_storage(dict(params), layers) if layers else (BF16_STORAGE, "")
+    return Target(ns, rid, storage, note)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +157,7 @@ def dump_root() -> Path:
 def write_dump(
     root: Path,
     target: Target,
-    rows: memoryview,
+    rows: memoryview | Sequence[memoryview],
     *,
     num_tokens: int,
     plan: LayerPlan,
@@ -128,12 +165,18 @@ def write_dump(
     server: str,
 ) -> None:
     """One part with every row, then ``meta.json`` (vLLM hands over a finished request's
-    rows at once, so there is no chunk bookkeeping: the part is ``[0, num_tokens)``)."""
-    expected = num_tokens * len(plan.capture_ids) * plan.hidden_size * 2
-    if rows.nbytes != expected:
+    rows at once, so there is no chunk bookkeeping: the part is ``[0, num_tokens)``).
+    ``rows``: the bfloat16 rows, or, for an FP8 target, its sections' bytes in order
+    (:func:`hsx_async.quantize.encode_rows`)."""
+    buffers = [rows] if isinstance(rows, memoryview) else list(rows)
+    layers = len(plan.capture_ids)
+    per_row = target.storage.row_bytes(layers, plan.hidden_size)
+    expected, got = num_tokens * per_row, sum(b.nbytes for b in buffers)
+    if got != expected:
         raise DumpError(
-            f"rid {target.rid}: {rows.nbytes} bytes of rows, expected {expected} "
-            f"({num_tokens} tokens × {len(plan.capture_ids)} layers × {plan.hidden_size} × 2)"
+            f"rid {target.rid}: {got} bytes of rows, expected {expected} "
+            f"({num_tokens} tokens × {layers} layers × {plan.hidden_size} as "
+            f"{target.storage.describe()}: {per_row} bytes a row)"
         )
     meta = DumpMeta(
         rid=target.rid,
@@ -144,7 +187,8 @@ def write_dump(
         model=model,
         server=server,
         final_state=FINAL_STATE,
+        storage=target.storage,
     )
     with request_dir_fd(root, target.ns, target.rid) as fd:
-        write_part(fd, 0, num_tokens, rows)
+        write_part_vectored(fd, 0, num_tokens, [[b.cast("B") for b in buffers]])
         write_meta(fd, meta)

@@ -15,6 +15,7 @@ import pytest
 from hsx_async import __version__, protocol
 from hsx_async.cli import build_parser
 from hsx_async.errors import ConfigError, DumpError
+from hsx_async.run.dump import validate_dump
 from hsx_async.server.fake.options import draw_fault, random_cuts
 from hsx_async.server.fake.request import BadRequestError, parse_generate
 from hsx_async.server.fake.sched import Job, pass_delay_s, plan_pass, split_plan
@@ -28,6 +29,7 @@ from hsx_async.server.fake.server import (
     options_from_args,
     running_fake_server,
 )
+from tests.server.fp8 import check_fp8_dump, read_bf16_rows
 
 H = 64
 AUX = (1, 3, 5)
@@ -702,3 +704,59 @@ async def test_cli_serves_until_sigterm_and_exits_0(
             await proc.wait()
     assert check_dump(shm_root, "cli", ids).parts == ((0, 4), (4, 8), (8, 10))
     assert {p.split("/")[0] for p in files_under(shm_root)} == {NS}
+
+
+# --- FP8 storage ---------------------------------------------------------------------------
+
+FAKE_FP8_ALL = protocol.Storage(protocol.FP8, tuple(range(L)))
+FAKE_FP8_AUX = protocol.Storage(protocol.FP8, tuple(range(L - 1)))
+
+
+@pytest.mark.parametrize("storage", [FAKE_FP8_ALL, FAKE_FP8_AUX], ids=["all", "aux"])
+async def test_fp8_request_dumps_encode_rows_of_its_bf16_rows(
+    shm_root: Path, session: aiohttp.ClientSession, storage: protocol.Storage
+) -> None:
+    ids = prompt(35, seed=4)
+    async with running_fake_server(FakeOptions(dump_root=shm_root, chunk_size=16)) as srv:
+        assert (await post_hsx(session, srv.url, "bf", ids))[0] == 200
+        body = protocol.generate_body("q", NS, ids, storage)
+        assert (await post(session, srv.url, body))[0] == 200
+        assert (srv.stats.fp8_requests, srv.stats.storage_fallbacks) == (1, 0)
+    check_dump(shm_root, "bf", ids)  # the bfloat16 dump is the one the fake always wrote
+    bf16 = read_bf16_rows(shm_root / NS / "bf")
+    parts = check_fp8_dump(shm_root / NS / "q", bf16, storage, aux_layers=AUX)
+    assert parts == [(0, 16), (16, 32), (32, 35)]
+    fp8_bytes = sum(part_sizes(shm_root, "q").values())
+    assert fp8_bytes == 35 * storage.row_bytes(L, H) < sum(part_sizes(shm_root, "bf").values())
+
+
+async def test_unusable_fp8_request_is_dumped_bf16(
+    shm_root: Path, session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    ids = prompt(12)
+    body = protocol.generate_body("r", NS, ids)
+    body["sampling_params"]["custom_params"].update(hsx_dtype=protocol.FP8, hsx_quantized=[L])
+    async with running_fake_server(FakeOptions(dump_root=shm_root, chunk_size=5)) as srv:
+        assert (await post(session, srv.url, body))[0] == 200
+        assert (srv.stats.fp8_requests, srv.stats.storage_fallbacks) == (0, 1)
+    assert check_dump(shm_root, "r", ids).storage == protocol.BF16_STORAGE
+    [line] = [r.getMessage() for r in caplog.records if "dumped as bfloat16" in r.getMessage()]
+    assert f"past the {L} layer slots" in line
+
+
+async def test_fp8_part_size_fault_is_caught_by_the_client(
+    shm_root: Path, session: aiohttp.ClientSession
+) -> None:
+    ids = prompt(20)
+    options = FakeOptions(
+        dump_root=shm_root, chunk_size=8, fault_rate=1.0, faults=("truncated_part",)
+    )
+    async with running_fake_server(options) as srv:
+        body = protocol.generate_body("rf", NS, ids, FAKE_FP8_AUX)
+        assert (await post(session, srv.url, body))[0] == 200
+    d = shm_root / NS / "rf"
+    with pytest.raises(DumpError, match=r"has \d+ bytes, expected"):
+        validate_dump(
+            d, (d / protocol.META_NAME).read_bytes(), rid="rf", num_tokens=20, hidden_size=H,
+            aux_layers=AUX, storage=FAKE_FP8_AUX,
+        )  # fmt: skip

@@ -20,7 +20,10 @@ import torch
 
 from hsx_async.errors import ConfigError
 from hsx_async.protocol import (
+    BF16_STORAGE,
+    FP8,
     DumpMeta,
+    Storage,
     check_meta,
     check_part_sizes,
     check_response,
@@ -31,6 +34,7 @@ from hsx_async.protocol import (
     part_name,
     row_bytes,
 )
+from hsx_async.server import hook_core
 from hsx_async.server.reference.model import (
     TINY_AUX_LAYERS,
     TINY_HIDDEN,
@@ -57,6 +61,7 @@ from hsx_async.server.reference.server import (
     register_cli,
     running_reference_server,
 )
+from tests.server.fp8 import check_fp8_dump
 
 NS = "w0"
 REPO = Path(__file__).resolve().parents[3]
@@ -532,3 +537,50 @@ async def test_passes_go_through_the_hooks_core_and_drops_abort(shm_root: Path) 
     assert sorted(p.name for p in (shm_root / "ns0" / "gone").iterdir()) == [
         "part-0000000000-0000000016.bin"
     ]
+
+
+# --- FP8 storage ---------------------------------------------------------------------------
+
+REF_LAYERS = num_layers(TINY_AUX_LAYERS)
+REF_FP8_ALL = Storage(FP8, tuple(range(REF_LAYERS)))
+REF_FP8_AUX = Storage(FP8, tuple(range(REF_LAYERS - 1)))
+
+
+@pytest.mark.parametrize("storage", [REF_FP8_ALL, REF_FP8_AUX], ids=["all", "aux"])
+async def test_fp8_request_parts_are_encode_rows_of_its_bf16_dump(
+    shm_root: Path, storage: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same prompt, alone in its passes, once as bfloat16 and once as FP8: the FP8
+    passes are quantized where the model produced them (the writer's host quantizer is
+    disabled), and each part equals encode_rows of the bfloat16 rows of the same pass."""
+
+    def no_host_quantizer(*_: object) -> None:
+        raise AssertionError("an FP8 part was quantized on the host, not in the pass")
+
+    monkeypatch.setattr(hook_core, "encode_bits", no_host_quantizer)
+    ids = tokens(7, 150)
+    async with serving(shm_root, chunk_size=64) as (_, client):
+        await client.hsx("bf", ids)
+        status, body = await client.post(generate_body("q", NS, ids, storage))
+        assert status == 200, body
+        check_response(body, rid="q", num_tokens=len(ids))
+    _, bf16 = read_dump(shm_root, "bf", len(ids))
+    bits = bf16.view(torch.int16).numpy().view(np.uint16)
+    parts = check_fp8_dump(shm_root / NS / "q", bits, storage, aux_layers=TINY_AUX_LAYERS)
+    assert parts == [(0, 64), (64, 128), (128, 150)]
+    q_bytes = sum((shm_root / NS / "q" / part_name(s, e)).stat().st_size for s, e in parts)
+    assert q_bytes == len(ids) * storage.row_bytes(REF_LAYERS, TINY_HIDDEN)
+    ratio = q_bytes / (bf16.numel() * 2)  # of the bfloat16 dump's bytes
+    assert ratio < (0.55 if storage == REF_FP8_ALL else 0.70), ratio
+
+
+async def test_unusable_fp8_request_is_dumped_bf16(shm_root: Path) -> None:
+    ids = tokens(8, 30)
+    body = generate_body("r", NS, ids)
+    body["sampling_params"]["custom_params"].update(hsx_dtype=FP8, hsx_quantized=[REF_LAYERS])
+    async with serving(shm_root) as (server, client):
+        status, _ = await client.post(body)
+        assert status == 200
+        meta, got = read_dump(shm_root, "r", len(ids))  # checked as a bfloat16 dump
+        assert meta.storage == BF16_STORAGE
+        assert_bf16_close(got, reference_hidden_states(server.model, ids, server.aux_layers))

@@ -140,7 +140,9 @@ def make_api(d2h_calls: list[torch.Tensor]) -> SglangApi:
         def __init__(self, model: nn.Module) -> None:
             self.model: Any = model
 
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def forward(self, batch: torch.Tensor | Any) -> tuple[torch.Tensor, torch.Tensor]:
+            """``batch``: the rows, or a stand-in ForwardBatch (``input``, ``rids``)."""
+            x = batch if isinstance(batch, torch.Tensor) else batch.input
             out: tuple[torch.Tensor, torch.Tensor] = self.model.model(x)
             return out
 
@@ -158,6 +160,7 @@ def make_api(d2h_calls: list[torch.Tensor]) -> SglangApi:
     )
 
 
-def params(ns: object | None = NS, max_new_tokens: int = 0) -> SimpleNamespace:
-    custom = None if ns is None else {"hsx_ns": ns}
+def params(ns: object | None = NS, max_new_tokens: int = 0, **extra: object) -> SimpleNamespace:
+    """A request's sampling params; ``extra``: more custom_params (e.g. hsx_dtype)."""
+    custom = None if ns is None else {"hsx_ns": ns, **extra}
     return SimpleNamespace(custom_params=custom, max_new_tokens=max_new_tokens)

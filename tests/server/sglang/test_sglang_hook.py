@@ -22,7 +22,15 @@ import torch
 from torch import nn
 
 from hsx_async.errors import ConfigError
-from hsx_async.protocol import META_NAME, check_meta, parse_meta
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    FP8,
+    META_NAME,
+    Storage,
+    check_meta,
+    parse_meta,
+    storage_params,
+)
 from hsx_async.server.hook_core import HookConfig, PrefillDumper
 from hsx_async.server.hook_writer import BackgroundWriter
 from hsx_async.server.sglang import hook as sglang_hook
@@ -36,6 +44,7 @@ from hsx_async.server.sglang.hook import (
     install,
     uninstall,
 )
+from tests.server.fp8 import FP8_ALL, FP8_AUX, check_fp8_dump, read_bf16_rows
 from tests.server.sglang.standins import (
     FULL,
     LAYERS,
@@ -101,13 +110,20 @@ def settle() -> None:
 
 
 def run_pass(
-    api: SglangApi, runner: Any, reqs: list[Any], spans: list[tuple[int, int]], x: torch.Tensor
+    api: SglangApi,
+    runner: Any,
+    reqs: list[Any],
+    spans: list[tuple[int, int]],
+    x: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[Any, Any]:
-    """One prefill pass over ``x`` (the batch's rows), then the hooked result processing."""
-    final, aux = runner.forward(x)
+    """One prefill pass over ``x`` (the batch's rows), then the hooked result processing.
+    The forward gets a stand-in ForwardBatch naming the pass's rids, as SGLang's does."""
+    final, aux = runner.forward(SimpleNamespace(input=x, rids=[r.rid for r in reqs]))
     out = SimpleNamespace(
-        hidden_states=aux.to(torch.bfloat16),
-        last_hidden_states=final.to(torch.bfloat16),
+        hidden_states=aux.to(dtype),
+        last_hidden_states=final.to(dtype),
         hidden_states_token_indices=None,
     )
     batch = SimpleNamespace(
@@ -262,6 +278,11 @@ def test_non_writer_rank_writes_nothing(api: SglangApi, state: HookState, shm_ro
     req = api.req_cls("r1", [1, 2], params())
     run_pass(api, runner, [req], [(0, 2)], torch.randn(2, H))
     assert req.finished()  # SGLang's own processing still ran
+    # Nor does it quantize: an FP8 pass is copied as SGLang copies it.
+    fp8 = api.req_cls("r2", [1, 2], params(**storage_params(FP8_ALL)))
+    _, result = run_pass(api, runner, [fp8], [(0, 2)], torch.randn(2, H))
+    assert fp8.finished() and result.logits_output.hidden_states is not None
+    assert state.encoded_passes == 0 and not state.storages
     assert list(shm_root.iterdir()) == []
 
 
@@ -401,6 +422,102 @@ def test_device_stack_needs_matching_shapes() -> None:
         torch.zeros(2, H), torch.zeros(2, H, dtype=torch.bfloat16), d2h
     )
     assert mixed is None
+
+
+# --------------------------------------------------------------------------------------
+# FP8 storage
+# --------------------------------------------------------------------------------------
+
+
+def fp8_req(api: SglangApi, rid: str, n: int, storage: Storage) -> Any:
+    """A marked request asking for ``storage`` (nothing more for bfloat16)."""
+    return api.req_cls(rid, list(range(n)), params(**storage_params(storage)))
+
+
+@pytest.mark.parametrize("storage", [FP8_ALL, FP8_AUX], ids=["all", "aux"])
+def test_fp8_pass_is_quantized_on_the_device(
+    api: SglangApi,
+    state: HookState,
+    shm_root: Path,
+    d2h_calls: list[torch.Tensor],
+    storage: Storage,
+) -> None:
+    """A pass whose requests all ask for one FP8 storage (float32 rows, as on the CPU
+    tier): quantized before the copy, only the sections' bytes cross to the host, SGLang's
+    own aux copy is skipped, and every part equals encode_rows of the bfloat16 dump of the
+    same rows (a chunked request included)."""
+    runner = api.runner_cls(CausalLM())
+    x1, x2 = torch.randn(3 + 4, H), torch.randn(2, H)
+    for prefix, wanted in (("bf", BF16_STORAGE), ("q", storage)):
+        d2h_calls.clear()
+        short, long = (
+            fp8_req(api, f"{prefix}-short", 3, wanted),
+            fp8_req(api, f"{prefix}-long", 6, wanted),
+        )
+        long.inflight_middle_chunks = 1
+        _, result = run_pass(api, runner, [short, long], [(0, 3), (0, 4)], x1, dtype=torch.float32)
+        run_pass(api, runner, [long], [(4, 2)], x2, dtype=torch.float32)
+        if prefix == "q":
+            assert state.encoded_passes == 2 and state.encoded_storages == {storage}
+            assert result.logits_output.hidden_states is None  # no bfloat16 aux copy
+            assert all(t.dtype == torch.uint8 for t in d2h_calls)
+            per_row = storage.row_bytes(len(LAYERS) + 1, H)
+            assert sum(t.nbytes for t in d2h_calls) == (7 + 2) * per_row
+        else:
+            assert state.encoded_passes == 0
+    settle()
+    for name in ("short", "long"):
+        bf16 = read_bf16_rows(shm_root / NS / f"bf-{name}")
+        check_fp8_dump(shm_root / NS / f"q-{name}", bf16, storage, aux_layers=LAYERS)
+    assert state.storages == {}  # forgotten after their last chunk
+
+
+def test_mixed_fp8_pass_is_quantized_by_the_writer(
+    api: SglangApi, state: HookState, shm_root: Path
+) -> None:
+    """An FP8 request batched with a bfloat16 one and ordinary traffic: the pass is copied
+    as bfloat16 (SGLang's copy included), and the FP8 parts are quantized on the host."""
+    runner = api.runner_cls(CausalLM())
+    user = api.req_cls("user-1", list(range(2)), params(ns=None, max_new_tokens=16))
+    bf = api.req_cls("bf", list(range(3)), params())
+    q = fp8_req(api, "q", 3, FP8_AUX)
+    x = torch.randn(2 + 3 + 3, H)
+    _, result = run_pass(api, runner, [user, bf, q], [(0, 2), (0, 3), (0, 3)], x)
+    assert state.encoded_passes == 0 and result.logits_output.hidden_states is not None
+    ref = reference_rows(x)
+    np.testing.assert_array_equal(dump_rows(shm_root, "bf", 3), ref[2:5])
+    check_fp8_dump(shm_root / NS / "q", ref[5:8], FP8_AUX, aux_layers=LAYERS)
+
+
+def test_unusable_fp8_request_is_dumped_bf16_and_logged_once(
+    api: SglangApi, state: HookState, shm_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    runner = api.runner_cls(CausalLM())
+    bad = api.req_cls("bad", list(range(5)), params(hsx_dtype=FP8, hsx_quantized=[0, 3]))
+    bad.inflight_middle_chunks = 1
+    x1, x2 = torch.randn(3, H), torch.randn(2, H)
+    with caplog.at_level(logging.WARNING, logger=sglang_hook.__name__):
+        run_pass(api, runner, [bad], [(0, 3)], x1)
+        run_pass(api, runner, [bad], [(3, 2)], x2)
+    lines = [r.getMessage() for r in caplog.records if "bad" in r.getMessage()]
+    assert len(lines) == 1 and "dumped as bfloat16" in lines[0] and "past the 3" in lines[0]
+    assert state.encoded_passes == 0
+    want = np.concatenate([reference_rows(x1), reference_rows(x2)])
+    np.testing.assert_array_equal(dump_rows(shm_root, "bad", 5), want)
+    assert read_bf16_rows(shm_root / NS / "bad").shape == (5, len(LAYERS) + 1, H)
+
+
+def test_encode_to_host_needs_matching_shapes() -> None:
+    d2h = lambda t: t  # noqa: E731
+    encode = sglang_hook.encode_to_host
+    assert encode(None, torch.zeros(2, H), FP8_ALL, d2h) is None
+    assert encode(torch.zeros(2, 3), torch.zeros(2, H), FP8_ALL, d2h) is None
+    assert encode(torch.zeros(0, H), torch.zeros(0, H), FP8_ALL, d2h) is None
+    # One aux layer: L = 2, so slot 2 does not exist.
+    assert encode(torch.zeros(2, H), torch.zeros(2, H), FP8_ALL, d2h) is None
+    sections = encode(torch.zeros(2, 2 * H), torch.zeros(2, H), FP8_AUX, d2h)
+    assert sections is not None
+    assert [tuple(s.shape) for s in sections] == [(2, 2 * H), (2, 2 * 4), (2, H * 2)]
 
 
 def test_tensor_bits_keeps_row_strided_views() -> None:

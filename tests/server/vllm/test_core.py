@@ -6,9 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from hsx_async.errors import ConfigError, DumpError
-from hsx_async.protocol import parse_meta
+from hsx_async.protocol import BF16_STORAGE, FP8, Storage, parse_meta, storage_params
+from hsx_async.quantize import encode_rows
 from hsx_async.run.dump import validate_dump
 from hsx_async.server.vllm.core import (
     Target,
@@ -16,8 +18,10 @@ from hsx_async.server.vllm.core import (
     dump_root,
     layer_plan,
     marked_target,
+    parse_target_path,
     write_dump,
 )
+from tests.server.fp8 import check_fp8_dump
 
 
 def test_marks() -> None:
@@ -74,3 +78,44 @@ def test_a_written_dump_passes_the_clients_checks(shm_root: Path) -> None:
         write_dump(shm_root, Target("w0", "r2"), rows[:-1].data.cast("B"), num_tokens=5,
                    plan=plan, model="m", server="s")  # fmt: skip
     assert not (shm_root / "w0" / "r2").exists()
+
+
+# FP8 storage: L = 4 capture ids (aux 1, 3, 5 and the final state 6), H = 8.
+VLLM_FP8_AUX = Storage(FP8, (0, 1, 2))
+
+
+def test_marks_read_the_storage() -> None:
+    params = {"hsx_ns": "w0", "hsx_rid": "r", **storage_params(VLLM_FP8_AUX)}
+    assert marked_target(params, 4) == Target("w0", "r", VLLM_FP8_AUX)
+    assert marked_target(params) == Target("w0", "r")  # no layer count: bfloat16
+    bad = marked_target({**params, "hsx_quantized": [0, 4]}, 4)
+    assert isinstance(bad, Target) and bad.storage == BF16_STORAGE
+    assert "past the 4 layer slots" in bad.note
+
+
+def test_target_path_round_trips() -> None:
+    for target in (Target("w0", "r-1"), Target("w0", "r-1", VLLM_FP8_AUX)):
+        assert parse_target_path(target.path) == target
+    assert Target("w0", "r", VLLM_FP8_AUX).path == "w0/r/float8_e4m3fn:0,1,2"
+    for bad in ("w0", "../x/r", "w0/r/bfloat17:0", "w0/r/float8_e4m3fn:", "w0/r/x/y"):
+        with pytest.raises(DumpError):
+            parse_target_path(bad)
+
+
+def test_an_fp8_dump_is_encode_rows_of_its_rows(shm_root: Path) -> None:
+    plan = layer_plan([1, 3, 5, 6], 6, 8)
+    rng = np.random.default_rng(0)
+    rows = torch.from_numpy(rng.standard_normal((5, 4, 8))).to(torch.bfloat16)
+    bits = rows.view(torch.int16).numpy().view(np.uint16)
+    sections = [
+        t.view(torch.uint8).reshape(-1).numpy().data for t in encode_rows(rows, VLLM_FP8_AUX)
+    ]
+    target = Target("w0", "q", VLLM_FP8_AUX)
+    write_dump(shm_root, target, sections, num_tokens=5, plan=plan, model="m", server="vllm")
+    check_fp8_dump(shm_root / "w0" / "q", bits, VLLM_FP8_AUX, aux_layers=(1, 3, 5))
+    meta = parse_meta((shm_root / "w0" / "q" / "meta.json").read_bytes())
+    assert meta.final_state == "pre_norm"
+    with pytest.raises(DumpError, match="as float8_e4m3fn"):
+        write_dump(shm_root, Target("w0", "q2", VLLM_FP8_AUX), sections[:2], num_tokens=5,
+                   plan=plan, model="m", server="s")  # fmt: skip
+    assert not (shm_root / "w0" / "q2").exists()

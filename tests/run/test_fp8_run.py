@@ -1,0 +1,112 @@
+"""End to end, in process: ``hsx run`` with ``[output].dtype = "float8_e4m3fn"`` against the
+fake server, which quantizes where it produces the rows (PROTOCOL §2–4, version 3).
+
+The same samples are run three times (bfloat16, FP8 of every slot, FP8 of the aux slots):
+the FP8 files are exactly the fake server's bfloat16 rows through ``encode_rows``, were
+quantized by the server (its counters; the client's fallback is never needed), and take the
+bytes the storage predicts, measured from the files themselves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from hsx_async.config import Config
+from hsx_async.dataset.layout import canonical_id
+from hsx_async.dataset.manifest import read_manifest
+from hsx_async.dataset.provenance import dataset_storage, read_provenance
+from hsx_async.protocol import BF16, FP8, HIDDEN, SCALES, UNQUANTIZED, Storage
+from hsx_async.quantize import assemble, encode_rows
+from hsx_async.run.daemon import Daemon
+from hsx_async.server.fake.server import FakeOptions, expected_hidden_states, running_fake_server
+from tests.e2e import SampleSet, check_dataset, make_config, shm_leftovers, write_samples
+
+# A hidden size where the rows, not the file's header and 4 KiB alignment, dominate.
+H, AUX = 1024, (1, 3, 5)
+L = len(AUX) + 1
+ID_BYTES = 8  # input_ids: int64 per token
+
+
+async def run_once(
+    tmp: Path, shm_root: Path, samples: SampleSet, name: str, output: dict[str, Any]
+) -> tuple[Config, tuple[int, int]]:
+    """One run into ``tmp/name``; returns its config and the server's (FP8 requests,
+    storage fallbacks)."""
+    base = tmp / name
+    base.mkdir()
+    options = FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=shm_root, chunk_size=64)
+    async with running_fake_server(options) as fake:
+        config = make_config(base, samples.path, [fake.url], shm_root, hidden_size=H,
+                             output=output)  # fmt: skip
+        summary = await Daemon(config).run()
+        counts = (fake.stats.fp8_requests, fake.stats.storage_fallbacks)
+    assert (summary.done, summary.quarantined, summary.unfinished) == (len(samples.good), 0, 0)
+    assert shm_leftovers(shm_root) == []
+    return config, counts
+
+
+def dataset_bytes(config: Config) -> int:
+    return sum(entry.size for entry in read_manifest(config.output.dir))
+
+
+def check_fp8_files(config: Config, samples: SampleSet, storage: Storage) -> None:
+    """Every file names its storage and holds encode_rows of the fake server's rows."""
+    assert dataset_storage(read_provenance(config.output.dir)) == storage
+    for entry in read_manifest(config.output.dir):
+        ids = np.array(samples.good[canonical_id(entry.id)]["input_ids"], dtype=np.int64)
+        want_bits = expected_hidden_states(ids, H, L)
+        rows = torch.from_numpy(want_bits.view(np.int16)).view(torch.bfloat16)
+        want = encode_rows(rows, storage)
+        with safe_open(str(config.output.dir / entry.path), framework="pt") as f:
+            meta = f.metadata()
+            assert meta["dtype"] == FP8
+            assert meta["quantized"] == ",".join(map(str, storage.quantized))
+            q, scales = f.get_tensor(HIDDEN), f.get_tensor(SCALES)
+            kept = f.get_tensor(UNQUANTIZED) if storage.kept(L) else None
+            assert set(f.keys()) - {"input_ids", "loss_mask"} == (
+                {HIDDEN, SCALES, UNQUANTIZED} if kept is not None else {HIDDEN, SCALES}
+            )
+        lq = len(storage.quantized)
+        assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (len(ids), lq, H)
+        assert scales.dtype == torch.float32 and tuple(scales.shape) == (len(ids), lq, 1)
+        assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(scales.reshape(len(ids), lq), want[1])
+        if kept is not None:
+            assert torch.equal(kept.view(torch.int16), want[2].view(torch.int16))
+        # Dequantized: the fake rows within FP8's rounding (3 mantissa bits: < 2^-4 relative).
+        got = assemble(q, scales, kept, storage, torch.float32)
+        err = (got - rows.float()).norm(dim=-1) / rows.float().norm(dim=-1).clamp_min(1e-30)
+        assert float(err.max()) < 0.08, entry.id
+
+
+@pytest.mark.parametrize("quantize", ["all", "aux"])
+async def test_fp8_run_writes_the_servers_fp8_at_the_predicted_bytes(
+    tmp_path: Path, shm_root: Path, quantize: str
+) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 16, max_len=200, seed=19)
+    bf16_config, bf16_counts = await run_once(tmp_path, shm_root, samples, "bf16", {"dtype": BF16})
+    assert bf16_counts == (0, 0)
+    check_dataset(bf16_config.output.dir, samples, hidden_size=H, num_layers=L)
+
+    output = {"dtype": FP8, "quantize": quantize}
+    config, counts = await run_once(tmp_path, shm_root, samples, f"fp8-{quantize}", output)
+    storage = config.storage
+    assert storage.quantized == (tuple(range(L)) if quantize == "all" else tuple(range(L - 1)))
+    # The server quantized every request (each was sent once: no faults, no retries).
+    assert counts == (len(samples.good), 0)
+    check_fp8_files(config, samples, storage)
+
+    # Bytes: measured from the files, against what the storage predicts per token.
+    ratio = dataset_bytes(config) / dataset_bytes(bf16_config)
+    per_token = (storage.row_bytes(L, H) + ID_BYTES) / (L * H * 2 + ID_BYTES)
+    assert abs(ratio - per_token) < 0.01, (ratio, per_token)
+    if quantize == "all":
+        assert ratio < 0.55, ratio
+    else:
+        assert 0.55 < ratio < 0.65, ratio  # the final slot's bf16 stays
