@@ -34,13 +34,20 @@ ID_BYTES = 8  # input_ids: int64 per token
 
 
 async def run_once(
-    tmp: Path, shm_root: Path, samples: SampleSet, name: str, output: dict[str, Any]
+    tmp: Path,
+    shm_root: Path,
+    samples: SampleSet,
+    name: str,
+    output: dict[str, Any],
+    *,
+    honour_storage: bool = True,
 ) -> tuple[Config, tuple[int, int]]:
     """One run into ``tmp/name``; returns its config and the server's (FP8 requests,
-    storage fallbacks)."""
+    storage fallbacks). ``honour_storage=False``: a hook older than version 3."""
     base = tmp / name
     base.mkdir()
-    options = FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=shm_root, chunk_size=64)
+    options = FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=shm_root, chunk_size=64,
+                          honour_storage=honour_storage)  # fmt: skip
     async with running_fake_server(options) as fake:
         config = make_config(base, samples.path, [fake.url], shm_root, hidden_size=H,
                              output=output)  # fmt: skip
@@ -110,3 +117,23 @@ async def test_fp8_run_writes_the_servers_fp8_at_the_predicted_bytes(
         assert ratio < 0.55, ratio
     else:
         assert 0.55 < ratio < 0.65, ratio  # the final slot's bf16 stays
+
+
+async def test_a_server_that_dumps_bf16_gets_the_same_dataset_from_the_clients_writer(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    """A hook older than version 3 ignores hsx_dtype and dumps bfloat16; the client's
+    writer quantizes with the same quantizer, so the dataset is the one a quantizing hook
+    makes: every file byte for byte (the manifests' hashes are equal)."""
+    samples = write_samples(tmp_path / "in.jsonl", 12, max_len=200, seed=23)
+    output = {"dtype": FP8, "quantize": "aux"}
+    hook, counts = await run_once(tmp_path, shm_root, samples, "hook", output)
+    assert counts == (len(samples.good), 0)
+    client, counts = await run_once(
+        tmp_path, shm_root, samples, "client", output, honour_storage=False
+    )
+    assert counts == (0, 0)  # nothing quantized by the server
+    check_fp8_files(client, samples, client.storage)
+    assert {(e.id, e.xxh3_64) for e in read_manifest(client.output.dir)} == {
+        (e.id, e.xxh3_64) for e in read_manifest(hook.output.dir)
+    }

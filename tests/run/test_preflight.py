@@ -3,7 +3,10 @@ server; and the mount table it reads."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+
+import pytest
 
 from hsx_async.run.mounts import fs_type, read_mounts
 from hsx_async.run.preflight import (
@@ -127,22 +130,34 @@ def test_mount_points_are_unescaped(tmp_path: Path) -> None:
     assert read_mounts(tmp_path / "no-such-table") == []
 
 
+@pytest.mark.parametrize("honour", [True, False])
 async def test_an_fp8_dataset_is_told_where_its_rows_are_quantized(
-    tmp_path: Path, shm_root: Path
+    tmp_path: Path, shm_root: Path, honour: bool
 ) -> None:
     """hsx check sends the FP8 request and says whether the server's hook stored FP8
     itself (OK) or dumped bfloat16 for the client to quantize (WARN, naming the fix)."""
     samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
-    async with running_fake_server(fake_options(shm_root)) as fake:
+    options = dataclasses.replace(fake_options(shm_root), honour_storage=honour)
+    async with running_fake_server(options) as fake:
         config = make_config(
             tmp_path, samples.path, [fake.url], shm_root, output={"dtype": "float8_e4m3fn"}
         )
         report = Report()
         await check_servers(config, report)
     (line,) = [line for line in report.lines if line[1] == "storage"]
-    if line[0] == "OK":
+    if honour:
+        assert line[0] == "OK"
         assert "the hook stores float8_e4m3fn (slots 0,1,2,3) itself" in line[2]
     else:
-        assert line[0] == "WARN" and "the client quantizes" in line[2]
+        assert line[0] == "WARN" and "the hook dumps bfloat16; the client quantizes" in line[2]
         assert "Deploy this version's hook" in line[2]
     assert shm_leftovers(shm_root) == []
+
+
+async def test_a_bf16_dataset_gets_no_storage_line(tmp_path: Path, shm_root: Path) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    async with running_fake_server(fake_options(shm_root)) as fake:
+        config = make_config(tmp_path, samples.path, [fake.url], shm_root)
+        report = Report()
+        await check_servers(config, report)
+    assert "storage" not in {line[1] for line in report.lines}

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from hsx_async import __version__
 from hsx_async.errors import HsxError
-from hsx_async.protocol import PROTOCOL_VERSION
+from hsx_async.protocol import BF16_STORAGE, PROTOCOL_VERSION
 from hsx_async.server.fake.content import content_table
 from hsx_async.server.fake.options import (
     FakeControl,
@@ -98,6 +98,8 @@ async def _serve_hsx(request: web.Request, state: _State, req: GenerateRequest) 
         return _drop(request)
     cuts = random_cuts(options.seed, req.rid, req.prompt_tokens) if options.random_chunks else ()
     storage, why = request_storage(req.custom_params, len(state.spec.aux_layers) + 1)
+    if not options.honour_storage:
+        storage, why = BF16_STORAGE, ""  # an older hook: it never read the request's storage
     state.stats.note_storage(storage, why)
     if why:
         _log.warning("rid %s dumped as bfloat16 (the client quantizes): %s", req.rid, why)

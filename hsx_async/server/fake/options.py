@@ -61,6 +61,9 @@ class FakeOptions:
     # stream tops out near 1.3 GB/s, but on 2 cores a second one only steals the client's
     # CPU. 0: auto (half the cores, 1 to 4).
     writer_threads: int = 0
+    # False: behave as a hook older than protocol version 3, which ignores hsx_dtype and
+    # dumps bfloat16 (the client then quantizes): the fallback path, end to end.
+    honour_storage: bool = True
 
     def __post_init__(self) -> None:
         positive: dict[str, float] = {
