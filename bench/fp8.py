@@ -1,20 +1,27 @@
 """FP8 storage of hidden states (issue 19), measured against bfloat16 side by side, one run.
 
-    python bench/fp8.py              # ~13 minutes on the 2-core machine
+    python bench/fp8.py              # ~12 minutes on the 2-core machine
     python bench/fp8.py --smoke      # tiny, checks the script runs (CI)
 
-Three phases; every figure is a ratio to bfloat16 from the same run:
+Four phases; every figure is a ratio to bfloat16 from the same run:
 
-1. **End to end** through ``hsx reference-server`` (a real ``transformers`` Llama on the
-   CPU: the built-in tiny one, whose RMSNorm gains are drawn per channel from U(0.2, 3) as
-   a trained checkpoint's are, or ``--model DIR``, given such gains if it has unit ones):
-   the same samples with ``[output] dtype = "bfloat16"``, ``"float8_e4m3fn"`` with
-   ``quantize = "all"`` and with ``quantize = "aux"``, in rounds whose order rotates, one
-   ``hsx run`` process each. Dataset bytes per token (from the files), samples/s, and the
-   client's CPU (the ``hsx run`` process, from ``wait4``) per GB written and per token,
-   net of an empty run's start-up. Which side quantized is read from a probe dump's
-   ``meta.json`` for each storage: a hook that quantizes dumps FP8, one that does not dumps
-   bfloat16 and the client's writer quantizes (the fallback).
+1. **End to end, the hook quantizing**, through ``hsx reference-server`` (a real
+   ``transformers`` Llama on the CPU: the built-in tiny one, whose RMSNorm gains are drawn
+   per channel from U(0.2, 3) as a trained checkpoint's are, or ``--model DIR``, given such
+   gains if it has unit ones): the same samples with ``[output] dtype = "bfloat16"``,
+   ``"float8_e4m3fn"`` with ``quantize = "all"`` and with ``quantize = "aux"``, in rounds
+   whose order rotates, one ``hsx run`` process each. Dataset bytes per token (from the
+   files), samples/s, and the client's CPU (the ``hsx run`` process, from ``wait4``) per GB
+   written and per token, net of an empty run's start-up. Which side quantized is read from
+   a probe dump's ``meta.json`` for each storage (the reference server's hook quantizes as
+   the request asks: it dumps FP8).
+1b. **End to end, the hook vs the client's fallback**, through two ``hsx fake-server``
+   processes of the teacher's shape and the same samples: one quantizes in its hook as
+   asked, the other plays a hook older than protocol version 3 (``FakeOptions(
+   honour_storage=False)``: it dumps bfloat16 whatever the request asks, and the client's
+   writer quantizes). The reference server has no such option, so the fallback is measured
+   end to end here, where no model runs and the client's side is all there is to time. The
+   two paths' datasets must be byte-identical (equal manifest hashes: one quantizer).
 2. **The writer alone** (``FileWriter.stage`` + ``publish``, fsync on, in this process, as
    the client's copy threads call them) on dumps of a large model's shape built in
    /dev/shm: copying a bfloat16 dump, copying an FP8 dump (what a quantizing hook leaves;
@@ -22,12 +29,14 @@ Three phases; every figure is a ratio to bfloat16 from the same run:
    the median of interleaved rounds; the hook-path and the fallback files must be
    byte-identical (one quantizer).
 3. **Quality** of phase 1's FP8 datasets against its bfloat16 dataset (the same samples
-   through the same server): per layer slot, cosine and relative RMS error of the rows as
-   the dataset reader yields them (dequantized to bfloat16), ``quantize.rounding_error``
-   (estimated from the stored values alone) against the measured FP8 error, and the
-   teacher's logits through the model's own ``lm_head``: KL(softmax(bf16) ‖ softmax(FP8))
-   and top-1 agreement with the final state quantized ("all") and kept ("aux", where the
-   KL must be exactly 0).
+   through the same server), every dataset read back through
+   ``hsx_async.dataset.HiddenStateDataset`` (bfloat16, the default: FP8 dequantized), which
+   must equal ``quantize.assemble`` of the file's own tensors bit for bit (and its
+   ``storage="raw"`` sections the file's): per layer slot, cosine and relative RMS error of
+   the rows as read, ``quantize.rounding_error`` (estimated from the stored values alone)
+   against the measured FP8 error, and the teacher's logits through the model's own
+   ``lm_head``: KL(softmax(bf16) ‖ softmax(FP8)) and top-1 agreement with the final state
+   quantized ("all") and kept ("aux", where the KL must be exactly 0).
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from common import (
     apply_common,
     client_config,
     common_args,
+    fake_server_argv,
     lognormal_lengths,
     machine_info,
     print_table,
@@ -257,6 +267,46 @@ def hidden_bytes(out_dir: Path) -> tuple[int, int]:
     return total, tokens
 
 
+def client_run(
+    ctx: Ctx,
+    srv: ServerProcess,
+    *,
+    model: Model,
+    output: dict[str, str],
+    tag: str,
+    inp: Path,
+    name: str,
+    concurrency: int | None = None,
+) -> tuple[dict[str, Any], Path]:
+    """One ``hsx run`` process against ``srv``: its figures, and its output directory."""
+    out = ctx.s.fresh(f"{tag}-out")
+    raw = client_config(
+        url=srv.url, samples=inp, out_dir=out, dump_root=ctx.dump_root, model=model,
+        workers={"concurrency": concurrency or ctx.args.concurrency}, output=output,
+    )  # fmt: skip
+    os.sync()  # the previous run's writes are not flushed during this one
+    cpu0 = srv.cpu_s()
+    run = run_hsx(raw, ctx.s.work, tag)
+    row = {
+        "storage": name,
+        "samples": run.done,
+        "quarantined": run.quarantined,
+        "tokens": run.tokens,
+        "seconds": run.run_s,
+        "bytes": run.bytes_on_disk,
+        "cpu_s": run.usage.cpu_s,
+        "server_cpu_s": srv.cpu_s() - cpu0,
+        "peak_rss_mb": run.usage.peak_rss / 1e6,
+        # Every thread but the event loop's: the copy threads (and torch's workers while
+        # the writer quantizes), the directory syncs, the resolver.
+        "other_threads_cpu_s": sum(
+            t["user_s"] + t["sys_s"] for kind, t in run.usage.threads.items() if kind != "main"
+        ),
+        "usage": usage_dict(run.usage),
+    }
+    return row, out
+
+
 def e2e_phase(ctx: Ctx, teacher: Teacher) -> dict[str, Any]:
     args = ctx.args
     lengths = sample_lengths(args.samples, args.mean_len, args.max_len, args.seed)
@@ -279,35 +329,15 @@ def e2e_phase(ctx: Ctx, teacher: Teacher) -> dict[str, Any]:
             )
 
         def one(name: str, tag: str, inp: Path) -> tuple[dict[str, Any], Path]:
-            out = ctx.s.fresh(f"{tag}-out")
-            raw = client_config(
-                url=srv.url, samples=inp, out_dir=out, dump_root=ctx.dump_root,
-                model=teacher.shape, workers={"concurrency": args.concurrency},
+            return client_run(
+                ctx,
+                srv,
+                model=teacher.shape,
                 output=OUTPUT_KEYS[name],
-            )  # fmt: skip
-            os.sync()  # the previous run's writes are not flushed during this one
-            cpu0 = srv.cpu_s()
-            run = run_hsx(raw, ctx.s.work, tag)
-            row = {
-                "storage": name,
-                "samples": run.done,
-                "quarantined": run.quarantined,
-                "tokens": run.tokens,
-                "seconds": run.run_s,
-                "bytes": run.bytes_on_disk,
-                "cpu_s": run.usage.cpu_s,
-                "server_cpu_s": srv.cpu_s() - cpu0,
-                "peak_rss_mb": run.usage.peak_rss / 1e6,
-                # Every thread but the event loop's: the copy threads (and torch's workers
-                # while the writer quantizes), the directory syncs, the resolver.
-                "other_threads_cpu_s": sum(
-                    t["user_s"] + t["sys_s"]
-                    for kind, t in run.usage.threads.items()
-                    if kind != "main"
-                ),
-                "usage": usage_dict(run.usage),
-            }
-            return row, out
+                tag=tag,
+                inp=inp,
+                name=name,
+            )
 
         idle, idle_out = one("bf16", "e2e-idle", empty)
         remove(idle_out)
@@ -385,11 +415,15 @@ def _median_ratio(runs: dict[str, list[dict[str, Any]]], name: str, key: str) ->
 
 
 def e2e_summary(
-    runs: dict[str, list[dict[str, Any]]], kept: dict[str, Path], probes: dict[str, Any]
+    runs: dict[str, list[dict[str, Any]]],
+    kept: dict[str, Path],
+    probes: dict[str, Any],
+    names: Sequence[str] = STORAGES,
 ) -> dict[str, Any]:
+    """Each run kind's medians and its per-round ratios to the ``bf16`` runs."""
     out: dict[str, Any] = {}
     base_hidden, base_tokens = hidden_bytes(kept["bf16"])
-    for name in STORAGES:
+    for name in names:
         hidden, tokens = hidden_bytes(kept[name])
         rows = runs[name]
         out[name] = {
@@ -412,6 +446,130 @@ def e2e_summary(
             ),
         }
     return out
+
+
+# -- phase 1b: the client's fallback, end to end ---------------------------------------------
+
+# ``hsx fake-server`` as a hook older than protocol version 3, which never reads hsx_dtype
+# and dumps bfloat16 (``FakeOptions.honour_storage=False``): the CLI has no flag for it,
+# so the bench starts the same server through the same functions the CLI calls.
+_OLD_HOOK_FAKE = """\
+import argparse, dataclasses, sys
+import uvloop
+from hsx_async.server.fake import server as fake
+parser = argparse.ArgumentParser()
+fake.register_cli(parser.add_subparsers())
+args = parser.parse_args(sys.argv[1:])
+options = dataclasses.replace(fake.options_from_args(args), honour_storage=False)
+async def ready(url):
+    print(f"old-hook fake-server listening on {url}", flush=True)
+uvloop.run(fake.serve_until_signal(options, args.host, args.port, ready))
+"""
+
+
+class FallbackRun(NamedTuple):
+    name: str
+    storage: str  # the [output] keys (OUTPUT_KEYS)
+    hook_quantizes: bool  # False: the old-hook fake server (dumps bf16; the client quantizes)
+
+
+FALLBACK_RUNS = (
+    FallbackRun("bf16", "bf16", True),
+    FallbackRun("fp8-all hook", "fp8-all", True),
+    FallbackRun("fp8-all fallback", "fp8-all", False),
+    FallbackRun("fp8-aux hook", "fp8-aux", True),
+    FallbackRun("fp8-aux fallback", "fp8-aux", False),
+)
+
+
+def manifest_hashes(out_dir: Path) -> set[tuple[str, str]]:
+    return {(str(e.id), e.xxh3_64) for e in read_manifest(out_dir)}
+
+
+def fallback_phase(ctx: Ctx, teacher: Teacher) -> dict[str, Any]:
+    """The same samples through two ``hsx fake-server`` processes of the teacher's shape
+    (no model: the client's side is all there is to time): one that quantizes in its hook
+    as asked, one that dumps bfloat16 whatever the request asks (the fallback), in rounds
+    whose order rotates. The reference server cannot play the old hook (it has no such
+    option), so the fallback is measured against the hook path here, on the fake server."""
+    args = ctx.args
+    lengths = sample_lengths(args.samples, args.mean_len, args.max_len, args.seed)
+    samples = ctx.s.work / "fallback-samples.jsonl"
+    write_token_samples(samples, lengths, teacher.vocab, args.seed)
+    empty = ctx.s.work / "empty.jsonl"
+    empty.write_bytes(b"")
+    model, layers = teacher.shape, teacher.shape.layers
+    argv = fake_server_argv(model, ctx.dump_root)
+    old_argv = [PYTHON, "-c", _OLD_HOOK_FAKE, *argv[3:]]  # from "fake-server" on
+    names = [r.name for r in FALLBACK_RUNS]
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    kept: dict[str, Path] = {}
+    with (
+        ServerProcess(argv, ctx.s.work / "fake-server.log") as hook_srv,
+        ServerProcess(old_argv, ctx.s.work / "fake-server-old-hook.log") as old_srv,
+    ):
+        servers = {True: hook_srv, False: old_srv}
+        probes = {}
+        for i, fr in enumerate(FALLBACK_RUNS):
+            srv = servers[fr.hook_quantizes]
+            storage = storage_of(fr.storage, layers)
+            probes[fr.name] = probe_dump(srv.url, ctx.dump_root, storage, f"fb{i}", teacher.vocab)
+            print(f"  probe {fr.name}: quantized in: {probes[fr.name]['quantized_in']}", flush=True)
+        idle, idle_out = client_run(
+            ctx, hook_srv, model=model, output=OUTPUT_KEYS["bf16"], tag="fb-idle", inp=empty,
+            name="bf16",
+        )  # fmt: skip
+        remove(idle_out)
+        print(f"  no samples: {idle['cpu_s']:.2f} CPU s (start-up, subtracted)", flush=True)
+        for r in range(args.rounds):
+            k = r % len(FALLBACK_RUNS)
+            for fr in FALLBACK_RUNS[k:] + FALLBACK_RUNS[:k]:
+                srv = servers[fr.hook_quantizes]
+                tag = f"fb-{fr.name.replace(' ', '-')}-r{r}"
+                row, out = client_run(
+                    ctx, srv, model=model, output=OUTPUT_KEYS[fr.storage], tag=tag,
+                    inp=samples, name=fr.name,
+                )  # fmt: skip
+                if row["samples"] != len(lengths):
+                    raise RuntimeError(
+                        f"{fr.name}: {row['samples']} of {len(lengths)} samples written"
+                    )
+                row["round"] = r
+                _derive(row, idle)
+                runs[fr.name].append(row)
+                print(
+                    f"  round {r} {fr.name}: {row['samples_per_s']:.2f} samples/s, "
+                    f"{row['cpu_ms_per_ktoken_net']:.2f} CPU ms/1k tokens",
+                    flush=True,
+                )
+                if fr.name in kept:
+                    remove(out)
+                else:
+                    kept[fr.name] = out
+    identical = {
+        st: manifest_hashes(kept[f"{st} hook"]) == manifest_hashes(kept[f"{st} fallback"])
+        for st in ("fp8-all", "fp8-aux")
+    }
+    summary = e2e_summary(runs, kept, probes, names)
+    for out in kept.values():
+        remove(out)
+    # The fallback's extra client CPU per token over the hook path's, round by round.
+    extra = {
+        st: statistics.median(
+            f["cpu_ms_per_ktoken_net"] / h["cpu_ms_per_ktoken_net"]
+            for f, h in zip(runs[f"{st} fallback"], runs[f"{st} hook"], strict=True)
+        )
+        for st in ("fp8-all", "fp8-aux")
+    }
+    return {
+        "lengths": {"samples": len(lengths), "tokens": sum(lengths)},
+        "fallback_over_hook_cpu_per_token": extra,
+        "idle": idle,
+        "probes": probes,
+        "runs": runs,
+        "summary": summary,
+        "hook_and_fallback_identical": identical,
+    }
 
 
 # -- phase 2: the writer alone ----------------------------------------------------------------
@@ -667,22 +825,36 @@ def read_stored(path: Path) -> Stored:
     return Stored(hidden, q, scales, storage, final_state)
 
 
-def reader_hidden(out_dir: Path) -> tuple[dict[str, torch.Tensor] | None, str]:
-    """Every sample's [T, L, H] through ``hsx_async.dataset.HiddenStateDataset``, or None
-    and why where the reader does not read this dataset (yet)."""
+class ReadBack(NamedTuple):
+    """A dataset as ``hsx_async.dataset.HiddenStateDataset`` yields it, sample by sample."""
+
+    hidden: dict[str, torch.Tensor]  # [T, L, H] bfloat16 (the default, storage="bf16")
+    raw: dict[str, dict[str, torch.Tensor]]  # storage="raw": the sections as stored
+    storage: Storage
+
+
+def read_back(out_dir: Path) -> ReadBack:
     from hsx_async.dataset import HiddenStateDataset
 
-    try:
-        ds = HiddenStateDataset(out_dir, fields=("hidden_states", "aux_hidden_states"))
-        out = {}
-        for i, sid in enumerate(ds.ids):
-            sample = ds[i]
-            final, aux = sample["hidden_states"], sample["aux_hidden_states"]
-            t, h = final.shape
-            out[str(sid)] = torch.cat([aux.reshape(t, -1, h), final[:, None, :]], dim=1)
-    except Exception as exc:  # noqa: BLE001 - any failure means: read directly, and say why
-        return None, f"{type(exc).__name__}: {str(exc)[:300]}"
-    return out, ""
+    fields = ("hidden_states", "aux_hidden_states")
+    ds = HiddenStateDataset(out_dir, fields=fields)
+    raw_ds = HiddenStateDataset(out_dir, fields=fields, storage="raw")
+    hidden, raw = {}, {}
+    for i, sid in enumerate(ds.ids):
+        sample = ds[i]
+        final, aux = sample["hidden_states"], sample["aux_hidden_states"]
+        t, h = final.shape
+        hidden[str(sid)] = torch.cat([aux.reshape(t, -1, h), final[:, None, :]], dim=1)
+        raw[str(sid)] = dict(raw_ds[i])
+    return ReadBack(hidden, raw, ds.storage)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -774,34 +946,40 @@ class _Errors:
 
 
 def quality_phase(datasets: dict[str, Path], teacher: Teacher) -> dict[str, Any]:
-    base = {str(e.id): datasets["bf16"] / e.path for e in read_manifest(datasets["bf16"])}
+    """Every dataset read back through ``HiddenStateDataset`` (bfloat16, the default: an
+    FP8 file dequantized); cross-checked against ``quantize.assemble`` of the file's own
+    tensors (safetensors) and, with ``storage="raw"``, against the sections as stored."""
+    base = read_back(datasets["bf16"])
     results: dict[str, Any] = {}
     for name in ("fp8-all", "fp8-aux"):
         out_dir = datasets[name]
-        via_reader, why = reader_hidden(out_dir)
+        back = read_back(out_dir)
         errors = _Errors(teacher)
-        reader_equal = True
-        storage, final_state = BF16_STORAGE, ""
+        equal_assemble = equal_raw = True
+        final_state = ""
         for entry in read_manifest(out_dir):
             sid = str(entry.id)
-            got = read_stored(out_dir / entry.path)
-            storage, final_state = got.storage, got.final_state
-            hidden = got.hidden
-            if via_reader is not None:
-                same = torch.equal(via_reader[sid].view(torch.int16), hidden.view(torch.int16))
-                reader_equal &= bool(same)
-                hidden = via_reader[sid]
-            errors.add(read_stored(base[sid]), got, hidden)
+            direct = read_stored(out_dir / entry.path)  # safetensors + quantize.assemble
+            final_state = direct.final_state
+            raw = back.raw[sid]
+            equal_assemble &= _bits_equal(back.hidden[sid], direct.hidden)
+            if direct.q is None or direct.scales is None:
+                raise RuntimeError(f"{out_dir / entry.path} holds no FP8 section")
+            equal_raw &= _bits_equal(raw[HIDDEN], direct.q)
+            equal_raw &= _bits_equal(raw[SCALES], direct.scales)
+            kept = direct.storage.kept(teacher.shape.layers)
+            if kept:  # the kept slots, as stored and as assemble placed them
+                equal_raw &= _bits_equal(raw[UNQUANTIZED], direct.hidden[:, list(kept)])
+            got = Stored(back.hidden[sid], raw[HIDDEN], raw[SCALES], back.storage, final_state)
+            ref = Stored(base.hidden[sid], None, None, base.storage, final_state)
+            errors.add(ref, got, back.hidden[sid])
         results[name] = {
-            "storage": storage.describe(),
+            "storage": back.storage.describe(),
             "final_state": final_state,
-            "read_via": (
-                "hsx_async.dataset reader" if via_reader is not None
-                else "safetensors + quantize.assemble (the reader refused the file)"
-            ),
-            "reader_refused": why,
-            "reader_equals_assemble": reader_equal if via_reader is not None else None,
-            "slots": errors.slots(storage),
+            "read_via": "hsx_async.dataset.HiddenStateDataset (bf16; raw for the FP8 error)",
+            "reader_equals_assemble": equal_assemble,
+            "raw_equals_file": equal_raw,
+            "slots": errors.slots(back.storage),
         } | errors.logits()  # fmt: skip
     return results
 
@@ -833,6 +1011,29 @@ def report(data: dict[str, Any]) -> list[str]:
          "samples/s", "ratio", "client CPU s/GB written", "ratio", "client CPU ms/1k tokens",
          "ratio", "of which off the event loop", "ratio"],
         rows,
+    ))  # fmt: skip
+    fb = data["fallback_e2e"]
+    frows: list[list[Any]] = []
+    for fr in FALLBACK_RUNS:
+        s = fb["summary"][fr.name]
+        frows.append([
+            fr.name, s["quantized_in"], s["hidden_bytes_per_token"], s["ratio_hidden_bytes"],
+            s["samples_per_s"], s["ratio_samples_per_s"]["median"],
+            s["cpu_ms_per_ktoken_net"], s["ratio_cpu_per_token"]["median"],
+            s["other_threads_ms_per_ktoken_net"], s["ratio_other_threads_per_token"]["median"],
+            s["cpu_s_per_gb_net"], s["ratio_cpu_per_gb"]["median"],
+        ])  # fmt: skip
+    tables.append(print_table(
+        f"End to end through hsx fake-server (no model; H {t['hidden_size']}, aux "
+        f"{t['aux_layers']}; the same {fb['lengths']['samples']} samples, "
+        f"{data['settings']['rounds']} rounds): a hook that quantizes vs one that dumps bf16 "
+        f"(the client's fallback); fallback / hook client CPU per token: "
+        f"{ {k: round(v, 2) for k, v in fb['fallback_over_hook_cpu_per_token'].items()} }; "
+        f"byte-identical datasets: {fb['hook_and_fallback_identical']}",
+        ["run", "quantized in", "hidden B/token", "ratio", "samples/s", "ratio",
+         "client CPU ms/1k tokens", "ratio", "of which off the event loop", "ratio",
+         "client CPU s/GB written", "ratio"],
+        frows,
     ))  # fmt: skip
     w = data["writer"]
     tables.append(print_table(
@@ -880,7 +1081,7 @@ def report(data: dict[str, Any]) -> list[str]:
 
 def plot(data: dict[str, Any], path: Path) -> None:
     plt = pyplot()
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, (ax1, ax4, ax2, ax3) = plt.subplots(1, 4, figsize=(21, 4.5))
     e2e = data["e2e"]["summary"]
     keys = [
         ("ratio_bytes", "file bytes"),
@@ -894,8 +1095,14 @@ def plot(data: dict[str, Any], path: Path) -> None:
         ax1.bar([j + i * width for j in range(len(keys))], vals, width, label=name)
     ax1.set_xticks([j + width for j in range(len(keys))], [label for _, label in keys])
     ax1.axhline(1, color="grey", linewidth=0.8)
-    ax1.set_title("end to end, ratio to bf16")
+    ax1.set_title("reference server (hook quantizes), ratio to bf16")
     ax1.legend()
+    fb = data["fallback_e2e"]["summary"]
+    fb_names = [fr.name for fr in FALLBACK_RUNS]
+    ax4.bar(fb_names, [fb[n]["ratio_cpu_per_token"]["median"] for n in fb_names])
+    ax4.axhline(1, color="grey", linewidth=0.8)
+    ax4.tick_params(axis="x", labelrotation=20)
+    ax4.set_title("fake server: client CPU per token, ratio to bf16")
     w = data["writer"]["summary"]
     ax2.barh([s["what"] for s in w], [s["cpu_s_per_gb_bf16"] for s in w])
     ax2.invert_yaxis()
@@ -975,6 +1182,8 @@ def main(argv: Sequence[str]) -> int:
         data["quality"] = quality_phase(datasets, teacher)
         for out in datasets.values():
             remove(out)
+        print("phase 1b: end to end, the hook's FP8 vs the client's fallback", flush=True)
+        data["fallback_e2e"] = fallback_phase(ctx, teacher)
         print("phase 2: the writer alone", flush=True)
         data["writer"] = writer_phase(ctx)
     tables = report(data)

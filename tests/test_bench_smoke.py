@@ -223,10 +223,39 @@ def test_prepare_smoke(tmp_path: Path, shm_root: Path) -> None:
     assert all(positive(r["wall_s"]) for r in data["startup"])
 
 
+def check_fp8_fallback(data: dict[str, Any]) -> None:
+    """fp8.py's fake-server phase: the hook path and the client's fallback, both ways."""
+    e2e = data["e2e"]
+    summary = e2e["summary"]
+    fb = data["fallback_e2e"]
+    assert fb["lengths"] == {k: e2e["lengths"][k] for k in ("samples", "tokens")}
+    for name in ("bf16", "fp8-all hook", "fp8-all fallback", "fp8-aux hook", "fp8-aux fallback"):
+        (run,) = fb["runs"][name]
+        assert run["samples"] == fb["lengths"]["samples"] and run["quarantined"] == 0
+        assert positive(run["samples_per_s"]) and positive(run["cpu_s"])
+        where = fb["probes"][name]["quantized_in"]
+        if name == "bf16":
+            assert where == "none (bfloat16)"
+        else:
+            assert where == ("server hook" if name.endswith("hook") else
+                             "client writer (server dumped bfloat16)")  # fmt: skip
+            storage = name.split()[0]
+            assert fb["probes"][name]["dumped"] == (
+                e2e["probes"][storage]["dumped"] if name.endswith("hook") else "bfloat16"
+            )
+            bytes_per_token = fb["summary"][name]["hidden_bytes_per_token"]
+            assert bytes_per_token == summary[storage]["hidden_bytes_per_token"]
+    # The same quantizer on both sides: the fallback's files are the hook path's, byte for byte.
+    assert fb["hook_and_fallback_identical"] == {"fp8-all": True, "fp8-aux": True}
+    assert set(fb["fallback_over_hook_cpu_per_token"]) == {"fp8-all", "fp8-aux"}
+
+
 def test_fp8_smoke(tmp_path: Path, shm_root: Path) -> None:
-    """bench/fp8.py: bf16, FP8 "all" and FP8 "aux" ran over the same samples end to end,
-    the writer phase ran every job, and the quality figures are well-formed; the exact
-    properties of the storage hold (sizes, a kept final state's KL of 0, one quantizer)."""
+    """bench/fp8.py: bf16, FP8 "all" and FP8 "aux" ran over the same samples end to end
+    through the reference server (its hook quantizing) and through the fake server both
+    ways (hook and the client's fallback), the writer phase ran every job, and the quality
+    figures, read back through the dataset reader, are well-formed; the exact properties of
+    the storage hold (sizes, a kept final state's KL of 0, one quantizer)."""
     data = run_smoke("fp8.py", tmp_path, shm_root)
     teacher = data["teacher"]
     assert teacher["gains"]["min"] < 0.5 and teacher["gains"]["max"] > 2  # not unit gains
@@ -237,13 +266,18 @@ def test_fp8_smoke(tmp_path: Path, shm_root: Path) -> None:
         (run,) = e2e["runs"][name]
         assert run["samples"] == e2e["lengths"]["samples"] and run["quarantined"] == 0
         assert positive(run["samples_per_s"]) and positive(run["cpu_s"])
-        assert e2e["probes"][name]["quantized_in"]
+    # The reference server's hook quantizes what an FP8 request asks for.
+    assert e2e["probes"]["bf16"]["quantized_in"] == "none (bfloat16)"
+    for name in ("fp8-all", "fp8-aux"):
+        assert e2e["probes"][name]["quantized_in"] == "server hook"
+        assert e2e["probes"][name]["meta_protocol"] == 3
     summary = e2e["summary"]
     # The hidden sections' bytes per token, exactly as PROTOCOL §4 lays them out.
     assert summary["bf16"]["hidden_bytes_per_token"] == layers * h * 2
     assert summary["fp8-all"]["hidden_bytes_per_token"] == layers * (h + 4)
     assert summary["fp8-aux"]["hidden_bytes_per_token"] == (layers - 1) * (h + 4) + h * 2
     assert summary["fp8-all"]["ratio_bytes"] < summary["fp8-aux"]["ratio_bytes"] < 1
+    check_fp8_fallback(data)
     writer = data["writer"]
     assert [s["dataset"] for s in writer["summary"]] == [
         "bf16", "fp8-all", "fp8-all", "fp8-aux", "fp8-aux", "fp8-all"
@@ -255,6 +289,8 @@ def test_fp8_smoke(tmp_path: Path, shm_root: Path) -> None:
     for name in ("fp8-all", "fp8-aux"):
         q = quality[name]
         assert q["final_state"] == "post_norm" and q["tokens"] > 0
+        # Read back through HiddenStateDataset: bf16 as quantize.assemble makes it, raw as stored.
+        assert q["reader_equals_assemble"] is True and q["raw_equals_file"] is True
         assert [s["quantized"] for s in q["slots"]] == [True] * (layers - 1) + [name == "fp8-all"]
         for s in q["slots"]:
             if s["quantized"]:
