@@ -521,6 +521,17 @@ def fallback_phase(ctx: Ctx, teacher: Teacher) -> dict[str, Any]:
         )  # fmt: skip
         remove(idle_out)
         print(f"  no samples: {idle['cpu_s']:.2f} CPU s (start-up, subtracted)", flush=True)
+        # The fallback's first quantize imports torch (the client imports it only then):
+        # one 16-token sample through it, less the empty run, is that once-per-run cost.
+        one_sample = ctx.s.work / "one-sample.jsonl"
+        write_token_samples(one_sample, [16], teacher.vocab, args.seed)
+        first, first_out = client_run(
+            ctx, old_srv, model=model, output=OUTPUT_KEYS["fp8-all"], tag="fb-first",
+            inp=one_sample, name="fp8-all fallback",
+        )  # fmt: skip
+        remove(first_out)
+        import_cpu = first["cpu_s"] - idle["cpu_s"]
+        print(f"  one sample, fallback: +{import_cpu:.2f} CPU s (torch's import)", flush=True)
         for r in range(args.rounds):
             k = r % len(FALLBACK_RUNS)
             for fr in FALLBACK_RUNS[k:] + FALLBACK_RUNS[:k]:
@@ -561,9 +572,21 @@ def fallback_phase(ctx: Ctx, teacher: Teacher) -> dict[str, Any]:
         )
         for st in ("fp8-all", "fp8-aux")
     }
+    # ... and net of torch's import too: the quantizing alone, per token.
+    tokens = sum(lengths)
+    extra_net = {
+        st: statistics.median(
+            (f["cpu_s_net"] - import_cpu) / h["cpu_s_net"]
+            for f, h in zip(runs[f"{st} fallback"], runs[f"{st} hook"], strict=True)
+        )
+        for st in ("fp8-all", "fp8-aux")
+    }
     return {
-        "lengths": {"samples": len(lengths), "tokens": sum(lengths)},
+        "lengths": {"samples": len(lengths), "tokens": tokens},
+        "first_fallback_sample": first,
+        "torch_import_cpu_s": import_cpu,
         "fallback_over_hook_cpu_per_token": extra,
+        "fallback_over_hook_cpu_per_token_net_of_import": extra_net,
         "idle": idle,
         "probes": probes,
         "runs": runs,
@@ -1022,17 +1045,21 @@ def report(data: dict[str, Any]) -> list[str]:
             s["cpu_ms_per_ktoken_net"], s["ratio_cpu_per_token"]["median"],
             s["other_threads_ms_per_ktoken_net"], s["ratio_other_threads_per_token"]["median"],
             s["cpu_s_per_gb_net"], s["ratio_cpu_per_gb"]["median"],
+            statistics.median(r["server_cpu_s"] for r in fb["runs"][fr.name]),
+            statistics.median(r["peak_rss_mb"] for r in fb["runs"][fr.name]),
         ])  # fmt: skip
+    net = {k: round(v, 2) for k, v in fb["fallback_over_hook_cpu_per_token_net_of_import"].items()}
     tables.append(print_table(
         f"End to end through hsx fake-server (no model; H {t['hidden_size']}, aux "
         f"{t['aux_layers']}; the same {fb['lengths']['samples']} samples, "
         f"{data['settings']['rounds']} rounds): a hook that quantizes vs one that dumps bf16 "
         f"(the client's fallback); fallback / hook client CPU per token: "
-        f"{ {k: round(v, 2) for k, v in fb['fallback_over_hook_cpu_per_token'].items()} }; "
+        f"{ {k: round(v, 2) for k, v in fb['fallback_over_hook_cpu_per_token'].items()} }, "
+        f"net of torch's import ({fb['torch_import_cpu_s']:.2f} CPU s, once a run): {net}; "
         f"byte-identical datasets: {fb['hook_and_fallback_identical']}",
         ["run", "quantized in", "hidden B/token", "ratio", "samples/s", "ratio",
          "client CPU ms/1k tokens", "ratio", "of which off the event loop", "ratio",
-         "client CPU s/GB written", "ratio"],
+         "client CPU s/GB written", "ratio", "server CPU s", "client peak RSS MB"],
         frows,
     ))  # fmt: skip
     w = data["writer"]

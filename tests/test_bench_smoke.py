@@ -248,6 +248,8 @@ def check_fp8_fallback(data: dict[str, Any]) -> None:
     # The same quantizer on both sides: the fallback's files are the hook path's, byte for byte.
     assert fb["hook_and_fallback_identical"] == {"fp8-all": True, "fp8-aux": True}
     assert set(fb["fallback_over_hook_cpu_per_token"]) == {"fp8-all", "fp8-aux"}
+    assert set(fb["fallback_over_hook_cpu_per_token_net_of_import"]) == {"fp8-all", "fp8-aux"}
+    assert fb["first_fallback_sample"]["samples"] == 1  # torch's import, measured apart
 
 
 def test_fp8_smoke(tmp_path: Path, shm_root: Path) -> None:
