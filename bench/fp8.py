@@ -101,6 +101,7 @@ from hsx_async.protocol import (
     storage_from_metadata,
 )
 from hsx_async.quantize import assemble, dequantize, encode_rows, rounding_error
+from hsx_async.run import writer as writer_module
 from hsx_async.run.dump import Dump, prepare_namespace, remove_tree, wait_for_meta
 from hsx_async.run.source import Sample
 from hsx_async.run.writer import FileWriter, WriteJob
@@ -683,7 +684,9 @@ class WJob(NamedTuple):
     what: str
     dump: str  # the dump's storage
     target: str  # the dataset's storage
-    torch_threads: int = 0  # 0: torch's default (one per core), as in the hsx run process
+    # torch's threads for the fallback (writer.FALLBACK_TORCH_THREADS): 1, what the client
+    # uses; 0, torch's default (one per core), for comparison.
+    torch_threads: int = 1
 
 
 WRITER_JOBS = (
@@ -692,8 +695,13 @@ WRITER_JOBS = (
     WJob("quantize bf16 dump -> FP8 file (all; fallback)", "bf16", "fp8-all"),
     WJob("copy FP8 dump -> FP8 file (aux; hook quantized)", "fp8-aux", "fp8-aux"),
     WJob("quantize bf16 dump -> FP8 file (aux; fallback)", "bf16", "fp8-aux"),
-    # Not what the client does today: the fallback with torch on one thread, for comparison.
-    WJob("quantize bf16 dump -> FP8 file (all; fallback), 1 torch thread", "bf16", "fp8-all", 1),
+    # Not what the client does: the fallback with torch's default threads, for comparison.
+    WJob(
+        "quantize bf16 dump -> FP8 file (all; fallback), torch's default threads",
+        "bf16",
+        "fp8-all",
+        0,
+    ),  # fmt: skip
 )
 
 
@@ -721,9 +729,8 @@ def writer_job(ctx: Ctx, w: WriterDumps, job_kind: WJob) -> dict[str, Any]:
         for sample, dump in zip(w.samples, w.dumps[dump_kind], strict=True)
     ]
     os.sync()
-    default_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
+    default_threads, client_threads = torch.get_num_threads(), writer_module.FALLBACK_TORCH_THREADS
+    writer_module.FALLBACK_TORCH_THREADS = threads
     try:
         cpu0, t0 = self_cpu_s(), time.monotonic()
         entries = []
@@ -733,6 +740,7 @@ def writer_job(ctx: Ctx, w: WriterDumps, job_kind: WJob) -> dict[str, Any]:
             entries.append(staged.entry)
         cpu, wall = self_cpu_s() - cpu0, time.monotonic() - t0
     finally:
+        writer_module.FALLBACK_TORCH_THREADS = client_threads
         torch.set_num_threads(default_threads)
         fw.close()
         remove(out)

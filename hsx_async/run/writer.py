@@ -455,6 +455,10 @@ def _transcoded(job: WriteJob) -> bool:
 
 # Rows quantized at once by the writer's fallback: bounded memory, whatever the sample.
 _ENCODE_BYTES = 4 << 20
+# torch's threads for the fallback: the writer's threads are the parallelism (one sample
+# each), and torch's own pool on top of them cost 1.3-4x the CPU per GB on a busy machine
+# (bench/README.md, FP8); the client uses torch for nothing else. 0: torch's default.
+FALLBACK_TORCH_THREADS = 1
 
 
 def _encoded(job: WriteJob) -> Iterator[memoryview]:
@@ -467,6 +471,8 @@ def _encoded(job: WriteJob) -> Iterator[memoryview]:
 
     from hsx_async.quantize import quantize  # noqa: PLC0415 - imports torch
 
+    if FALLBACK_TORCH_THREADS and torch.get_num_threads() != FALLBACK_TORCH_THREADS:
+        torch.set_num_threads(FALLBACK_TORCH_THREADS)
     meta, storage = job.dump.meta, job.layout.storage
     layers, hidden = len(meta.aux_layers) + 1, meta.hidden_size
     in_row = meta.row_bytes
