@@ -701,7 +701,7 @@ WRITER_JOBS = (
         "bf16",
         "fp8-all",
         0,
-    ),  # fmt: skip
+    ),
 )
 
 
