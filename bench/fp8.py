@@ -1073,7 +1073,8 @@ def report(data: dict[str, Any]) -> list[str]:
     w = data["writer"]
     tables.append(print_table(
         f"The writer alone (FileWriter, fsync, this process; torch's default: "
-        f"{w['torch_threads']} threads): H {w['hidden_size']}, aux {w['aux_layers']}, {w['samples']} samples, "
+        f"{w['torch_threads']} threads): H {w['hidden_size']}, aux {w['aux_layers']}, "
+        f"{w['samples']} samples, "
         f"{w['bf16_gb']:.2f} GB as bf16, median of {len(w['rounds'])} rounds; byte-identical "
         f"hook/fallback files: {w['hook_and_fallback_identical']}",
         ["job", "torch threads", "O_DIRECT", "GB written", "CPU s/GB written", "ratio",
