@@ -65,6 +65,9 @@ DTYPES = (BF16, FP8)
 DTYPE = BF16  # what every version-1/2 dump and dataset holds
 BYTES_PER_ELEMENT = 2
 SCALE_BYTES = 4  # one float32 scale per (token, quantized layer slot)
+# The scale layout FP8 storage names (meta.json, file metadata, provenance.json "scales"):
+# one float32 per (token, quantized layer slot). Version 3 knows no other.
+SCALE_LAYOUT = "per_token_slot"
 CUSTOM_PARAM_NS = "hsx_ns"
 # The storage a request asks the hook for (PROTOCOL §2, version 3). A hook that does not
 # know them dumps bfloat16, and the client quantizes (§3).
@@ -167,15 +170,21 @@ class Storage:
 BF16_STORAGE = Storage()
 
 
-def parse_storage(dtype: object, quantized: object, where: str) -> Storage:
+def parse_storage(dtype: object, quantized: object, where: str, scales: object = None) -> Storage:
     """A storage as meta.json, a file's metadata or provenance.json names it; absent
-    (None, None) is bfloat16 (versions 1 and 2)."""
+    (None, None) is bfloat16 (versions 1 and 2). ``scales``: the scale layout an FP8
+    storage names (absent: the one version 3 defines)."""
     if dtype is None or dtype == BF16:
         if quantized not in (None, [], ()):
             raise DumpError(f"{where}: a bfloat16 storage lists quantized slots {quantized!r}")
         return BF16_STORAGE
     if dtype != FP8:
         raise DumpError(f"{where}: dtype is {dtype!r}, expected one of {', '.join(DTYPES)}")
+    if scales not in (None, SCALE_LAYOUT):
+        raise DumpError(
+            f"{where}: scales is {scales!r}; this hsx reads {SCALE_LAYOUT!r} (a float32 scale "
+            "per token and layer slot) only: read it with the hsx that wrote it"
+        )
     if not isinstance(quantized, list | tuple) or not all(type(x) is int for x in quantized):
         raise DumpError(f"{where}: quantized is {quantized!r}, expected a list of slot indices")
     try:
@@ -188,7 +197,11 @@ def storage_metadata(storage: Storage) -> dict[str, str]:
     """The ``__metadata__`` strings of a dataset file that name its storage (§4)."""
     if not storage.is_fp8:
         return {"dtype": BF16}
-    return {"dtype": FP8, "quantized": ",".join(map(str, storage.quantized))}
+    return {
+        "dtype": FP8,
+        "quantized": ",".join(map(str, storage.quantized)),
+        "scales": SCALE_LAYOUT,
+    }
 
 
 def storage_from_metadata(meta: dict[str, str], where: str) -> Storage:
@@ -200,7 +213,7 @@ def storage_from_metadata(meta: dict[str, str], where: str) -> Storage:
             slots = [int(x) for x in raw.split(",")] if raw else []
         except ValueError:
             raise DumpError(f"{where}: quantized {raw!r} is not a list of slot indices") from None
-    return parse_storage(meta.get("dtype"), slots, where)
+    return parse_storage(meta.get("dtype"), slots, where, meta.get("scales"))
 
 
 def part_name(start: int, end: int) -> str:
@@ -276,6 +289,7 @@ class DumpMeta:
         }
         if self.storage.is_fp8:
             raw["quantized"] = list(self.storage.quantized)
+            raw["scales"] = SCALE_LAYOUT
         return orjson.dumps(raw)
 
 
@@ -298,7 +312,7 @@ def parse_meta(data: bytes) -> DumpMeta:
         raise DumpError(
             f"meta.json protocol is {raw.get('protocol')!r}, expected one of {ACCEPTED_VERSIONS}"
         )
-    storage = parse_storage(raw.get("dtype"), raw.get("quantized"), "meta.json")
+    storage = parse_storage(raw.get("dtype"), raw.get("quantized"), "meta.json", raw.get("scales"))
     if raw.get("dtype") != DTYPE and raw["protocol"] < 3:
         raise DumpError(f"meta.json dtype is {raw.get('dtype')!r}, expected {DTYPE!r}")
     layers = raw.get("aux_layers")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import orjson
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,6 +15,7 @@ from hsx_async.protocol import (
     BF16_STORAGE,
     FP8,
     Storage,
+    parse_meta,
     parse_storage,
     requested_storage,
     storage_from_metadata,
@@ -182,6 +184,25 @@ def test_storage_round_trips_through_metadata_and_request_params() -> None:
     assert parse_storage(None, None, "p") == BF16_STORAGE
     with pytest.raises(DumpError, match="f: quantized 'x' is not a list"):
         storage_from_metadata({"dtype": FP8, "quantized": "x"}, "f")
+    assert storage_metadata(storage)["scales"] == "per_token_slot"
+
+
+def test_a_scale_layout_this_version_does_not_know_is_refused() -> None:
+    """A file, dump or dataset naming another scale layout (per tensor, per block) would be
+    dequantized wrongly: refused, saying which layout this hsx reads."""
+    meta = {"dtype": FP8, "quantized": "0,1", "scales": "per_tensor"}
+    with pytest.raises(
+        DumpError, match="f: scales is 'per_tensor'; this hsx reads 'per_token_slot'"
+    ):
+        storage_from_metadata(meta, "f")
+    with pytest.raises(DumpError, match=r"meta\.json: scales is 'per_block'"):
+        parse_meta(
+            orjson.dumps(
+                {"protocol": 3, "rid": "r", "num_tokens": 1, "hidden_size": 4,
+                 "aux_layers": [1], "dtype": FP8, "quantized": [0], "scales": "per_block",
+                 "parts": [[0, 1]]}
+            )
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,7 @@ from hsx_async.protocol import (
     NORM_KINDS,
     POST_NORM,
     PROTOCOL_VERSION,
+    SCALE_LAYOUT,
     Storage,
     parse_final_state,
     parse_storage,
@@ -97,6 +98,8 @@ class Provenance:
             "server": self.server,
             "config": self.config,
         }
+        if self.storage.is_fp8:
+            raw["scales"] = SCALE_LAYOUT  # one float32 per (token, quantized slot)
         if self.final_norm is not None:
             raw["final_norm"] = self.final_norm
         return raw
@@ -130,7 +133,9 @@ def dataset_storage(prov: Mapping[str, Any] | None) -> Storage:
     if prov is None:
         return BF16_STORAGE
     try:
-        return parse_storage(prov.get("dtype"), prov.get("quantized"), PROVENANCE)
+        return parse_storage(
+            prov.get("dtype"), prov.get("quantized"), PROVENANCE, prov.get("scales")
+        )
     except DumpError as exc:
         raise DatasetError(str(exc)) from None
 
