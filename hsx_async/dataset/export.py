@@ -59,8 +59,11 @@ layout, nothing requantized: half the disk, and exactly the values hsx's reader 
 but for the bf16 rounding of the scale in their formula. Otherwise (slots kept in bf16, or a
 final state to convert) it writes bfloat16; ``--dtype bfloat16`` forces bfloat16 (a
 trainer started without the fp8 backend reads these files unscaled, so FP8 would be
-garbage to it); ``--dtype float8_e4m3fn`` insists, and refuses with the reason when it
-cannot. ``hsx-export.json`` records the dtype written: a resumed export never mixes.
+garbage to it); ``--dtype float8_e4m3fn`` writes FP8 whatever the dataset: the slots
+it holds no FP8 bytes for (kept bf16 slots, a converted final state — a second rounding —,
+every slot of a bf16 dataset) are quantized by the export, with the one quantizer, from the
+values the bf16 export would write; the others are copied. ``hsx-export.json`` records the
+dtype written: a resumed export never mixes.
 
 Both formats get ``draft-config.json``: the ``eagle_config`` block of the drafter's config
 with ``eagle_aux_hidden_state_layer_ids`` in SGLang's (and SpecForge's) numbering for the
@@ -187,6 +190,7 @@ class ExportResult:
     converted: bool = False  # the final state was converted with the model's final norm
     dtype: str = BF16  # what the hidden states were written as
     dtype_why: str = ""  # why, when --dtype auto chose bfloat16 for an FP8 dataset
+    requantized: tuple[int, ...] = ()  # FP8 written: the slots quantized by the export
 
 
 def _record(raw: Any, where: str) -> ExportRecord:
@@ -366,35 +370,69 @@ def _speculators_bf16(
 def _speculators_fp8(
     header: SampleHeader, stored: dict[str, torch.Tensor], conv: FinalConversion
 ) -> dict[str, torch.Tensor]:
-    """The sample's FP8 sections as hs-connectors' ``FP8Transfer`` reads them: values
-    ``[T, L, H]`` and scales ``[T, L, 1]``, the dataset's bytes unchanged."""
-    from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
+    """The sample as hs-connectors' ``FP8Transfer`` reads it: values ``[T, L, H]`` and
+    scales ``[T, L, 1]``. The dataset's FP8 bytes unchanged where they hold what speculators
+    reads; the slots with new values (:func:`requantized_slots`) quantized here by the one
+    quantizer, from the values the bf16 export would write."""
+    import torch  # noqa: PLC0415 - torch stays out of hsx --help
 
-    problem = fp8_export_problem(header.storage, header.num_layers, conv)
-    if problem:  # the dataset's record said otherwise: this file is from another run
-        raise DatasetError(f"{header.path}: {problem}")
-    return {
-        "hidden_states": stored[dataset.HIDDEN_STATES],
-        "hidden_states_scales": stored[dataset.HIDDEN_STATES_SCALES],
-    }
+    from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
+    from hsx_async.quantize import quantize  # noqa: PLC0415 - torch stays out of hsx --help
+
+    storage, layers = header.storage, header.num_layers
+    redo = requantized_slots(storage, layers, conv)
+    if not redo:
+        return {
+            "hidden_states": stored[dataset.HIDDEN_STATES],
+            "hidden_states_scales": stored[dataset.HIDDEN_STATES_SCALES],
+        }
+    hidden = _speculators_bf16(header, stored, conv)  # [T, L, H]: what bf16 would write
+    t, _, h = hidden.shape
+    values = torch.empty((t, layers, h), dtype=torch.float8_e4m3fn)
+    scales = torch.empty((t, layers, 1), dtype=torch.float32)
+    if storage.is_fp8:
+        slots = list(storage.quantized)
+        values[:, slots] = stored[dataset.HIDDEN_STATES]
+        scales[:, slots] = stored[dataset.HIDDEN_STATES_SCALES]
+    for slot in redo:
+        values[:, slot], scales[:, slot, 0] = quantize(hidden[:, slot])
+    return {"hidden_states": values, "hidden_states_scales": scales}
+
+
+def requantized_slots(storage: Storage, layers: int, conv: FinalConversion) -> tuple[int, ...]:
+    """The slots a speculators FP8 export quantizes itself, having no FP8 bytes for what
+    speculators reads: every slot of a bfloat16 dataset, the slots an FP8 dataset keeps in
+    bfloat16, and the final slot when it is converted (new values: a second FP8 rounding).
+    Empty: the dataset's FP8 bytes are the export's."""
+    if not storage.is_fp8:
+        return tuple(range(layers))
+    redo = set(storage.kept(layers))
+    if conv.gain is not None:
+        redo.add(layers - 1)
+    return tuple(sorted(redo))
 
 
 def fp8_export_problem(storage: Storage, layers: int, conv: FinalConversion) -> str:
-    """Why a speculators export of this dataset cannot be FP8 ('' if it can)."""
+    """Why ``--dtype auto`` writes a speculators export of this dataset in bfloat16 ('' if
+    the dataset's FP8 bytes are the export's)."""
     if not storage.is_fp8:
         return "the dataset stores bfloat16"
+    why = []
     if storage.kept(layers):
         kept = ",".join(map(str, storage.kept(layers)))
-        return (
+        why.append(
             f'the dataset keeps slot(s) {kept} in bfloat16 ([output].quantize = "aux"), '
             "and speculators' FP8 file holds every slot as FP8"
         )
     if conv.gain is not None:
-        return (
+        why.append(
             f"the dataset holds the {POST_NORM} final state and speculators reads the "
             f"{PRE_NORM} one: converting it gives new values, which FP8 would quantize again"
         )
-    return ""
+    if not why:
+        return ""
+    redo = ",".join(map(str, requantized_slots(storage, layers, conv)))
+    return "; ".join(why) + f" (--dtype {FP8} writes FP8 anyway, quantizing slot(s) {redo} here)"
 
 
 def _remove_stale_temps(dest: Path) -> None:
@@ -563,14 +601,13 @@ def plan_dtype(fmt: str, asked: str, facts: DatasetFacts, conv: FinalConversion)
             "drop --dtype or pass --dtype bfloat16"
         )
     layers = len(facts.aux_layers) + 1 if facts.aux_layers is not None else 0
-    problem = fp8_export_problem(facts.storage, layers, conv) if layers else ""
-    if not problem and layers:
+    if not layers:
+        if asked == FP8:
+            raise DatasetError(f"--dtype {FP8}: the dataset is empty; export with --dtype auto")
+        return BF16, ""
+    problem = fp8_export_problem(facts.storage, layers, conv)
+    if not problem or asked == FP8:  # FP8: the slots with new values quantized here
         return FP8, ""
-    if asked == FP8:
-        raise DatasetError(
-            f"--dtype {FP8}: {problem or 'the dataset is empty'}; export with --dtype auto "
-            "or bfloat16"
-        )
     return BF16, problem if facts.storage.is_fp8 else ""
 
 
@@ -692,6 +729,11 @@ def export_dataset(
         converted=conv.gain is not None,
         dtype=written_dtype,
         dtype_why=dtype_why,
+        requantized=(
+            requantized_slots(facts.storage, len(facts.aux_layers) + 1, conv)
+            if written_dtype == FP8 and facts.aux_layers is not None
+            else ()
+        ),
     )
 
 
@@ -825,6 +867,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"hidden states written as {result.dtype}")
     if result.dtype_why:
         print(f"  (not FP8: {result.dtype_why})")
+    if result.requantized:
+        slots = ",".join(map(str, result.requantized))
+        print(f"  (slot(s) {slots} quantized by the export: values the dataset holds no FP8 of)")
     print(f"{result.ids_line}\n  (written to {result.dest / DRAFT_CONFIG})")
     if result.fmt == SPECULATORS:
         snippet = orjson.loads((result.dest / DRAFT_CONFIG).read_bytes())
@@ -875,6 +920,7 @@ def register_cli(subparsers: Any) -> None:
         "bytes unchanged when every slot is FP8 and the final state needs no conversion "
         "(train with --hidden-states-backend fp8), else bfloat16; SpecForge always gets "
         "bfloat16. bfloat16: always (a trainer without the fp8 backend). float8_e4m3fn: "
-        "FP8 or refuse",
+        "speculators gets FP8 always, the slots without FP8 bytes (kept bf16 slots, a "
+        "converted final state, a bf16 dataset) quantized by the export",
     )
     parser.set_defaults(handler=_run)

@@ -196,9 +196,19 @@ def speculators_report(
 
 
 def fp8_speculators_report(
-    root: Path, source: Path, model_dir: Path, model: Any, aux: list[int]
+    root: Path,
+    source: Path,
+    model_dir: Path,
+    model: Any,
+    aux: list[int],
+    *,
+    converted: bool = False,
 ) -> list[dict[str, Any]]:
-    """speculators' ArrowDataset with FP8Transfer on an FP8 export of ``source``."""
+    """speculators' ArrowDataset with FP8Transfer on an FP8 export of ``source``.
+    ``converted``: ``source`` holds the post-norm final state, which the export turned into
+    speculators' pre-norm one (``post / w``, quantized once more): the final state is then
+    compared through the teacher's norm with the model's post-norm state, and with hsx's
+    (post-norm) Dataset the same way."""
     from hs_connectors import FileTransfer, FP8Transfer
     from speculators.train.data import ArrowDataset, CollateFn
 
@@ -223,7 +233,13 @@ def fp8_speculators_report(
         states = model_states(model, item["input_ids"], aux)
         last = batch["verifier_last_hidden_states"]
         with torch.inference_mode():
-            logits = teacher.verifier_lm_head(teacher.verifier_norm(last))[0]
+            normed = teacher.verifier_norm(last)
+            logits = teacher.verifier_lm_head(normed)[0]
+        if converted:  # speculators' norm of the pre-norm state is the post-norm one
+            got_last, hsx_last, model_last = normed[0], mine["hidden_states"], states["post"]
+        else:
+            got_last = item["verifier_last_hidden_states"]
+            hsx_last, model_last = mine["hidden_states"], states["pre"]
         out.append(
             {
                 "input_ids": item["input_ids"].tolist(),
@@ -231,16 +247,15 @@ def fp8_speculators_report(
                 "dtypes": [str(item["hidden_states"].dtype), str(last.dtype)],
                 "vs_hsx": {
                     "aux": max_rel_diff(item["hidden_states"], mine["aux_hidden_states"]),
-                    "last": max_rel_diff(
-                        item["verifier_last_hidden_states"], mine["hidden_states"]
-                    ),
+                    "last": max_rel_diff(got_last, hsx_last),
+                    "last_rows": row_error(got_last, hsx_last),
                     "loss_mask_equal": bool(
                         torch.equal(item["loss_mask"], mine["loss_mask"].long())
                     ),
                 },
                 "vs_model": {
                     "aux": row_error(item["hidden_states"], states["aux"]),
-                    "last": row_error(item["verifier_last_hidden_states"], states["pre"]),
+                    "last": row_error(got_last, model_last),
                 },
                 "teacher": logit_error(logits, hf_logits(model, item["input_ids"])),
             }
@@ -257,6 +272,12 @@ def main() -> int:
     parser.add_argument("--fp8-specforge", type=Path, help="SpecForge export of an FP8 dataset")
     parser.add_argument("--fp8-speculators", type=Path, help="FP8 speculators export")
     parser.add_argument("--fp8-source", type=Path, help="the hsx dataset it was exported from")
+    parser.add_argument(
+        "--fp8-speculators-post",
+        type=Path,
+        help="FP8 speculators export (--dtype float8_e4m3fn) of a post-norm one",
+    )
+    parser.add_argument("--fp8-post-source", type=Path, help="the post-norm dataset of it")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # the trainers' deprecation chatter is not the result
     aux = [int(x) for x in args.aux_layers.split(",")]
@@ -267,6 +288,14 @@ def main() -> int:
             "specforge": specforge_report(args.fp8_specforge, args.model, model),
             "speculators": fp8_speculators_report(
                 args.fp8_speculators, args.fp8_source, args.model, model, aux
+            ),
+            "speculators_post": fp8_speculators_report(
+                args.fp8_speculators_post,
+                args.fp8_post_source,
+                args.model,
+                model,
+                aux,
+                converted=True,
             ),
         }
         json.dump(report, sys.stdout)

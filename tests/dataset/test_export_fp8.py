@@ -22,6 +22,7 @@ from hsx_async.dataset.export import (
 from hsx_async.dataset.reader import HiddenStateDataset, hidden_bf16, read_hidden
 from hsx_async.dataset.target import pre_from_post
 from hsx_async.errors import DatasetError
+from hsx_async.quantize import quantize
 from tests.dataset.test_export import model_dir
 from tests.dataset_factory import WrittenSample, fp8_storage, write_dataset
 
@@ -105,8 +106,25 @@ def test_bfloat16_when_slots_are_kept_or_asked_for(tmp_path: Path) -> None:
         sample = next(s for s in written if torch.equal(s.input_ids, loaded["token_ids"]))
         assert torch.equal(loaded["hidden_states"], _dataset_bf16(sample))
         assert torch.equal(loaded["hidden_states"][:, -1], sample.hidden[:, -1])  # kept exact
-    with pytest.raises(DatasetError, match=r"--dtype float8_e4m3fn: the dataset keeps slot"):
-        export_dataset(src, tmp_path / "b", fmt="speculators", dtype="float8_e4m3fn")
+    assert "--dtype float8_e4m3fn writes FP8 anyway, quantizing slot(s) 3 here" in (
+        result.dtype_why
+    )
+    # Asked for: FP8, the aux slots' bytes copied, the kept final quantized by the export.
+    result = export_dataset(src, tmp_path / "b", fmt="speculators", dtype="float8_e4m3fn")
+    assert (result.dtype, result.requantized) == ("float8_e4m3fn", (3,))
+    for index in range(4):
+        path = tmp_path / "b" / speculators_relpath(index)
+        loaded = load_file(path)
+        sample = next(s for s in written if torch.equal(s.input_ids, loaded["token_ids"]))
+        q, scales = loaded["hidden_states"], loaded["hidden_states_scales"]
+        assert q.dtype == torch.float8_e4m3fn and q.shape[1:] == (4, H)
+        with safe_open(str(sample.path), framework="pt") as fh:
+            src_q, src_s = fh.get_tensor("hidden_states"), fh.get_tensor("hidden_states_scales")
+        assert torch.equal(q[:, :3].view(torch.uint8), src_q.view(torch.uint8))
+        assert torch.equal(scales[:, :3], src_s)
+        want_q, want_s = quantize(sample.hidden[:, -1])
+        assert torch.equal(q[:, 3].view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(scales[:, 3, 0], want_s)
 
 
 def test_a_post_norm_fp8_dataset_is_converted_in_bfloat16(tmp_path: Path) -> None:
@@ -125,6 +143,42 @@ def test_a_post_norm_fp8_dataset_is_converted_in_bfloat16(tmp_path: Path) -> Non
         assert loaded["hidden_states"].dtype == torch.bfloat16
         assert torch.equal(loaded["hidden_states"][:, :-1], ours[:, :-1])
         assert torch.equal(loaded["hidden_states"][:, -1], pre_from_post(ours[:, -1], weight))
+
+
+def test_fp8_asked_for_quantizes_the_converted_final_and_a_bf16_dataset(tmp_path: Path) -> None:
+    """--dtype float8_e4m3fn: a post-norm FP8 dataset's aux bytes are copied and its final
+    state, converted to pre-norm, quantized once more (within FP8 rounding of the bf16
+    export's values); a bf16 dataset is quantized whole."""
+    src = tmp_path / "out"
+    written = write_dataset(src, num_samples=3, hidden_size=H, storage=fp8_storage(4))
+    model, weight = model_dir(tmp_path / "model", H)
+    result = export_dataset(src, tmp_path / "spec", fmt="speculators", model=model,
+                            dtype="float8_e4m3fn")  # fmt: skip
+    assert result.converted and (result.dtype, result.requantized) == ("float8_e4m3fn", (3,))
+    for index in range(3):
+        loaded = load_file(tmp_path / "spec" / speculators_relpath(index))
+        sample = next(s for s in written if torch.equal(s.input_ids, loaded["token_ids"]))
+        q, scales = loaded["hidden_states"], loaded["hidden_states_scales"]
+        with safe_open(str(sample.path), framework="pt") as fh:
+            src_q = fh.get_tensor("hidden_states")
+        assert torch.equal(q[:, :3].view(torch.uint8), src_q[:, :3].view(torch.uint8))
+        pre = pre_from_post(_dataset_bf16(sample)[:, -1], weight)
+        want_q, want_s = quantize(pre)
+        assert torch.equal(q[:, 3].view(torch.uint8), want_q.view(torch.uint8))
+        theirs = _their_dequantize(q[:, 3], scales[:, 3]).float()
+        err = (theirs - pre.float()).norm(dim=-1) / pre.float().norm(dim=-1)
+        assert float(err.max()) < 1 / 16
+    bf16_src = tmp_path / "bf16"
+    plain = write_dataset(bf16_src, num_samples=2, hidden_size=H, final_state="pre_norm")
+    result = export_dataset(bf16_src, tmp_path / "spec-bf16", fmt="speculators",
+                            dtype="float8_e4m3fn")  # fmt: skip
+    assert (result.dtype, result.requantized) == ("float8_e4m3fn", (0, 1, 2, 3))
+    for index in range(2):
+        loaded = load_file(tmp_path / "spec-bf16" / speculators_relpath(index))
+        sample = next(s for s in plain if torch.equal(s.input_ids, loaded["token_ids"]))
+        want_q, want_s = quantize(sample.hidden)
+        assert torch.equal(loaded["hidden_states"].view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(loaded["hidden_states_scales"][..., 0], want_s)
 
 
 def test_specforge_gets_the_dequantized_bfloat16(tmp_path: Path) -> None:
