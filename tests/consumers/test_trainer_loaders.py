@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -105,21 +106,30 @@ def add_index(model_dir: Path) -> None:
     (model_dir / "model.safetensors.index.json").write_bytes(orjson.dumps(index))
 
 
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    python = consumers_python()
-    tmp = tmp_path_factory.mktemp("consumers")
+def _extracted(
+    factory: pytest.TempPathFactory, name: str, output: dict[str, Any] | None = None
+) -> tuple[Path, Path, list[dict[str, Any]], dict[str, Any]]:
+    """The model (realistic norm gains), the inputs and an hsx run of them through the
+    reference server into ``<tmp>/out`` (``output``: more [output] keys), its dump root
+    removed after: (tmp, model dir, input rows, the run)."""
+    tmp = factory.mktemp(name)
     model_dir = save_default_model(tmp / "model", seed=0)
     add_index(model_dir)
     rows = write_inputs(tmp / "in.jsonl")
-    shm = Path("/dev/shm") / f"hsx-consumers-{os.getpid()}"
+    shm = Path("/dev/shm") / f"hsx-{name}-{os.getpid()}"
     shm.mkdir()
     try:
-        run = _run_hsx(tmp, model_dir, shm)
+        extra = None if output is None else {"dir": str(tmp / "out"), **output}
+        run = _run_hsx(tmp, model_dir, shm, extra)
     finally:
-        import shutil
-
         shutil.rmtree(shm, ignore_errors=True)
+    return tmp, model_dir, rows, run
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    python = consumers_python()
+    tmp, model_dir, rows, run = _extracted(tmp_path_factory, "consumers")
     out = {"tmp": tmp, "model": model_dir, "rows": rows, **run}
     for fmt in ("specforge", "speculators"):
         argv = ["export", str(run["out_dir"]), "--format", fmt, "--to", str(tmp / fmt)]
@@ -198,18 +208,7 @@ def write_pre_norm_fp8(out: Path, model_dir: Path, rows: list[dict[str, Any]],
 @pytest.fixture(scope="module")
 def fp8_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     python = consumers_python()
-    tmp = tmp_path_factory.mktemp("consumers-fp8")
-    model_dir = save_default_model(tmp / "model", seed=0)
-    add_index(model_dir)
-    rows = write_inputs(tmp / "in.jsonl")
-    shm = Path("/dev/shm") / f"hsx-consumers-fp8-{os.getpid()}"
-    shm.mkdir()
-    try:
-        run = _run_hsx(tmp, model_dir, shm, {"dir": str(tmp / "out"), "dtype": FP8})
-    finally:
-        import shutil
-
-        shutil.rmtree(shm, ignore_errors=True)
+    tmp, model_dir, rows, run = _extracted(tmp_path_factory, "consumers-fp8", {"dtype": FP8})
     out_dir, pre = run["out_dir"], tmp / "pre-norm"
     write_pre_norm_fp8(pre, model_dir, rows, run["aux_layers"])
     argv = ["export", str(out_dir), "--format", "specforge", "--to", str(tmp / "specforge")]
