@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -19,8 +20,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from hsx_async.dataset import HiddenStateDataset
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
+from hsx_async.protocol import FP8, HIDDEN, SCALES, Storage, storage_params
+from hsx_async.run.dump import validate_dump
 from hsx_async.server.reference.model import (
     TINY_AUX_LAYERS,
     TINY_HIDDEN,
@@ -39,6 +43,10 @@ pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
 # values bit-identical). The cosine bound is for the probe of a single dump: a wrong layer,
 # row, order or norm is far below it (post- vs pre-norm: 0.87).
 MIN_ROW_COSINE = 0.999
+# FP8 (e4m3fn, a scale per token and layer): each row's relative RMS error against the
+# forward, mean per sample and worst (3 mantissa bits: ~2.6 % typically, < 1/16 always).
+FP8_ROW_MEAN = 0.035
+FP8_ROW_MAX = 0.0625
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
@@ -149,6 +157,64 @@ def test_the_pre_norm_slot_is_not_the_post_norm_state(vllm_server: VllmServer) -
     for p in sorted(rid_dir.iterdir()):
         p.unlink()
     rid_dir.rmdir()
+
+
+def test_fp8_run_is_quantized_by_the_connector_within_fp8_of_the_forward(
+    vllm_server: VllmServer, tmp_path: Path
+) -> None:
+    """[output].dtype = "float8_e4m3fn" through real vLLM: the hsx connector stores the
+    FP8 sections itself (a probe's meta.json and part sizes, before any client touches
+    them), and the dataset dequantizes to the Hugging Face forward (pre-norm final slot)
+    within FP8's rounding, in about half the bytes of the bf16 rows."""
+    storage = Storage(FP8, (0, 1, 2, 3))
+    ns, rid, ids = "hsx-fp8-probe", "probe-fp8", list(range(3, 3 + CHUNK + 9))  # chunked
+    (vllm_server.dump_root / ns).mkdir(exist_ok=True)
+    params = {"hsx_ns": ns, "hsx_rid": rid, **storage_params(storage)}
+    reply = post(f"{vllm_server.url}/v1/completions",
+                 {"prompt": ids, "max_tokens": 1, "kv_transfer_params": params})  # fmt: skip
+    assert reply["kv_transfer_params"]["hsx_rid"] == rid
+    rid_dir = vllm_server.dump_root / ns / rid
+    meta_bytes = json.dumps(_wait_meta(rid_dir)).encode()
+    dump = validate_dump(rid_dir, meta_bytes, rid=rid, num_tokens=len(ids),
+                         hidden_size=TINY_HIDDEN, aux_layers=TINY_AUX_LAYERS,
+                         storage=storage)  # fmt: skip
+    assert dump.meta.storage == storage  # quantized by the connector, not the client
+    shutil.rmtree(vllm_server.dump_root / ns)
+
+    samples = write_samples(tmp_path / "in.jsonl", 8)
+    raw = config_raw(tmp_path, tmp_path / "in.jsonl", [vllm_server.url], vllm_server.dump_root,
+                     hidden_size=TINY_HIDDEN, aux_layers=TINY_AUX_LAYERS,
+                     server={"engine": "vllm", "request_timeout": 120.0},
+                     dump={"timeout": 60.0}, workers={"concurrency": 4},
+                     output={"dtype": FP8})  # fmt: skip
+    config = write_config(tmp_path, raw)
+    cmd = [sys.executable, "-m", "hsx_async", "run", "--config", str(config)]
+    result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    entries = read_manifest(out)
+    assert sorted(canonical_id(e.id) for e in entries) == sorted(samples)
+    model = load_model(str(vllm_server.model_dir))
+    ds = HiddenStateDataset(out)
+    assert ds.storage == storage
+    worst, hidden_bytes, tokens = 0.0, 0, 0
+    for index, sample_id in enumerate(ds.ids):
+        item = ds[index]
+        want = truth(model, samples[canonical_id(sample_id)])
+        got = torch.cat([item["aux_hidden_states"].reshape(want.shape[0], 3, TINY_HIDDEN),
+                         item["hidden_states"][:, None]], dim=1).float()  # fmt: skip
+        err = (got - want).norm(dim=-1) / want.norm(dim=-1)
+        assert float(err.mean()) < FP8_ROW_MEAN, (sample_id, float(err.mean()))
+        worst = max(worst, float(err.max()))
+        tokens += want.shape[0]
+    for entry in entries:
+        with safe_open(out / entry.path, "pt") as f:
+            assert f.metadata()["dtype"] == FP8 and f.metadata()["final_state"] == "pre_norm"
+            hidden_bytes += sum(f.get_tensor(n).nbytes for n in (HIDDEN, SCALES))
+    assert worst < FP8_ROW_MAX, worst
+    bf16_bytes = tokens * (len(TINY_AUX_LAYERS) + 1) * TINY_HIDDEN * 2
+    assert hidden_bytes / bf16_bytes == pytest.approx((TINY_HIDDEN + 4) / (2 * TINY_HIDDEN))
+    print(f"FP8 through vLLM: worst row relative RMS error {worst:.4f}")
 
 
 def _wait_meta(rid_dir: Path) -> dict[str, Any]:
