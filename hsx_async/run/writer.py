@@ -541,6 +541,22 @@ def _write_direct(fd: int, job: WriteJob, hasher: Hasher) -> None:
         out.finish(job.layout.total_bytes)
 
 
+def _send_piece(fd: int, piece: _Piece, hasher: Hasher) -> None:
+    """A piece of a part through the kernel (``sendfile``), then hashed from the tmpfs."""
+    part_fd = _open_part(piece.path, piece.part_bytes)
+    try:
+        offset, end = piece.offset, piece.offset + piece.length
+        while offset < end:
+            sent = os.sendfile(fd, part_fd, offset, min(end - offset, 1 << 30))
+            if sent == 0:
+                raise DumpError(f"{piece.path.name} shrank while it was copied")
+            offset += sent
+        # Hash from the tmpfs copy: RAM-speed, and no read back from the disk.
+        _hash_part(part_fd, piece.path.name, piece.offset, piece.length, hasher)
+    finally:
+        os.close(part_fd)
+
+
 def _write_buffered(fd: int, job: WriteJob, hasher: Hasher) -> None:
     head = _head(job)
     _write_all(fd, head)
@@ -549,19 +565,9 @@ def _write_buffered(fd: int, job: WriteJob, hasher: Hasher) -> None:
         for data in _encoded(job):
             _write_all(fd, data)
             hasher.update(data)
-    for piece in [] if _transcoded(job) else _pieces(job):
-        part_fd = _open_part(piece.path, piece.part_bytes)
-        try:
-            offset, end = piece.offset, piece.offset + piece.length
-            while offset < end:
-                sent = os.sendfile(fd, part_fd, offset, min(end - offset, 1 << 30))
-                if sent == 0:
-                    raise DumpError(f"{piece.path.name} shrank while it was copied")
-                offset += sent
-            # Hash from the tmpfs copy: RAM-speed, and no read back from the disk.
-            _hash_part(part_fd, piece.path.name, piece.offset, piece.length, hasher)
-        finally:
-            os.close(part_fd)
+    else:
+        for piece in _pieces(job):
+            _send_piece(fd, piece, hasher)
     tail = _tail(job)
     _write_all(fd, tail)
     hasher.update(tail)
