@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import os
 import shutil
@@ -316,7 +317,7 @@ def test_a_failed_write_leaves_no_output_and_no_record(
 ) -> None:
     src, dest = tmp_path / "out", tmp_path / "sf"
     write_dataset(src, num_samples=4, hidden_size=8)
-    real = export._write_specforge
+    real = export.FORMATS["specforge"].write
     calls = 0
 
     def flaky(sample_path: Path, entry: object, conv: object, tmp: Path) -> None:
@@ -327,13 +328,14 @@ def test_a_failed_write_leaves_no_output_and_no_record(
             raise OSError(28, "No space left on device")
         real(sample_path, entry, conv, tmp)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(export, "_write_specforge", flaky)
+    flaky_format = dataclasses.replace(export.FORMATS["specforge"], write=flaky)
+    monkeypatch.setitem(export.FORMATS, "specforge", flaky_format)
     with pytest.raises(OSError, match="No space"):
         export_dataset(src, dest, fmt="specforge")
     assert len(read_export_log(dest)) == 2
     assert not list(dest.rglob(f"{export.TMP_PREFIX}*"))
     assert len(list(dest.rglob("*.ckpt"))) == 2
-    monkeypatch.setattr(export, "_write_specforge", real)
+    monkeypatch.undo()
     result = export_dataset(src, dest, fmt="specforge")
     assert (result.written, result.skipped) == (2, 2)
 

@@ -1,0 +1,69 @@
+"""What an export format is: the descriptor each format module fills in, and the one way a
+format writes a file into the destination.
+
+A format says where sample ``i`` goes, which final-state kind its trainer reads, which
+hidden-state dtypes and aux-layer counts it takes, how it writes one sample, what it writes
+once every sample is there, and what the operator does next. Everything else — the export
+log, indices, resume, locking, the final-state conversion, ``draft-config.json`` — is the
+driver's (:mod:`.driver`) and the same for every format. A new format is one module that
+defines ``FORMAT`` and one entry in :mod:`.formats`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hsx_async.dataset.durable import write_durably
+from hsx_async.dataset.export.plan import DatasetFacts, ExportPlan, FinalConversion
+from hsx_async.dataset.manifest import ManifestEntry
+
+TMP_PREFIX = ".hsx-tmp-"  # a file under this name is never a complete output
+
+# (index, file group size) → the sample's path in the destination.
+RelPath = Callable[[int, int], str]
+# (the sample file in the dataset, its manifest entry, the plan, the temp file to fill).
+WriteSample = Callable[[Path, ManifestEntry, ExportPlan, Path], None]
+# (asked dtype, dataset facts, conversion) → (dtype written, why auto chose bfloat16).
+DtypeRule = Callable[[str, DatasetFacts, FinalConversion], tuple[str, str]]
+# (dataset dir, destination, manifest entries, sample id → index), once all are written.
+Finish = Callable[[Path, Path, Sequence[ManifestEntry], Mapping[str, int]], None]
+# (destination, dtype written, draft-config.json as written) → the next step, for the CLI.
+Hint = Callable[[Path, str, Mapping[str, Any]], str]
+
+
+def any_aux_count(facts: DatasetFacts) -> None:
+    """The aux-count rule of a trainer that takes any number of aux layers."""
+
+
+def no_extra_keys(aux_layers: Sequence[int]) -> dict[str, Any]:
+    return {}
+
+
+def no_finish(
+    out_dir: Path, dest: Path, entries: Sequence[ManifestEntry], indices: Mapping[str, int]
+) -> None:
+    """The finish step of a format whose sample files are all there is."""
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    name: str  # --format
+    final_state: str  # the kind the trainer reads from the last layer slot
+    relpath: RelPath
+    write: WriteSample
+    dtype_rule: DtypeRule
+    hint: Hint
+    check_aux: Callable[[DatasetFacts], None] = any_aux_count  # refuses before writing
+    finish: Finish = no_finish
+    # Keys of draft-config.json's "hsx" block only this trainer needs (aux layers → keys).
+    draft_keys: Callable[[Sequence[int]], dict[str, Any]] = no_extra_keys
+
+
+def write_output(final: Path, write: Callable[[Path], object]) -> int:
+    """``write(tmp)`` made durable under ``final`` (:func:`write_durably`); the size."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    write_durably(final, write, tmp=final.with_name(TMP_PREFIX + final.name))
+    return final.stat().st_size
