@@ -27,7 +27,6 @@ from typing import Any
 import orjson
 
 from hsx_async import __version__
-from hsx_async.config import Config, flatten_public
 from hsx_async.dataset.durable import exclusive_lock, write_atomic
 from hsx_async.dataset.manifest import (
     MANIFEST,
@@ -79,7 +78,7 @@ class Provenance:
     input: dict[str, Any]
     hidden_size: int
     aux_layers: list[int]
-    config: dict[str, Any]
+    config: Mapping[str, Any]  # the job's settings, flattened (dotted keys)
     model: str = ""
     server: str = ""
     final_norm: dict[str, Any] | None = None
@@ -96,7 +95,7 @@ class Provenance:
             "quantized": list(self.storage.quantized),
             "model": self.model,
             "server": self.server,
-            "config": self.config,
+            "config": {k: _json_safe(v) for k, v in self.config.items()},
         }
         if self.storage.is_fp8:
             raw["scales"] = SCALE_LAYOUT  # one float32 per (token, quantized slot)
@@ -106,25 +105,6 @@ class Provenance:
 
     def to_json(self) -> bytes:
         return orjson.dumps(self.to_dict(), option=orjson.OPT_INDENT_2)
-
-
-def provenance_for(
-    config: Config,
-    input_fp: dict[str, Any],
-    model: str = "",
-    server: str = "",
-    final_norm: dict[str, Any] | None = None,
-) -> Provenance:
-    return Provenance(
-        input=input_fp,
-        hidden_size=config.model.hidden_size,
-        aux_layers=list(config.model.aux_layers),
-        config={k: _json_safe(v) for k, v in flatten_public(config).items()},
-        model=model,
-        server=server,
-        final_norm=final_norm,
-        storage=config.storage,
-    )
 
 
 def dataset_storage(prov: Mapping[str, Any] | None) -> Storage:

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import aiohttp
 import structlog
 
-from hsx_async.config import Config, redact_url
+from hsx_async.config import Config, flatten_public, redact_url
 from hsx_async.dataset.manifest import MANIFEST, QUARANTINE, AppendLog, DoneSet, load_done, log_name
 from hsx_async.dataset.provenance import (
+    Provenance,
     check_and_record,
     check_shard_layout,
     directory_lock,
     parse_final_norm,
-    provenance_for,
     read_provenance,
     remove_stale_temps,
 )
@@ -27,6 +28,27 @@ from hsx_async.run.resume import check_entries, clean_orphans
 from hsx_async.run.source import fingerprint_input
 
 log = structlog.get_logger("hsx.daemon")
+
+
+def provenance_for(
+    config: Config,
+    input_fp: dict[str, Any],
+    model: str = "",
+    server: str = "",
+    final_norm: dict[str, Any] | None = None,
+) -> Provenance:
+    """The record of this job: what the dataset layer needs, taken from the job's config
+    (the dataset layer never sees the config type)."""
+    return Provenance(
+        input=input_fp,
+        hidden_size=config.model.hidden_size,
+        aux_layers=list(config.model.aux_layers),
+        config=flatten_public(config),
+        model=model,
+        server=server,
+        final_norm=final_norm,
+        storage=config.storage,
+    )
 
 
 def prepare_output(
