@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
@@ -41,6 +40,7 @@ from hsx_async.dataset.layout import FILE_SUFFIX, canonical_id, read_header
 from hsx_async.dataset.manifest import ManifestEntry, read_manifest
 from hsx_async.dataset.quant_audit import QuantStats, scan_fp8
 from hsx_async.errors import DatasetError
+from hsx_async.parallel import ordered_map
 from hsx_async.protocol import BF16_STORAGE, Storage
 
 if TYPE_CHECKING:
@@ -405,20 +405,6 @@ def _bounded_map(fn: Callable[[_T], _R], items: Iterable[_T], workers: int) -> I
     """``map`` over a thread pool, in order, with at most ``2 × workers`` tasks in flight."""
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hsx-audit") as pool:
         yield from ordered_map(pool, fn, items, 2 * workers)
-
-
-def ordered_map(
-    pool: Executor, fn: Callable[[_T], _R], items: Iterable[_T], in_flight: int
-) -> Iterator[_R]:
-    """``map`` over any executor (threads or processes), results in input order, at most
-    ``in_flight`` tasks submitted and not yet taken back: memory stays bounded."""
-    pending: deque[Future[_R]] = deque()
-    for item in items:
-        pending.append(pool.submit(fn, item))
-        if len(pending) >= in_flight:
-            yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
 
 
 @dataclass

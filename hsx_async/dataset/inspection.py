@@ -41,20 +41,7 @@ from hsx_async.dataset.manifest import (
 from hsx_async.dataset.provenance import dataset_storage, read_provenance, shard_lock
 from hsx_async.errors import DatasetError, DumpError
 from hsx_async.protocol import HIDDEN, SCALES, UNQUANTIZED, Storage, storage_from_metadata
-
-
-def human_bytes(n: float) -> str:
-    """Binary units, as sizes are written in the config (``"1GiB"`` shows as 1.0 GiB)."""
-    if abs(n) < 1024:
-        return f"{int(n)} B"
-    units = ("KiB", "MiB", "GiB", "TiB")
-    i = 0
-    n /= 1024
-    while abs(n) >= 1024 and i < len(units) - 1:
-        n /= 1024
-        i += 1
-    return f"{n:.1f} {units[i]}"
-
+from hsx_async.units import human_bytes
 
 # -- status --------------------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ from typing import Any
 
 from hsx_async.dataset.durable import write_durably
 from hsx_async.dataset.events import input_lines
-from hsx_async.dataset.inspection import human_bytes
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import (
     MANIFEST,
@@ -42,6 +41,7 @@ from hsx_async.dataset.provenance import (
     write_provenance,
 )
 from hsx_async.errors import DatasetError
+from hsx_async.units import human_bytes
 
 
 @dataclass

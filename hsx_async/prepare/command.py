@@ -23,10 +23,10 @@ from typing import Any
 
 import orjson
 
-from hsx_async.dataset.audit import ordered_map
 from hsx_async.dataset.durable import open_atomic
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.errors import ConfigError
+from hsx_async.parallel import ordered_map
 from hsx_async.prepare.encode import (
     ChunkResult,
     EncodeOptions,

@@ -8,7 +8,8 @@ Flow of one handed-off dump::
         lines, fsync ─► delete dump ─► the worker half releases the bytes
 
 A sample reaches the manifest only after its file is durable, and leaves /dev/shm only
-after its manifest line is.
+after its manifest line is. Each hand-off is answered with its outcome
+(:mod:`hsx_async.run.handoff`); the worker half does the rest.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,13 +32,20 @@ from hsx_async.errors import DiskFullError, DumpError, WriteError
 from hsx_async.run.dump import remove_tree
 from hsx_async.run.failpoints import failpoint
 from hsx_async.run.guard import DiskGuard
+from hsx_async.run.handoff import (
+    EOF,
+    Abandoned,
+    Committed,
+    EndOfInput,
+    Failed,
+    Handoff,
+    Outcome,
+    Requeue,
+)
 from hsx_async.run.metrics import Metrics
-from hsx_async.run.report import reason_kind
-from hsx_async.run.source import Sample
-from hsx_async.run.workers import EOF, Handoff, Tries, _Eof
 from hsx_async.run.writer import FileWriter, Staged, WriteJob
 
-log = structlog.get_logger("hsx.pool")
+log = structlog.get_logger("hsx.commit")
 
 # A tiny sample waits for its group commit several times as long as its copy took, so a
 # copy thread needs several writer tasks to stay busy (tiny samples, bench/overhead.py:
@@ -153,10 +161,12 @@ class Committer:
 
 
 class Writers:
-    """The writer tasks, their copy threads and the committer of one run.
+    """The writer tasks, their copy threads and the committer of one run: the writer half
+    of the pipeline, a :class:`~hsx_async.run.handoff.Sink` for the worker half.
 
-    The worker half hands dumps over with :meth:`submit`; a sample the writers cannot
-    take goes back through ``requeue``, and every handed-off dump through ``release``.
+    Each hand-off is answered with one :class:`~hsx_async.run.handoff.Outcome` once the
+    writers are done with its dump; what the outcome means for the sample (retry, charge,
+    quarantine) is the worker half's business, never decided here.
     """
 
     def __init__(
@@ -168,18 +178,14 @@ class Writers:
         quarantine: AppendLog,
         guard: DiskGuard,
         executor: ThreadPoolExecutor,
-        requeue: Callable[[Sample, Tries], None],
-        count_failure: Callable[[Sample, Tries, str], Awaitable[bool]],
-        release: Callable[[Handoff], None],
     ) -> None:
         self.config = config
         self.metrics = metrics
         self.guard = guard
         self.executor = executor  # deletes and commits (not owned)
-        self._requeue = requeue
-        self._count_failure = count_failure  # True once the sample is quarantined
-        self._release = release
-        self.queue: asyncio.Queue[Handoff | _Eof] = asyncio.Queue(maxsize=config.writer.queue_depth)
+        self.queue: asyncio.Queue[Handoff[WriteJob] | EndOfInput] = asyncio.Queue(
+            maxsize=config.writer.queue_depth
+        )
         # Copies never wait behind the small blocking calls: writer.threads of their own.
         self.copy_executor = ThreadPoolExecutor(
             config.writer.threads, thread_name_prefix="hsx-copy"
@@ -196,7 +202,6 @@ class Writers:
         # Writer tasks: more than copy threads, so that a sample waiting for its group
         # commit and delete does not hold a copy thread idle.
         self.tasks = WRITER_TASKS_PER_THREAD * config.writer.threads
-        self.settled = 0  # samples that reached the manifest
 
     def apply(self, config: Config) -> None:
         """A reloaded config. No ``writer.*`` key is live (threads, method and fsync are
@@ -213,7 +218,7 @@ class Writers:
         """Delete the temp files staged but never committed (once no commit runs)."""
         self.file_writer.discard_temps()
 
-    async def submit(self, handoff: Handoff) -> None:
+    async def submit(self, handoff: Handoff[WriteJob]) -> None:
         await self.queue.put(handoff)
 
     async def finish_input(self) -> None:
@@ -232,54 +237,49 @@ class Writers:
     async def writer(self) -> None:
         while True:
             item = await self.queue.get()
-            if isinstance(item, _Eof):
+            if isinstance(item, EndOfInput):
                 self.queue.put_nowait(item)
                 return
-            deleted = False
+            outcome: Outcome = Abandoned("not written: the run stopped first")
             try:
-                deleted = await asyncio.shield(self._finish(item.job, item.tries))
+                outcome = await asyncio.shield(self._finish(item.job))
             finally:
-                if not deleted:
+                if not isinstance(outcome, Committed):  # a committed dump is deleted
                     await asyncio.get_running_loop().run_in_executor(
                         self.executor, delete_dump, item.job.dump.path
                     )
-                self._release(item)
+                item.settle(outcome)
 
-    async def _finish(self, job: WriteJob, tries: Tries) -> bool:
-        """Write, then commit the manifest line: shielded so a drain never cuts it in half.
-        True once committed (the commit deleted the dump too)."""
+    async def _finish(self, job: WriteJob) -> Outcome:
+        """Write, then commit the manifest line: shielded so a drain never cuts it in half."""
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         sample = job.sample
         try:
             staged = await loop.run_in_executor(self.copy_executor, self.file_writer.stage, job)
         except DumpError as exc:
-            # Nothing was written. A failed attempt like any other: it counts, so a dump
-            # that keeps changing (a hostile or still-writing server) ends in quarantine.
+            # Nothing was written: the attempt failed after all (a hostile or still-writing
+            # server), which the worker half charges or forgives like any other.
             log.warning("dump_changed_before_copy", id=sample.id, error=str(exc))
-            self.metrics.attempt_failed("dump", reason_kind(str(exc)))
-            if not await self._count_failure(sample, tries, str(exc)):
-                self._requeue(sample, tries)
-            return False
+            return Failed(exc)
         except DiskFullError as exc:
             # The temp file is gone; pause intake and extract this sample again later.
             # Not the sample's fault: ENOSPC pauses are unbounded by design.
             await self.guard.trip(str(exc))
-            self._requeue(sample, tries)
-            return False
+            return Requeue(str(exc))
         try:
             await self.committer.commit_sample(staged, job.dump.path)
-        except Exception:
+        except Exception as exc:
             self.file_writer.forget(staged)  # the temp file, if it was not renamed yet
             if self.committer.failed:
-                return False  # the committer's task reports the error; a resume redoes this
+                # The committer's task reports the error; a resume redoes this sample.
+                return Abandoned(f"not committed: {exc}")
             raise
         entry = staged.entry
-        self.settled += 1
         self.metrics.write_latency.observe(time.monotonic() - started)
         self.metrics.sample_done(entry.num_tokens, entry.size)
         log.debug("sample_done", id=entry.id, tokens=entry.num_tokens, bytes=entry.size)
-        return True
+        return Committed(entry)
 
 
 def delete_dump(path: Path) -> None:

@@ -28,7 +28,6 @@ import aiohttp
 import structlog
 
 from hsx_async.config import Config, load_config
-from hsx_async.dataset.inspection import human_bytes
 from hsx_async.dataset.manifest import AppendLog
 from hsx_async.dataset.provenance import shard_lock
 from hsx_async.errors import ConfigError, HsxError
@@ -49,6 +48,7 @@ from hsx_async.run.signals import DrainExpired, Stopper
 from hsx_async.run.startup import prepare_output, record_server, wait_for_server
 from hsx_async.run.status import RunStatus, StatusCollector, take_status
 from hsx_async.run.workers import Workers, namespace_base
+from hsx_async.units import human_bytes
 
 log = structlog.get_logger("hsx.daemon")
 

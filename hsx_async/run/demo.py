@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from hsx_async.config import Config, config_from_dict
-from hsx_async.dataset.inspection import human_bytes, verify_dataset
+from hsx_async.dataset.inspection import verify_dataset
 from hsx_async.protocol import DEFAULT_DUMP_ROOT
 from hsx_async.run.daemon import Daemon, RunSummary
+from hsx_async.units import human_bytes
 
 
 def demo_samples() -> Path:

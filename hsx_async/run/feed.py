@@ -20,7 +20,7 @@ from hsx_async.run.metrics import Metrics
 from hsx_async.run.pool import Pipeline
 from hsx_async.run.source import BadLine, SampleReader, count_pending, shard_of
 
-log = structlog.get_logger("hsx.daemon")
+log = structlog.get_logger("hsx.feed")
 
 
 class Feeder:

@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from hsx_async.config import listen_address
-from hsx_async.dataset.inspection import human_bytes
+from hsx_async.units import human_bytes
 
 log = structlog.get_logger("hsx.observe")
 StatusFn = Callable[[], dict[str, Any]]

@@ -8,10 +8,12 @@ Flow of one sample::
         directories, manifest lines, fsync ─► delete dump ─► release bytes
 
 :mod:`hsx_async.run.workers` holds the first half (up to the writer queue),
-:mod:`hsx_async.run.commit` the second. A failed attempt deletes its dump, backs off and
-retries with a new rid; after the last attempt the sample goes to quarantine with the
-reason. A sample reaches the manifest only after its file is durable, and leaves /dev/shm
-only after its manifest line is.
+:mod:`hsx_async.run.commit` the second; they meet in one interface, the hand-off
+(:mod:`hsx_async.run.handoff`): the workers submit a validated dump, the writers answer
+with its outcome, and the workers alone keep the retry bookkeeping. A failed attempt
+deletes its dump, backs off and retries with a new rid; after the last attempt the sample
+goes to quarantine with the reason. A sample reaches the manifest only after its file is
+durable, and leaves /dev/shm only after its manifest line is.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from hsx_async.config import Config
 from hsx_async.dataset.manifest import AppendLog
@@ -27,9 +28,10 @@ from hsx_async.run.client import SGLangClient
 from hsx_async.run.commit import WRITER_TASKS_PER_THREAD, Committer, Writers, delete_dump
 from hsx_async.run.dump import remove_tree
 from hsx_async.run.guard import DiskGuard
+from hsx_async.run.handoff import EOF
 from hsx_async.run.metrics import Metrics
 from hsx_async.run.source import BadLine, Sample
-from hsx_async.run.workers import EOF, Handoff, Workers
+from hsx_async.run.workers import Workers
 
 __all__ = ["EOF", "WRITER_TASKS_PER_THREAD", "Committer", "Pipeline", "delete_dump"]
 
@@ -50,16 +52,6 @@ class Pipeline:
         # Small blocking calls (sweeps, validation, deletes, commits) never wait behind
         # the copies: those have their own threads, writer.threads of them.
         self.executor = ThreadPoolExecutor(4, thread_name_prefix="hsx-io")
-        self.workers = Workers(
-            config,
-            client=client,
-            metrics=metrics,
-            guard=guard,
-            executor=self.executor,
-            hand_off=self._submit,
-            quarantine=self._quarantine,
-            nonce=secrets.token_hex(6),  # rids stay unique across restarts
-        )
         self.writers = Writers(
             config,
             metrics=metrics,
@@ -67,18 +59,18 @@ class Pipeline:
             quarantine=quarantine,
             guard=guard,
             executor=self.executor,
-            requeue=self.workers.requeue,
-            count_failure=self.workers.count_failure,
-            release=self.workers.release,
+        )
+        self.workers = Workers(
+            config,
+            client=client,
+            metrics=metrics,
+            guard=guard,
+            executor=self.executor,
+            sink=self.writers,
+            nonce=secrets.token_hex(6),  # rids stay unique across restarts
         )
         self._writer_tasks: list[asyncio.Task[None]] = []
         self._committer_task: asyncio.Task[None] | None = None
-
-    async def _submit(self, handoff: Handoff) -> None:
-        await self.writers.submit(handoff)
-
-    async def _quarantine(self, line: int, sample_id: Any, reason: str) -> None:
-        await self.writers.quarantine(line, sample_id, reason)
 
     def start(self, tg: asyncio.TaskGroup) -> None:
         """Every task of the pipeline, in the run's task group."""
@@ -129,7 +121,7 @@ class Pipeline:
     @property
     def settled(self) -> int:
         """Samples taken from the intake that reached the manifest or the quarantine."""
-        return self.workers.settled + self.writers.settled
+        return self.workers.settled
 
     def close(self) -> None:
         """At the end of the run (blocking): queued calls are dropped, running ones

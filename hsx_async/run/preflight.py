@@ -29,7 +29,6 @@ import numpy.typing as npt
 import xxhash
 
 from hsx_async.config import Config, load_config
-from hsx_async.dataset.inspection import human_bytes
 from hsx_async.dataset.target import read_config
 from hsx_async.errors import DatasetError, DumpError, HsxError, InputError, RequestError
 from hsx_async.layer_ids import architecture_of, draft_ids, num_layers_of
@@ -40,6 +39,7 @@ from hsx_async.run.guard import free_bytes
 from hsx_async.run.mounts import fs_type
 from hsx_async.run.observe import eta_text
 from hsx_async.run.source import BadLine, SampleReader, open_input
+from hsx_async.units import human_bytes
 
 _PROBE_BYTES = 64 << 20
 _PROBE_SAMPLES = 4  # real samples sent at once to each server to measure its prefill rate

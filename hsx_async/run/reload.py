@@ -16,7 +16,7 @@ from hsx_async.run.client import ServerPool
 from hsx_async.run.guard import DiskGuard
 from hsx_async.run.pool import Pipeline
 
-log = structlog.get_logger("hsx.daemon")
+log = structlog.get_logger("hsx.reload")
 
 
 async def reload_config(

@@ -24,7 +24,6 @@ import asyncio
 import datetime as dt
 import itertools
 import os
-import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -37,6 +36,7 @@ import orjson
 from hsx_async.dataset.durable import write_atomic
 from hsx_async.dataset.events import EVENTS, event_files, read_events
 from hsx_async.dataset.manifest import AppendLog, log_name, read_manifest, read_quarantine
+from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.errors import DatasetError
 
 REPORT_JSON = "report.json"
@@ -122,19 +122,6 @@ class RunRecorder:
 
 
 # -- building the report -------------------------------------------------------------------
-
-
-def reason_kind(reason: str) -> str:
-    """A quarantine reason without its particulars: what a bar in the chart is named."""
-    text = re.sub(r"^\d+ attempts failed; last: ", "", reason)
-    exhausted = text != reason
-    text = re.sub(r"^https?://\S+?: ", "", text)  # the server a retried attempt went to
-    text = re.split(r"[:(;]", text, maxsplit=1)[0]
-    text = re.sub(r"'[^']*'|\"[^\"]*\"|/\S+", "…", text)
-    text = re.sub(r"\d+", "N", text).strip() or "other"
-    if len(text) > 60:
-        text = text[:59] + "…"
-    return f"retries exhausted: {text}" if exhausted else text
 
 
 def _read_runs(out_dir: Path) -> list[list[dict[str, Any]]]:

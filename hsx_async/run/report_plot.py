@@ -13,7 +13,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from hsx_async.dataset.inspection import human_bytes
+from hsx_async.units import human_bytes
 
 _INK = "#1f2430"
 _MUTED = "#7a8194"

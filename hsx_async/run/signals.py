@@ -14,7 +14,7 @@ from hsx_async.errors import ForcedExit
 from hsx_async.run.notify import Notifier
 from hsx_async.run.pool import Pipeline
 
-log = structlog.get_logger("hsx.daemon")
+log = structlog.get_logger("hsx.signals")
 _STOP = (signal.SIGTERM, signal.SIGINT)
 
 

@@ -27,7 +27,7 @@ from hsx_async.run.notify import Notifier
 from hsx_async.run.resume import check_entries, clean_orphans
 from hsx_async.run.source import fingerprint_input
 
-log = structlog.get_logger("hsx.daemon")
+log = structlog.get_logger("hsx.startup")
 
 
 def provenance_for(

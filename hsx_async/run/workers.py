@@ -4,15 +4,18 @@ A worker takes a sample from the intake, reserves its /dev/shm bytes, sends
 ``POST /generate`` (a new rid per attempt), waits for the dump's ``meta.json``, validates
 it and hands it to the writers (:mod:`hsx_async.run.commit`). A failed attempt deletes its
 dump, backs off and retries; after the last attempt the sample goes to quarantine with the
-reason. The reserved bytes are released when the writers are done with the dump.
+reason. The writers answer each hand-off with its outcome (:mod:`hsx_async.run.handoff`):
+the reserved bytes are released then, and a sample they could not write is retried or
+quarantined here — the retry bookkeeping lives in this half only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,7 @@ import structlog
 from hsx_async.config import Config
 from hsx_async.dataset.layout import build_layout, data_relpath, sample_key
 from hsx_async.dataset.provenance import FinalStateGuard
+from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.errors import DumpError, RequestError
 from hsx_async.run.budget import ByteBudget
 from hsx_async.run.client import ServerPool, SGLangClient
@@ -37,32 +41,34 @@ from hsx_async.run.dump import (
 )
 from hsx_async.run.dump import wait_for_meta as _wait_for_meta
 from hsx_async.run.guard import DiskGuard
+from hsx_async.run.handoff import (
+    EOF,
+    Abandoned,
+    Committed,
+    EndOfInput,
+    Failed,
+    Handoff,
+    Outcome,
+    Requeue,
+    Sink,
+)
 from hsx_async.run.metrics import Metrics
-from hsx_async.run.report import reason_kind
 from hsx_async.run.retry import RetryPolicy
 from hsx_async.run.source import Sample
 from hsx_async.run.writer import WriteJob
 
-log = structlog.get_logger("hsx.pool")
-
-
-class _Eof:
-    """End marker: a consumer that takes it puts it back for the next one."""
-
-
-EOF = _Eof()
-
-Quarantine = Callable[[int, Any, str], Awaitable[None]]
+log = structlog.get_logger("hsx.workers")
 
 
 @dataclass(frozen=True, slots=True)
-class Handoff:
-    """A validated dump on its way to the writer, with what the worker reserved for it."""
+class _Reserved:
+    """What a worker holds for a handed-off dump until its outcome comes back."""
 
-    job: WriteJob
-    ns: str
-    need: int
+    sample: Sample
     tries: Tries  # the attempts behind this dump, counting it
+    ns: str
+    rid: str
+    need: int  # /dev/shm bytes
 
 
 @dataclass(slots=True)
@@ -86,15 +92,15 @@ class Intake:
     writers hand back (ENOSPC, a dump changed before its copy), which go first."""
 
     def __init__(self, maxsize: int) -> None:
-        self.queue: asyncio.Queue[Sample | _Eof] = asyncio.Queue(maxsize=maxsize)
+        self.queue: asyncio.Queue[Sample | EndOfInput] = asyncio.Queue(maxsize=maxsize)
         self.requeued: collections.deque[Sample] = collections.deque()
         self.stopping = False
         self._changed = asyncio.Event()
 
-    async def put(self, item: Sample | _Eof) -> None:
+    async def put(self, item: Sample | EndOfInput) -> None:
         await self.queue.put(item)
 
-    async def next(self) -> Sample | _Eof:
+    async def next(self) -> Sample | EndOfInput:
         if self.requeued:
             return self.requeued.popleft()
         return await self.queue.get()
@@ -133,8 +139,7 @@ class Workers:
         metrics: Metrics,
         guard: DiskGuard,
         executor: ThreadPoolExecutor,
-        hand_off: Callable[[Handoff], Awaitable[None]],
-        quarantine: Quarantine,
+        sink: Sink[WriteJob],
         nonce: str,
     ) -> None:
         self.config = config
@@ -143,8 +148,7 @@ class Workers:
         self.metrics = metrics
         self.guard = guard
         self.executor = executor  # small blocking calls: sweeps, validation (not owned)
-        self._hand_off_fn = hand_off
-        self._quarantine = quarantine
+        self.sink = sink  # the writer half
         self.nonce = nonce  # rids stay unique across restarts
         self.budget = ByteBudget(config.dump.shm_budget)
         self.final_states = FinalStateGuard(config.output.dir)  # one kind per dataset
@@ -159,7 +163,7 @@ class Workers:
         # Dumps on a tmpfs are looked at on the event loop, elsewhere from a thread.
         self.dump_on_tmpfs: bool | None = None  # known once the first namespace exists
         self.in_flight = 0
-        self.settled = 0  # samples that went to quarantine from here
+        self.settled = 0  # samples taken from the intake now in the manifest or quarantine
         self._next_worker = 0
         self._tg: asyncio.TaskGroup | None = None
 
@@ -192,11 +196,6 @@ class Workers:
             self.budget.resize(config.dump.shm_budget)
         self.retry = retry_policy(config)
 
-    def release(self, handoff: Handoff) -> None:
-        """The writers are done with a handed-off dump: its rid and bytes are free."""
-        self.live_rids[handoff.ns].discard(handoff.job.dump.path.name)
-        self._release(handoff.need)
-
     async def to_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
@@ -220,7 +219,7 @@ class Workers:
             while self.workers_running <= self.target_workers:
                 await self.guard.open.wait()  # the disk guard pauses intake here
                 item = await self.intake.next()
-                if isinstance(item, _Eof):
+                if isinstance(item, EndOfInput):
                     if await self.intake.after_eof(lambda: self.in_flight):
                         continue
                     break
@@ -282,26 +281,26 @@ class Workers:
         kind = "request" if isinstance(exc, RequestError) else "dump"
         self.metrics.attempt_failed(kind, reason_kind(str(exc)))
         log.info("attempt_failed", error=str(exc))
-        if await self.count_failure(sample, tries, str(exc)):
+        if await self._count_failure(sample, tries, str(exc)):
             return True
         await asyncio.sleep(self.retry.delay(tries.failed))
         return False
 
-    async def count_failure(self, sample: Sample, tries: Tries, error: str) -> bool:
+    async def _count_failure(self, sample: Sample, tries: Tries, error: str) -> bool:
         """Count one failed attempt (here, or a dump that changed before its copy); True
         once the sample is quarantined for it."""
         tries.failed += 1
         if self.retry.exhausted(tries.failed):
             reason = f"{tries.failed} attempts failed; last: {error}"
-            await self._quarantine(sample.line, sample.id, reason)
+            await self.sink.quarantine(sample.line, sample.id, reason)
             self.settled += 1
             return True
         if tries.failed == 1:
             self.metrics.totals.samples_retried += 1
         return False
 
-    def requeue(self, sample: Sample, tries: Tries) -> None:
-        """Hand a sample back to the workers, with its attempts so far."""
+    def _requeue(self, sample: Sample, tries: Tries) -> None:
+        """Put a sample back into the intake (ahead of new ones), with its attempts so far."""
         self.tries[sample.line] = tries
         self.intake.requeue(sample)
 
@@ -333,9 +332,50 @@ class Workers:
         )
 
     async def _hand_off(self, sample: Sample, dump: Dump, tries: Tries, ns: str, need: int) -> None:
+        """Queue the dump for the writers; its outcome comes back to :meth:`_settle`."""
         job = write_job(self.config, sample, dump, self.nonce)
-        self.live_rids[ns].add(dump.path.name)
-        await self._hand_off_fn(Handoff(job, ns, need, tries))
+        handoff = Handoff(job, asyncio.get_running_loop().create_future())
+        await self.sink.submit(handoff)
+        # No await since the put: the writers cannot have answered yet.
+        reserved = _Reserved(sample, tries, ns, dump.path.name, need)
+        self.live_rids[ns].add(reserved.rid)
+        handoff.outcome.add_done_callback(functools.partial(self._settle, reserved))
+
+    def _settle(self, held: _Reserved, done: asyncio.Future[Outcome]) -> None:
+        """The writers are done with a dump: what its outcome means for the sample."""
+        self.live_rids[held.ns].discard(held.rid)
+        outcome = done.result() if not done.cancelled() else Abandoned("cancelled")
+        if isinstance(outcome, Failed) and self._spawn_task(self._copy_failed(held, outcome)):
+            # Counting may quarantine (a commit): the bytes stay reserved, so the sample
+            # stays in flight, until that is durable.
+            return
+        if isinstance(outcome, Committed):
+            self.settled += 1
+        elif isinstance(outcome, Requeue):
+            self._requeue(held.sample, held.tries)  # a full disk: uncharged
+        self._release(held.need)
+
+    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> bool:
+        """Run ``coro`` in the run's task group; False (and ``coro`` dropped) once the
+        group is shutting down: the run is ending, and a resume redoes the sample."""
+        try:
+            assert self._tg is not None, "start() first"
+            self._tg.create_task(coro)
+        except RuntimeError:
+            coro.close()
+            return False
+        return True
+
+    async def _copy_failed(self, held: _Reserved, outcome: Failed) -> None:
+        """A dump that failed its copy: a failed attempt like any other."""
+        try:
+            error = str(outcome.error)
+            kind = reason_kind(error)
+            self.metrics.attempt_failed("dump", kind)
+            if not await self._count_failure(held.sample, held.tries, error):
+                self._requeue(held.sample, held.tries)
+        finally:
+            self._release(held.need)
 
 
 def namespace_base(config: Config) -> str:

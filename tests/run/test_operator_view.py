@@ -12,7 +12,6 @@ from pathlib import Path
 import orjson
 import pytest
 
-from hsx_async.dataset.inspection import human_bytes
 from hsx_async.logs import configure_logging
 from hsx_async.run.daemon import Daemon, RunSummary
 from hsx_async.run.demo import demo_samples, hsx_invocation, run_demo
@@ -20,6 +19,7 @@ from hsx_async.run.metrics import Totals
 from hsx_async.run.notify import Notifier
 from hsx_async.run.observe import progress_line, progress_loop
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
+from hsx_async.units import human_bytes
 from tests.e2e import free_port, make_config, write_samples
 
 H, AUX = 64, (1, 3, 5)

@@ -11,8 +11,9 @@ import pytest
 from hsx_async import cli
 from hsx_async.dataset.events import event_files
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
+from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.run.daemon import Daemon
-from hsx_async.run.report import REPORT_JSON, REPORT_PNG, build_report, reason_kind, write_report
+from hsx_async.run.report import REPORT_JSON, REPORT_PNG, build_report, write_report
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
 from tests.e2e import make_config, write_samples
 

@@ -1,0 +1,97 @@
+"""The hand-off between the two halves of a pipeline, and the one answer that comes back.
+
+The *worker half* (:mod:`hsx_async.run.workers`) turns a sample into something to write
+(a validated dump); the *writer half* (:mod:`hsx_async.run.commit`) makes it durable. One
+:class:`Handoff` carries it across, and the writers answer each hand-off with exactly one
+:class:`Outcome`, through the hand-off's future. Nothing else crosses back: the writers
+never count attempts, requeue or quarantine a sample, they say what happened, and the
+worker half alone decides what that means for the sample (release what it reserved,
+charge an attempt, try again, quarantine).
+
+The outcomes:
+
+- :class:`Committed` — the sample's file and its manifest line are durable (the dump is
+  deleted).
+- :class:`Requeue` — not written, for a reason that is not the sample's (the output disk
+  is full): extract it again, uncharged.
+- :class:`Failed` — the attempt failed after all (the dump changed before its copy); the
+  error carries its cause, and the worker half charges or forgives it like a failure of
+  its own (:mod:`hsx_async.run.faults`).
+- :class:`Abandoned` — not written and not to be tried again in this run (an earlier
+  commit failed, or the run is being torn down); a resume redoes it.
+
+The writer half is, as the worker half sees it, a :class:`Sink`: where hand-offs go and
+where a sample the workers give up on is quarantined. A second client of the pipeline
+(``hsx regenerate``'s answers, written as JSONL lines) uses the same pieces with its own
+job type: ``Handoff[MyJob]``, a sink that answers each with an :class:`Outcome`, and the
+retry bookkeeping of :mod:`hsx_async.run.retry` on the worker side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from hsx_async.dataset.manifest import ManifestEntry
+from hsx_async.errors import HsxError
+
+
+class EndOfInput:
+    """End marker of a queue: a consumer that takes it puts it back for the next one."""
+
+    def __repr__(self) -> str:
+        return "EOF"
+
+
+EOF = EndOfInput()
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    entry: ManifestEntry
+
+
+@dataclass(frozen=True, slots=True)
+class Requeue:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    error: HsxError
+
+
+@dataclass(frozen=True, slots=True)
+class Abandoned:
+    reason: str
+
+
+Outcome = Committed | Requeue | Failed | Abandoned
+
+JobT_co = TypeVar("JobT_co", covariant=True)
+JobT_contra = TypeVar("JobT_contra", contravariant=True)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Handoff(Generic[JobT_co]):
+    """One job on its way to the writers; ``outcome`` resolves once, when they are done
+    with it (and done with whatever the job holds: the dump, its bytes)."""
+
+    job: JobT_co
+    outcome: asyncio.Future[Outcome]
+
+    def settle(self, outcome: Outcome) -> None:
+        """Answer the hand-off (a second answer is ignored: the first one stands)."""
+        if not self.outcome.done():
+            self.outcome.set_result(outcome)
+
+
+class Sink(Protocol[JobT_contra]):
+    """The writer half as the worker half sees it."""
+
+    async def submit(self, handoff: Handoff[JobT_contra]) -> None:
+        """Queue a hand-off (waits while the writers' queue is full)."""
+
+    async def quarantine(self, line: int, sample_id: Any, reason: str) -> None:
+        """Record durably that the sample on input ``line`` (0-based) cannot be made."""
