@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from hsx_async.config import config_from_dict
-from hsx_async.engines import ENGINES, check_vllm_response, vllm_body
-from hsx_async.errors import ConfigError, DumpError
+from hsx_async.engines import ENGINES, Decoded, Decoding, check_vllm_response, vllm_body
+from hsx_async.errors import ConfigError, DumpError, RequestError
 
 
 def reply(**over: Any) -> dict[str, Any]:
@@ -85,3 +85,65 @@ def test_engine_config(tmp_path: Any) -> None:
         config_from_dict(_raw(engines=["vllm"]), base=tmp_path)
     with pytest.raises(ConfigError, match=r"server\.engine"):
         config_from_dict(_raw(engine="trt"), base=tmp_path)
+
+
+DECODING = Decoding(max_new_tokens=12, temperature=0.7, top_p=0.9, seed=42, stop_ids=(1, 7))
+
+
+def test_decode_bodies_carry_the_sampling_and_no_marks() -> None:
+    sglang = ENGINES["sglang"].decode_body("rid-1", [5, 6], DECODING)
+    assert sglang == {
+        "rid": "rid-1", "input_ids": [5, 6], "stream": False,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9,
+                            "sampling_seed": 42, "stop_token_ids": [1, 7]},
+    }  # fmt: skip
+    vllm = ENGINES["vllm"].decode_body("rid-1", [5, 6], DECODING)
+    assert vllm == {
+        "prompt": [5, 6], "max_tokens": 12, "temperature": 0.7, "top_p": 0.9, "seed": 42,
+        "stop_token_ids": [1, 7], "return_token_ids": True, "request_id": "rid-1",
+        "stream": False,
+    }  # fmt: skip
+    assert "kv_transfer_params" not in vllm  # an ordinary completion: nothing is dumped
+    assert ENGINES["vllm"].decode_path == "/v1/completions"
+    assert ENGINES["sglang"].decode_path == "/generate"
+
+
+def _sglang_answer(**meta: Any) -> dict[str, Any]:
+    info = {"id": "r", "prompt_tokens": 3, "finish_reason": {"type": "stop"}, **meta}
+    return {"output_ids": [5, 6, 1], "meta_info": info}
+
+
+def _vllm_answer(**choice: Any) -> dict[str, Any]:
+    one = {"token_ids": [5, 6], "prompt_token_ids": [9, 9, 9], "finish_reason": "length"}
+    return {"choices": [{**one, **choice}], "usage": {"prompt_tokens": 3}}
+
+
+def test_decode_answers_are_parsed_per_engine() -> None:
+    parse = ENGINES["sglang"].parse_decode
+    assert parse(_sglang_answer(), "r", 3) == Decoded([5, 6, 1], "stop")
+    parse = ENGINES["vllm"].parse_decode
+    assert parse(_vllm_answer(), "r", 3) == Decoded([5, 6], "length")
+    assert parse(_vllm_answer(prompt_token_ids=None), "r", 3).finish == "length"
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "match"),
+    [
+        ("sglang", _sglang_answer(id="other"), "meta_info.id"),
+        ("sglang", _sglang_answer(prompt_tokens=4), "prompt_tokens is 4"),
+        ("sglang", _sglang_answer(prompt_tokens=True), "prompt_tokens is True"),
+        ("sglang", _sglang_answer(finish_reason={"type": "abort"}), "finish_reason"),
+        ("sglang", {"output_ids": "5", "meta_info": _sglang_answer()["meta_info"]}, "not a list"),
+        ("sglang", [], "no meta_info"),
+        ("vllm", {"choices": [], "usage": {"prompt_tokens": 3}}, "not one completion"),
+        ("vllm", {**_vllm_answer(), "usage": {"prompt_tokens": 2}}, "prompt_tokens is 2"),
+        ("vllm", _vllm_answer(token_ids=None), "older than 0.10.2"),
+        ("vllm", _vllm_answer(prompt_token_ids=[1]), "not the prompt sent"),
+        ("vllm", _vllm_answer(finish_reason="abort"), "finish_reason"),
+        ("vllm", "text", "not one completion"),
+    ],
+)
+def test_a_malformed_decode_answer_is_the_servers_fault(name: str, body: Any, match: str) -> None:
+    with pytest.raises(RequestError, match=match) as info:
+        ENGINES[name].parse_decode(body, "r", 3)  # type: ignore[index]
+    assert info.value.server_fault
