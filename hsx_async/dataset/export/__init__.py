@@ -14,12 +14,14 @@ Nothing here imports torch at module level (``hsx --help`` imports the command).
 
 from __future__ import annotations
 
-from hsx_async.dataset.export.command import register_cli
+from hsx_async.dataset.export.command import export_command, register_cli
 from hsx_async.dataset.export.draft import DRAFT_CONFIG
 from hsx_async.dataset.export.driver import EXPORT_INFO, LOCK_NAME, ExportResult, export_dataset
 from hsx_async.dataset.export.format import TMP_PREFIX, ExportFormat
-from hsx_async.dataset.export.formats import FORMATS, export_format
+from hsx_async.dataset.export.formats import FORMAT_NAMES, FORMATS, export_format
 from hsx_async.dataset.export.log import EXPORT_LOG, ExportRecord, assign_indices, read_export_log
+from hsx_async.dataset.export.plan import AUTO, DTYPE_CHOICES
+from hsx_async.dataset.export.specforge import GROUP_SIZE as SPECFORGE_GROUP_SIZE
 from hsx_async.dataset.export.specforge import specforge_relpath
 from hsx_async.dataset.export.speculators import (
     SPECULATORS_ROWS,
@@ -28,11 +30,15 @@ from hsx_async.dataset.export.speculators import (
 )
 
 __all__ = [
+    "AUTO",
     "DRAFT_CONFIG",
+    "DTYPE_CHOICES",
     "EXPORT_INFO",
     "EXPORT_LOG",
     "FORMATS",
+    "FORMAT_NAMES",
     "LOCK_NAME",
+    "SPECFORGE_GROUP_SIZE",
     "SPECULATORS_ROWS",
     "TMP_PREFIX",
     "TOKEN_FREQ",
@@ -40,6 +46,7 @@ __all__ = [
     "ExportRecord",
     "ExportResult",
     "assign_indices",
+    "export_command",
     "export_dataset",
     "export_format",
     "read_export_log",

@@ -16,7 +16,7 @@ from hsx_async.dataset.export.plan import AUTO, DTYPE_CHOICES
 from hsx_async.dataset.export.specforge import GROUP_SIZE as SPECFORGE_GROUP_SIZE
 
 
-def _run(args: argparse.Namespace) -> int:
+def export_command(args: argparse.Namespace) -> int:
     def report(done: int, total: int) -> None:
         if done % 1000 == 0 or done == total:
             print(f"hsx export: {done}/{total} samples", file=sys.stderr)
@@ -96,4 +96,4 @@ def register_cli(subparsers: Any) -> None:
         "speculators gets FP8 always, the slots without FP8 bytes (kept bf16 slots, a "
         "converted final state, a bf16 dataset) quantized by the export",
     )
-    parser.set_defaults(handler=_run)
+    parser.set_defaults(handler=export_command)
