@@ -457,9 +457,10 @@ def e2e_summary(
 _OLD_HOOK_FAKE = """\
 import argparse, dataclasses, sys
 import uvloop
+from hsx_async.cli import fake_server as fake_cli
 from hsx_async.server.fake import server as fake
 parser = argparse.ArgumentParser()
-fake.register_cli(parser.add_subparsers())
+fake_cli.add_parser(parser.add_subparsers())
 args = parser.parse_args(sys.argv[1:])
 options = dataclasses.replace(fake.options_from_args(args), honour_storage=False)
 async def ready(url):

@@ -24,7 +24,7 @@ from pathlib import Path
 _THREAD = re.compile(r"^thread \(\d+\)(?::\s*)?")
 _LINE_NO = re.compile(r":\d+\)$")
 # Frames that only exist while the client starts: imports and building the CLI parser.
-_START_UP = ("build_parser (hsx_async/cli.py", "<frozen importlib._bootstrap>")
+_START_UP = ("build_parser (hsx_async/cli/__init__.py", "<frozen importlib._bootstrap>")
 
 
 @dataclass

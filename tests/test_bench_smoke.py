@@ -173,7 +173,8 @@ def test_profile_summary_shares_by_thread_and_function(tmp_path: Path) -> None:
         "thread (1): MainThread;run (a.py:1);generate (c.py:9);generate (c.py:5) 2\n"
         "thread (7): hsx-copy_0;stage (w.py:3) 2\n"
         # start-up is left out
-        "thread (1): MainThread;main (hsx_async/cli.py:46);build_parser (hsx_async/cli.py:41);"
+        "thread (1): MainThread;main (hsx_async/cli/__init__.py:46);"
+        "build_parser (hsx_async/cli/__init__.py:41);"
         "_find_and_load (<frozen importlib._bootstrap>:1) 5\n"
     )
     script = str(BENCH / "profile_summary.py")

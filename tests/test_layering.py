@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import tomllib
 from pathlib import Path
 
 import grimp
@@ -29,7 +30,8 @@ def test_import_linter_contracts_are_kept() -> None:
         code = lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True)
     report = out.getvalue()
     assert code == 0, report
-    assert "0 broken" in report and "3 kept" in report, report
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    assert "0 broken" in report and f"{len(contracts['contracts'])} kept" in report, report
 
 
 def _allowed(imported: str) -> bool:

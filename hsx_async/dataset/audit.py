@@ -718,25 +718,10 @@ def _inspectable(path: Path) -> Path:
     return path
 
 
-def _run_inspect(args: argparse.Namespace) -> int:
+def inspect_command(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             print(inspect_file(_inspectable(path)))
         except OSError as exc:
             raise DatasetError(f"{path}: cannot read it ({exc.strerror})") from None
     return 0
-
-
-def register_cli(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "inspect",
-        help="show shapes, dtypes, metadata and statistics of sample files",
-        description=(
-            "Decode one or more dataset files (data/…/*.safetensors) and print their header, "
-            "per-layer row-norm statistics and any NaN/Inf, zero rows or duplicated layers."
-        ),
-    )
-    parser.add_argument(
-        "files", nargs="+", type=Path, metavar="FILE", help="sample files (data/…/*.safetensors)"
-    )
-    parser.set_defaults(handler=_run_inspect)

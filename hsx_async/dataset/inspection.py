@@ -347,31 +347,3 @@ def verify_command(args: argparse.Namespace) -> int:
     if args.json:
         print(orjson.dumps(as_json, option=orjson.OPT_INDENT_2).decode())
     return 0 if ok else 1
-
-
-def register_cli(sub: Any) -> None:
-    p = sub.add_parser("status", help="what an output directory holds")
-    p.add_argument("out", help="output directory ([output].dir)")
-    p.set_defaults(handler=status_command)
-    v = sub.add_parser("verify", help="re-hash every file against the manifest")
-    v.add_argument("out", help="output directory ([output].dir)")
-    v.add_argument(
-        "--deep", action="store_true", help="also decode tensors: NaN/Inf, zero rows, norms"
-    )
-    v.add_argument(
-        "--fraction", type=float, default=1.0, help="with --deep: share of samples to decode"
-    )
-    v.add_argument("--plot", help="with --deep: write the per-layer norm plot (PNG) here")
-    v.add_argument(
-        "--repair",
-        action="store_true",
-        help="drop failing entries and their files so `hsx run` redoes them",
-    )
-    v.add_argument("--threads", type=int, default=2, help="hashing threads")
-    v.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object (the checks, and with --deep the audit: storage, "
-        "per-layer statistics and FP8 error, problems, warnings) instead of text",
-    )
-    v.set_defaults(handler=verify_command)

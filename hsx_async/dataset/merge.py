@@ -190,15 +190,3 @@ def merge_command(args: argparse.Namespace) -> int:
         f"there, {result.quarantined} quarantine lines → {args.to}"
     )
     return 0
-
-
-def register_cli(sub: Any) -> None:
-    p = sub.add_parser("merge", help="combine shard outputs into one dataset")
-    p.add_argument("sources", nargs="+", help="output directories of the shards")
-    p.add_argument(
-        "--to",
-        required=True,
-        metavar="DIR",
-        help="destination directory (created; run again to resume an interrupted merge)",
-    )
-    p.set_defaults(handler=merge_command)

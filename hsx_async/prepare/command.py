@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import multiprocessing
 import multiprocessing.forkserver
-import os
 import sys
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -181,42 +180,7 @@ def _estimate_from_config(path: Path | None) -> dict[str, Any] | None:
     }
 
 
-def register_cli(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "prepare",
-        help="conversations (ShareGPT/OpenAI JSONL) → samples with the assistant loss mask",
-        description=(
-            "Render each conversation with the tokenizer's chat template and write PROTOCOL "
-            "§1 samples whose loss_mask is 1 on exactly the assistant's tokens."
-        ),
-    )
-    p.add_argument("input", type=Path, help="conversations, one JSON object a line")
-    p.add_argument("--tokenizer", type=Path, required=True, help="local tokenizer directory")
-    p.add_argument("--out", type=Path, required=True, help="samples JSONL to write")
-    p.add_argument("--chat-template", type=Path, default=None, help="a Jinja template file")
-    p.add_argument(
-        "--system",
-        choices=("keep", "drop", "override"),
-        default="keep",
-        help="the records' system prompts: keep them, drop them, or replace them with "
-        "--system-prompt (default: keep)",
-    )
-    p.add_argument("--system-prompt", default=None, help="added when absent (keep), or the one")
-    p.add_argument("--max-tokens", type=int, default=None, help="default: [input].max_tokens")
-    p.add_argument(
-        "--length-policy",
-        choices=("skip", "truncate"),
-        default="skip",
-        help="a conversation over --max-tokens: quarantine it (skip) or cut it at the limit "
-        "(truncate); either is counted in the summary (default: skip)",
-    )
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes")
-    p.add_argument("--quarantine", type=Path, default=None, help="default: OUT's stem")
-    p.add_argument("--config", type=Path, default=None, help="job.toml: size estimate")
-    p.set_defaults(handler=_cli)
-
-
-def _cli(args: argparse.Namespace) -> int:
+def prepare_command(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ConfigError("workers", f"is {args.workers}, expected at least 1")
     if not args.input.is_file():

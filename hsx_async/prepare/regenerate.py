@@ -411,24 +411,7 @@ async def regenerate(
     return stats
 
 
-def register_cli(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "regenerate",
-        help="replace each assistant turn with the target model's own answer",
-        description=(
-            "Turn by turn, send each conversation's prompt to the servers of [server] and "
-            "keep the answer; durable and resumable like hsx run. Sampling: [regenerate]."
-        ),
-    )
-    p.add_argument("input", type=Path, help="conversations (ShareGPT/OpenAI JSONL)")
-    p.add_argument("--config", type=Path, required=True, help="job.toml ([server], [regenerate])")
-    p.add_argument("--out", type=Path, required=True, help="regenerated conversations JSONL")
-    p.add_argument("--tokenizer", type=Path, default=None, help="default: regenerate.tokenizer")
-    p.add_argument("--chat-template", type=Path, default=None, help="a Jinja template file")
-    p.set_defaults(handler=_cli)
-
-
-def _cli(args: argparse.Namespace) -> int:
+def regenerate_command(args: argparse.Namespace) -> int:
     from hsx_async.logs import configure_logging  # noqa: PLC0415
 
     config = load_config(args.config)

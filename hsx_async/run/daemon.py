@@ -448,19 +448,3 @@ def _print_report(out: Path) -> None:
         print(f"hsx: no job report: {exc}")
         return
     print(f"report: {png_path or json_path}" + (f" ({hint})" if hint else ""))
-
-
-def register_cli(sub: Any) -> None:
-    p = sub.add_parser("run", help="extract hidden states for every sample of the input")
-    p.add_argument("--config", required=True, help="TOML config file (see README)")
-    p.add_argument(
-        "--allow-provenance-change",
-        action="store_true",
-        help="resume even though the input or model differs from the dataset's",
-    )
-    p.add_argument(
-        "--no-report",
-        action="store_true",
-        help="do not write OUT/report.png and report.json at the end (see `hsx report`)",
-    )
-    p.set_defaults(handler=run_command)

@@ -143,10 +143,3 @@ def demo_command(args: argparse.Namespace) -> int:
     json_path, png_path, hint = write_report(out)
     print(f"report:    {png_path or json_path}" + (f" ({hint})" if hint else ""))
     return 0 if verify_dataset(out).ok else 1
-
-
-def register_cli(sub: Any) -> None:
-    p = sub.add_parser("demo", help="extract the bundled samples with the built-in reference model")
-    p.add_argument("--out", default="hsx-demo", help="output directory (default: ./hsx-demo)")
-    p.add_argument("--samples", help="JSONL samples (default: the set shipped with hsx)")
-    p.set_defaults(handler=demo_command)

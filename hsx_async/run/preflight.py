@@ -447,11 +447,3 @@ def check_command(args: argparse.Namespace) -> int:
     report = run_checks(load_config(Path(args.config)))
     print(report.format())
     return 1 if report.failed else 0
-
-
-def register_cli(sub: Any) -> None:
-    p = sub.add_parser(
-        "check", help="preflight: config, input, disks, servers, dump path, estimate"
-    )
-    p.add_argument("--config", required=True, help="TOML config file")
-    p.set_defaults(handler=check_command)

@@ -14,7 +14,7 @@ Nothing here imports torch at module level (``hsx --help`` imports the command).
 
 from __future__ import annotations
 
-from hsx_async.dataset.export.command import export_command, register_cli
+from hsx_async.dataset.export.command import export_command
 from hsx_async.dataset.export.draft import DRAFT_CONFIG
 from hsx_async.dataset.export.driver import EXPORT_INFO, LOCK_NAME, ExportResult, export_dataset
 from hsx_async.dataset.export.format import TMP_PREFIX, ExportFormat
@@ -50,7 +50,6 @@ __all__ = [
     "export_dataset",
     "export_format",
     "read_export_log",
-    "register_cli",
     "specforge_relpath",
     "speculators_relpath",
 ]

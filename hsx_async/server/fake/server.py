@@ -14,8 +14,6 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from typing import Any
 
 import uvloop
 from aiohttp import web
@@ -41,7 +39,6 @@ __all__ = [
     "FakeStats",
     "build_app",
     "expected_hidden_states",
-    "register_cli",
     "running_fake_server",
 ]
 
@@ -131,138 +128,6 @@ async def running_fake_server(
 # --- command line -------------------------------------------------------------------------
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of integers"
-        ) from None
-
-
-def _fault_list(text: str) -> tuple[str, ...]:
-    if text.strip() == "all":
-        return ALL_FAULTS
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    unknown = [n for n in names if n not in ALL_FAULTS]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown fault {unknown[0]!r}; known: all, {', '.join(ALL_FAULTS)}"
-        )
-    return names
-
-
-# What each injected fault does (``--faults``); the keys are exactly ALL_FAULTS.
-FAULT_HELP: dict[str, str] = {
-    "http_500": "answer 500 at once, nothing written",
-    "drop_before": "close the connection without a response, nothing written",
-    "drop_after": "write the full dump with meta.json, then close the connection",
-    "abort_dump": "write the parts but no meta.json, answer 200",
-    "late_meta": "answer 200 first, write meta.json --late-meta-s later (benign)",
-    "truncated_part": "the last part file is shorter than its name says",
-    "oversized_part": "the last part file is one row longer than its name says",
-    "gap_parts": "the last part is named one row later: a gap",
-    "overlap_parts": "an extra part [T-1, T) is written and listed: an overlap",
-    "wrong_num_tokens": "meta.json num_tokens is T + 1",
-    "wrong_hidden_size": "meta.json hidden_size is H + 1",
-    "wrong_layers": "meta.json aux_layers differ from the server's",
-    "cached_tokens": "the response's meta_info.cached_tokens is > 0",
-    "wrong_prompt_tokens": "the response's meta_info.prompt_tokens is T + 1",
-    "wrong_rid": "the response's meta_info.id is not the request's rid",
-    "hang": "never answer (the connection closes when the server stops)",
-}
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults after each option; the fault list keeps its lines."""
-
-
-def _fault_epilog() -> str:
-    width = max(len(k) for k in FAULT_HELP)
-    rows = [f"  {kind:<{width}}  {FAULT_HELP[kind]}" for kind in ALL_FAULTS]
-    return "fault kinds (--faults; each hsx request meets one with --fault-rate):\n" + "\n".join(
-        rows
-    )
-
-
-def register_cli(subparsers: Any) -> None:
-    d = FakeOptions()
-    p = subparsers.add_parser(
-        "fake-server",
-        help="run a fake SGLang server (no GPU) that dumps deterministic hidden states",
-        description=(
-            "An SGLang stand-in that speaks PROTOCOL §2–3 with deterministic numbers: it "
-            "batches and chunks prefill like SGLang, can model GPU latency and injects "
-            "faults on demand. Listens on 127.0.0.1 unless --host says otherwise."
-        ),
-        epilog=_fault_epilog(),
-        formatter_class=_HelpFormatter,
-    )
-    add = p.add_argument
-    add("--host", default="127.0.0.1", help="listen address")
-    add("--port", type=int, default=30000, help="listen port (0: any free port)")
-    add("--hidden-size", type=int, default=d.hidden_size, help="hidden size H of every row")
-    add(
-        "--aux-layers",
-        type=_int_list,
-        default=",".join(map(str, d.aux_layers)),
-        help="captured layers, ascending, comma-separated (as [model].aux_layers)",
-    )
-    add("--dump-root", type=Path, default=d.dump_root, help="the servers' HSX_DUMP_ROOT")
-    add("--model", default=d.model, help='"model" reported in meta.json and /get_model_info')
-    add(
-        "--chunk-size",
-        type=int,
-        default=d.chunk_size,
-        help="most rows of one request per forward pass (chunked prefill; 0: no limit)",
-    )
-    add("--random-chunks", action="store_true", help="also split prompts at random points")
-    add(
-        "--max-batch-tokens",
-        type=int,
-        default=d.max_batch_tokens,
-        help="token budget of one simulated forward pass, shared by the waiting requests",
-    )
-    add(
-        "--latency-base-ms",
-        type=float,
-        default=d.latency_base_ms,
-        help="modelled cost of a forward pass, fixed part (ms)",
-    )
-    add(
-        "--latency-per-token-us",
-        type=float,
-        default=d.latency_per_token_us,
-        help="modelled cost of a forward pass per row (µs)",
-    )
-    add(
-        "--fault-rate",
-        type=float,
-        default=d.fault_rate,
-        help="probability that an hsx request meets one fault",
-    )
-    add(
-        "--faults",
-        type=_fault_list,
-        default="all",
-        help="fault kinds to draw from, comma-separated, or 'all' (listed below)",
-    )
-    add(
-        "--late-meta-s",
-        type=float,
-        default=d.late_meta_s,
-        help="delay of meta.json for the late_meta fault (s)",
-    )
-    add("--seed", type=int, default=d.seed, help="seed of the fault and chunking draws")
-    add(
-        "--writer-threads",
-        type=int,
-        default=d.writer_threads,
-        help="threads writing parts (0: auto, half the cores, 1 to 4)",
-    )
-    p.set_defaults(handler=_cli_main)
-
-
 def options_from_args(args: argparse.Namespace) -> FakeOptions:
     return FakeOptions(
         hidden_size=args.hidden_size,
@@ -307,7 +172,7 @@ async def _announce(url: str) -> None:
     print(f"hsx fake-server listening on {url}", flush=True)
 
 
-def _cli_main(args: argparse.Namespace) -> int:
+def fake_server_command(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     uvloop.run(serve_until_signal(options, args.host, args.port, _announce))
     return 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -60,7 +59,6 @@ __all__ = [
     "build_default_model",
     "parse_aux_layers",
     "reference_hidden_states",
-    "register_cli",
     "running_reference_server",
 ]
 
@@ -298,49 +296,7 @@ def parse_aux_layers(text: str) -> tuple[int, ...]:
     return layers
 
 
-def _default_threads() -> int:
-    # Leave a core to the event loop and to an hsx client on the same machine.
-    return max(1, (os.cpu_count() or 2) - 1)
-
-
-def register_cli(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "reference-server",
-        help="serve the hsx protocol with a real transformers model on the CPU",
-        description=(
-            "An SGLang stand-in that answers POST /generate like SGLang with the hsx hook and "
-            "dumps REAL hidden states of a transformers causal LM (default: a tiny Llama "
-            "built from --seed, no download)."
-        ),
-    )
-    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=30000, help="listen port (default 30000)")
-    p.add_argument("--model", default=None, help="local Hugging Face model directory")
-    p.add_argument("--aux-layers", default=None, help="comma-separated, e.g. 1,3,5")
-    p.add_argument(
-        "--dump-root",
-        type=Path,
-        default=Path(os.environ.get("HSX_DUMP_ROOT", DEFAULT_DUMP_ROOT)),
-        help="where dumps go (default: $HSX_DUMP_ROOT or %(default)s)",
-    )
-    p.add_argument(
-        "--chunk-size",
-        type=int,
-        default=ReferenceOptions.chunk_size,
-        help=f"most rows of one request per pass (default {ReferenceOptions.chunk_size})",
-    )
-    p.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=ReferenceOptions.max_batch_tokens,
-        help=f"tokens of one batched pass (default {ReferenceOptions.max_batch_tokens})",
-    )
-    p.add_argument("--seed", type=int, default=0, help="weights of the built-in model")
-    p.add_argument("--threads", type=int, default=_default_threads(), help="torch threads")
-    p.set_defaults(handler=_cli)
-
-
-def _cli(args: argparse.Namespace) -> int:
+def reference_server_command(args: argparse.Namespace) -> int:
     options = ReferenceOptions(
         model=args.model,
         aux_layers=None if args.aux_layers is None else parse_aux_layers(args.aux_layers),

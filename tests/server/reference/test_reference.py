@@ -3,9 +3,9 @@ plain forward pass of the same model (same layers, same rows, same order)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib.util
+import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -18,9 +18,11 @@ import orjson
 import pytest
 import torch
 
+from hsx_async.cli import build_parser, load_handler
 from hsx_async.errors import ConfigError
 from hsx_async.protocol import (
     BF16_STORAGE,
+    DEFAULT_DUMP_ROOT,
     FP8,
     DumpMeta,
     Storage,
@@ -58,7 +60,6 @@ from hsx_async.server.reference.server import (
     ReferenceServer,
     parse_aux_layers,
     reference_hidden_states,
-    register_cli,
     running_reference_server,
 )
 from tests.server.fp8 import check_fp8_dump
@@ -480,16 +481,21 @@ def test_options_are_checked() -> None:
 
 
 def test_cli_parser() -> None:
-    parser = argparse.ArgumentParser()
-    register_cli(parser.add_subparsers())
-    args = parser.parse_args(
+    args = build_parser().parse_args(
         ["reference-server", "--port", "0", "--aux-layers", "0,2", "--chunk-size", "16"]
     )
     assert args.port == 0
     assert args.aux_layers == "0,2"
     assert args.chunk_size == 16
     assert args.max_batch_tokens == 256
-    assert callable(args.handler)
+    assert callable(load_handler(args.handler))
+    defaults = build_parser().parse_args(["reference-server"])
+    assert (defaults.chunk_size, defaults.max_batch_tokens, defaults.seed) == (
+        ReferenceOptions.chunk_size,
+        ReferenceOptions.max_batch_tokens,
+        ReferenceOptions.seed,
+    )
+    assert str(defaults.dump_root) == os.environ.get("HSX_DUMP_ROOT", DEFAULT_DUMP_ROOT)
 
 
 def test_demo_samples_are_current_and_fit_the_tiny_model() -> None:
