@@ -2,50 +2,23 @@
 manifest, durable writes, provenance, the training-side reader, verify/audit, export and
 merge. Nothing here imports :mod:`hsx_async.run`.
 
-``from hsx_async.dataset import HiddenStateDataset`` keeps working: the reader's names are
-loaded on first use, so ``hsx --help`` (which imports the dataset commands) never imports
-torch.
+``from hsx_async.dataset import HiddenStateDataset`` works for every name of
+:mod:`hsx_async.dataset.reader`'s ``__all__``, loaded on first use: ``hsx run`` imports
+this package's file modules (``manifest``, ``durable``, ``provenance``), and a bf16 run
+never imports torch, which the reader needs (``tests/run/test_writer.py``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
-
-_READER_NAMES = frozenset(
-    {
-        "AUX_HIDDEN_STATES",
-        "FIELDS",
-        "HIDDEN_MODES",
-        "HIDDEN_STATES",
-        "HIDDEN_STATES_SCALES",
-        "HIDDEN_STATES_UNQUANTIZED",
-        "INPUT_IDS",
-        "LOSS_MASK",
-        "SECTIONS",
-        "STORED",
-        "HiddenMode",
-        "HiddenStateDataset",
-        "LengthGroupedBatchSampler",
-        "PadCollator",
-        "Sample",
-        "SampleHeader",
-        "expected_tensors",
-        "file_storage",
-        "hidden_bf16",
-        "padded_fraction",
-        "read_header",
-        "read_hidden",
-        "read_sample",
-        "read_tensors",
-        "select_entries",
-        "split_layers",
-        "split_of",
-    }
-)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _READER_NAMES:
-        return getattr(importlib.import_module("hsx_async.dataset.reader"), name)
+    # A submodule (``from hsx_async.dataset import manifest``) is never looked up in the reader.
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is None:
+        reader = importlib.import_module("hsx_async.dataset.reader")
+        if name in reader.__all__:
+            return getattr(reader, name)
     raise AttributeError(f"module 'hsx_async.dataset' has no attribute {name!r}")

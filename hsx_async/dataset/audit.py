@@ -31,22 +31,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
+import torch
 import xxhash
 
+from hsx_async.dataset import reader as dataset
 from hsx_async.dataset.layout import FILE_SUFFIX, canonical_id, read_header
 from hsx_async.dataset.manifest import ManifestEntry, read_manifest
 from hsx_async.dataset.quant_audit import QuantStats, scan_fp8
+from hsx_async.dataset.reader import SampleHeader
 from hsx_async.errors import DatasetError
 from hsx_async.parallel import ordered_map
 from hsx_async.protocol import BF16_STORAGE, Storage
-
-if TYPE_CHECKING:
-    import torch
-
-    from hsx_async.dataset.reader import SampleHeader
 
 CHUNK_ELEMENTS = 2 << 20  # bf16 values per step: large enough to stream, small for the cache
 _EXP_MASK = 0x7F80  # bf16 exponent bits: all set means Inf (mantissa 0) or NaN
@@ -194,8 +192,6 @@ def _scan_rows(bits: np.ndarray, stats: SampleStats, offset: int) -> None:
 
 def _scan_values(values: torch.Tensor, stats: SampleStats, bad: np.ndarray | None) -> None:
     """Smallest and largest finite value per layer (``hsx inspect`` shows them)."""
-    import torch  # noqa: PLC0415 - torch stays out of hsx --help
-
     wide = values.float()
     if bad is None:  # the usual case: no mask to apply
         low, high = wide.amin(dim=(0, 2)), wide.amax(dim=(0, 2))
@@ -210,8 +206,6 @@ def _scan_values(values: torch.Tensor, stats: SampleStats, bad: np.ndarray | Non
 def _scan_norms(
     bits: np.ndarray, stats: SampleStats, bad: np.ndarray | None, *, values: bool
 ) -> None:
-    import torch  # noqa: PLC0415 - torch stays out of hsx --help
-
     hidden = torch.from_numpy(bits).view(torch.bfloat16)
     if values:
         _scan_values(hidden, stats, bad)
@@ -235,8 +229,6 @@ def scan_file(path: Path, *, num_tokens: int | None = None, values: bool = False
     ``values`` adds the per-layer min / max values (one more pass over the data). An FP8
     file is dequantized one chunk of rows at a time, as the reader dequantizes it.
     """
-    from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
-
     header, stored = dataset.read_hidden(
         path, (dataset.INPUT_IDS, dataset.LOSS_MASK), num_tokens=num_tokens
     )
@@ -262,8 +254,6 @@ def scan_file(path: Path, *, num_tokens: int | None = None, values: bool = False
 
 
 def _int16() -> torch.dtype:
-    import torch  # noqa: PLC0415 - torch stays out of hsx --help
-
     return torch.int16
 
 
@@ -593,9 +583,8 @@ def depth_warnings(layers: Sequence[LayerSummary], aux_layers: Sequence[int]) ->
 
 def _plot_norms(path: Path, totals: _Totals, *, title: str) -> None:
     """Two panels: the row-norm distribution per layer, and each sample's mean per layer."""
-    from matplotlib.backends.backend_agg import (  # noqa: PLC0415 - keep hsx --help fast
-        FigureCanvasAgg,
-    )
+    # matplotlib is optional (the [plot] extra): only --plot needs it.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
     from matplotlib.figure import Figure  # noqa: PLC0415
 
     fig = Figure(figsize=(10, 8), layout="constrained")
@@ -628,8 +617,6 @@ def _plot_norms(path: Path, totals: _Totals, *, title: str) -> None:
 def inspect_file(path: Path) -> str:
     """Shapes, dtypes, metadata and statistics of one sample file, as text."""
     stats = scan_file(path, values=True)
-    from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
-
     header, stored = dataset.read_tensors(path, (dataset.INPUT_IDS,))
     ids = stored[dataset.INPUT_IDS]
     header_bytes = read_header(path)[1]

@@ -336,7 +336,9 @@ def verify_command(args: argparse.Namespace) -> int:
                 f"repaired: dropped {dropped} manifest entries; `hsx run` will extract them again"
             )
     if args.deep:
-        from hsx_async.dataset.audit import audit_dataset  # noqa: PLC0415 - imports torch
+        # The audit decodes with torch; `hsx run` imports this module (verify_dataset,
+        # human_bytes) and a bf16 run never loads torch, so only --deep pays for it.
+        from hsx_async.dataset.audit import audit_dataset  # noqa: PLC0415
 
         plot = Path(args.plot) if args.plot else None
         audit = audit_dataset(out, sample_fraction=args.fraction, plot_path=plot)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from hsx_async.dataset.durable import write_durably
 from hsx_async.dataset.events import input_lines
 from hsx_async.dataset.layout import canonical_id
@@ -135,8 +137,6 @@ def merge(sources: list[Path], dest: Path) -> MergeResult:
 def _record_provenance(dest: Path, prov: dict[str, Any] | None, sources: list[Path]) -> None:
     """The sources' provenance, with their input line counts per shard (``hsx status``
     needs them for "remaining": the events logs they come from stay in the sources)."""
-    import orjson  # noqa: PLC0415
-
     counts: dict[str, int] = {}
     for src in sources:
         counts.update(input_lines(src, (read_provenance(src) or {}).get("input_lines")))

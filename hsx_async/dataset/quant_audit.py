@@ -19,15 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
-if TYPE_CHECKING:
-    import torch
+from hsx_async.quantize import FP8_MAX, SCALE_MIN, rounding_error
 
-FP8_MAX = 448.0  # = hsx_async.quantize.FP8_MAX (not imported: that module imports torch)
-SCALE_FLOOR = np.float32(2.0**-126)  # = hsx_async.quantize.SCALE_MIN
+SCALE_FLOOR = np.float32(SCALE_MIN)
 
 
 @dataclass
@@ -101,8 +99,6 @@ def _per_slot(counts: np.ndarray, names: Sequence[str]) -> str:
 def scan_fp8(q: torch.Tensor, scales: torch.Tensor, stats: QuantStats, offset: int) -> None:
     """Check one chunk of a file's FP8 section: ``q`` e4m3fn ``[t, Lq, H]``, ``scales``
     float32 ``[t, Lq, 1]``; rows ``offset …`` of the sample."""
-    from hsx_async.quantize import rounding_error  # noqa: PLC0415 - torch stays out of hsx --help
-
     t, lq = q.shape[0], q.shape[1]
     s = scales.reshape(t, lq).numpy()
     with np.errstate(invalid="ignore"):

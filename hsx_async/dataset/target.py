@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from safetensors import safe_open
 
 from hsx_async.errors import DatasetError
 from hsx_async.layer_ids import architecture_of, num_layers_of
@@ -117,8 +118,6 @@ def _weight_files(path: Path) -> list[tuple[Path, str | None]]:
 
 def final_norm_weight(target: TargetModel) -> torch.Tensor:
     """The final norm's stored ``w`` (float32, ``[H]``), read alone from the checkpoint."""
-    from safetensors import safe_open  # noqa: PLC0415 - torch stays out of hsx --help
-
     for file, name in _weight_files(target.path):
         with safe_open(str(file), framework="pt") as handle:
             keys = set(handle.keys())
@@ -148,6 +147,8 @@ def norm_gain(weight: torch.Tensor, kind: str) -> torch.Tensor:
 
 def pre_from_post(post: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
     """``post / g`` in float32, 0 where ``g == 0``; bfloat16 out (see the module text)."""
+    # torch here only: `hsx check`/`hsx run` read the model's config through this module
+    # (read_config), and a bf16 run never imports torch (tests/run/test_writer.py).
     import torch  # noqa: PLC0415
 
     out = post.float() / gain
@@ -156,7 +157,7 @@ def pre_from_post(post: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
 
 def post_from_pre(pre: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
     """The model's final RMSNorm applied to ``pre`` in float32; bfloat16 out."""
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - see pre_from_post
 
     x = pre.float()
     scale = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)

@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from hsx_async.config import load_config
 from hsx_async.dataset.durable import open_atomic
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.errors import ConfigError
@@ -59,6 +60,11 @@ class PreparePaths:
         )
 
 
+# What the fork server imports before it forks the workers: never torch (a process that
+# has loaded torch must not fork; tests/prepare/test_command.py).
+FORK_SERVER_PRELOAD = ("hsx_async.prepare.encode", "transformers")
+
+
 def _chunks(reader: SampleReader) -> Iterator[Chunk]:
     chunk: Chunk = []
     for line, raw in reader.raw_lines():
@@ -81,7 +87,7 @@ def _pool_context() -> multiprocessing.context.BaseContext:
     locks; the fork server is a clean process that imports transformers once for all
     workers. Started early, it imports while this process checks the tokenizer."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["hsx_async.prepare.encode", "transformers"])
+    context.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
     multiprocessing.forkserver.ensure_running()
     return context
 
@@ -168,8 +174,6 @@ def run_prepare(
 def _estimate_from_config(path: Path | None) -> dict[str, Any] | None:
     if path is None:
         return None
-    from hsx_async.config import load_config  # noqa: PLC0415 - only with --config
-
     config = load_config(path)
     return {
         "hidden_size": config.model.hidden_size,

@@ -41,6 +41,7 @@ from hsx_async.dataset.durable import write_atomic
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import AppendLog
 from hsx_async.errors import ConfigError, DatasetError, RequestError
+from hsx_async.logs import configure_logging
 from hsx_async.prepare.records import BadRecord, Conversation, Turn, parse_record
 from hsx_async.prepare.template import ChatEncoder, RecordError, load_tokenizer, read_template
 from hsx_async.run.client import ServerPool, SGLangClient
@@ -412,8 +413,6 @@ async def regenerate(
 
 
 def regenerate_command(args: argparse.Namespace) -> int:
-    from hsx_async.logs import configure_logging  # noqa: PLC0415
-
     config = load_config(args.config)
     configure_logging(config.daemon.log_format, config.daemon.log_level)
     if not args.input.is_file():

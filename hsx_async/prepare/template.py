@@ -114,7 +114,10 @@ def mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: Sequence[Span])
 
 def load_tokenizer(path: Path) -> Any:
     """A local Hugging Face tokenizer directory (fast tokenizer: offsets are needed)."""
-    from transformers import AutoTokenizer  # noqa: PLC0415 - seconds to import
+    # Not at module level: `hsx prepare`'s fork server preloads this module and forks
+    # every worker from it, and AutoTokenizer imports torch, which must not be loaded in
+    # a process that forks (its workers then die: tests/prepare/test_command.py).
+    from transformers import AutoTokenizer  # noqa: PLC0415
 
     if not path.is_dir():
         raise ConfigError("tokenizer", f"{path} is not a directory holding a tokenizer")
@@ -148,7 +151,7 @@ class ChatEncoder:
     """Renders conversations with one template and encodes them with one tokenizer."""
 
     def __init__(self, tokenizer: Any, template: str) -> None:
-        from transformers.utils.chat_template_utils import (  # noqa: PLC0415
+        from transformers.utils.chat_template_utils import (  # noqa: PLC0415 - see load_tokenizer
             render_jinja_template,
         )
 

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 import aiohttp
 import structlog
+import uvloop
 
 from hsx_async.config import Config, load_config
 from hsx_async.dataset.manifest import AppendLog
@@ -43,7 +44,7 @@ from hsx_async.run.observe import progress_line, progress_loop, serve_http
 from hsx_async.run.pool import Pipeline
 from hsx_async.run.preflight import operator_problem
 from hsx_async.run.reload import reload_config
-from hsx_async.run.report import RunRecorder, Tick
+from hsx_async.run.report import RunRecorder, Tick, write_report
 from hsx_async.run.signals import DrainExpired, Stopper
 from hsx_async.run.startup import prepare_output, record_server, wait_for_server
 from hsx_async.run.status import RunStatus, StatusCollector, take_status
@@ -421,8 +422,6 @@ def _first(group: BaseExceptionGroup[HsxError]) -> HsxError:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    import uvloop  # noqa: PLC0415 - keep `hsx --help` light
-
     config = load_config(Path(args.config))
     configure_logging(config.daemon.log_format, config.daemon.log_level)
     daemon = Daemon(config, allow_provenance_change=args.allow_provenance_change)
@@ -440,8 +439,6 @@ def run_command(args: argparse.Namespace) -> int:
 
 def _print_report(out: Path) -> None:
     """The job report after each run; a failure to draw it never fails the run."""
-    from hsx_async.run.report import write_report  # noqa: PLC0415 - matplotlib, lazily
-
     try:
         json_path, png_path, hint = write_report(out)
     except (HsxError, OSError, ValueError) as exc:

@@ -17,10 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import uvloop
+
 from hsx_async.config import Config, config_from_dict
 from hsx_async.dataset.inspection import verify_dataset
+from hsx_async.logs import configure_logging
 from hsx_async.protocol import DEFAULT_DUMP_ROOT
 from hsx_async.run.daemon import Daemon, RunSummary
+from hsx_async.run.report import write_report
 from hsx_async.units import human_bytes
 
 
@@ -58,6 +62,7 @@ async def run_demo(
 ) -> tuple[RunSummary, Config]:
     """``say`` hears each step as it starts (the CLI prints them)."""
     say("loading torch and the reference model (a seeded tiny Llama, on the CPU) …")
+    # Imported after the line above is shown: torch and the model take seconds to load.
     from hsx_async.server.reference.server import ReferenceOptions, running_reference_server  # noqa: PLC0415
 
     dump_root = Path(DEFAULT_DUMP_ROOT).parent / f"hsx-demo-{secrets.token_hex(4)}"
@@ -128,18 +133,12 @@ def _say(text: str) -> None:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    import uvloop  # noqa: PLC0415
-
-    from hsx_async.logs import configure_logging  # noqa: PLC0415
-
     configure_logging("auto", "warning")
     out = Path(args.out).resolve()
     samples = Path(args.samples) if args.samples else demo_samples()
     print(f"hsx demo: reference server (tiny Llama on CPU) → {samples.name} → {out}")
     summary, config = uvloop.run(run_demo(out, samples, say=_say))
     print(describe(summary, config))
-    from hsx_async.run.report import write_report  # noqa: PLC0415 - matplotlib, lazily
-
     json_path, png_path, hint = write_report(out)
     print(f"report:    {png_path or json_path}" + (f" ({hint})" if hint else ""))
     return 0 if verify_dataset(out).ok else 1

@@ -6,6 +6,7 @@ driven through its object API with the Agg canvas (no display, no global pyplot 
 
 from __future__ import annotations
 
+import datetime as dt
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +85,6 @@ def _rate_panel(ax: Axes, report: dict[str, Any]) -> None:
 
 
 def _epoch(iso: str) -> float:
-    import datetime as dt  # noqa: PLC0415
-
     return dt.datetime.fromisoformat(iso).timestamp()
 
 

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from hsx_async.cli import main
-from hsx_async.prepare.command import PreparePaths, run_prepare
+from hsx_async.prepare.command import FORK_SERVER_PRELOAD, PreparePaths, run_prepare
 from hsx_async.prepare.encode import EncodeOptions
 from hsx_async.run.source import SampleReader
 from tests.prepare.conftest import WriteLines
@@ -81,6 +81,21 @@ def test_outputs_are_in_input_order_and_the_same_for_any_worker_count(
     assert 0 < s1["trainable_share"] < 1
     assert sum(s1["length_histogram"].values()) == 120
     assert orjson.loads(one.summary.read_bytes()) == s1
+
+
+def test_the_fork_servers_preload_loads_no_torch() -> None:
+    """The workers are forked from a fork server that preloads these modules; a process
+    that has loaded torch (AutoTokenizer imports it) must not fork: its workers died."""
+    code = "import sys\nfor name in sys.argv[1:]: __import__(name)\nprint('torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code, *FORK_SERVER_PRELOAD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "False"
 
 
 @pytest.mark.parametrize("policy", ["skip", "truncate"])

@@ -8,8 +8,6 @@ and aux-count rules, its sample writer, finish step and next-step hint), listed 
 export per destination), :mod:`.log` (``hsx-export.jsonl``), :mod:`.plan` (the dataset's
 facts and the final-state conversion), :mod:`.fp8` (FP8 handed on or quantized),
 :mod:`.draft` (``draft-config.json``), :mod:`.command` (the CLI).
-
-Nothing here imports torch at module level (``hsx --help`` imports the command).
 """
 
 from __future__ import annotations

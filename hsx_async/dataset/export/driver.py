@@ -44,6 +44,7 @@ from hsx_async.dataset.export.plan import (
 from hsx_async.dataset.export.specforge import GROUP_SIZE as SPECFORGE_GROUP_SIZE
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import AppendLog, ManifestEntry, read_manifest
+from hsx_async.dataset.reader import select_entries
 from hsx_async.errors import DatasetError
 from hsx_async.protocol import BF16, FP8, POST_NORM
 
@@ -192,8 +193,6 @@ def export_dataset(
 ) -> ExportResult:
     """Export every sample of ``out_dir`` (all shards) into ``dest`` in format ``fmt``;
     ``dtype`` (``auto``, ``bfloat16``, ``float8_e4m3fn``): each format's dtype rule."""
-    from hsx_async.dataset.reader import select_entries  # noqa: PLC0415 - torch stays out of hsx --help
-
     form = _check_args(out_dir, dest, fmt, file_group_size)
     started = time.monotonic()
     entries = select_entries(read_manifest(out_dir))

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from hsx_async.dataset import reader as dataset
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.dataset.provenance import dataset_final_state, dataset_storage, read_provenance
 from hsx_async.dataset.target import (
@@ -22,8 +25,6 @@ from hsx_async.protocol import BF16, BF16_STORAGE, FP8, POST_NORM, Storage, pars
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-    import torch
 
 AUTO = "auto"
 DTYPE_CHOICES = (AUTO, BF16, FP8)  # --dtype
@@ -73,8 +74,6 @@ class ExportPlan:
 def dataset_facts(out_dir: Path, entries: Sequence[ManifestEntry]) -> DatasetFacts:
     """Aux layers, hidden size and final-state kind, from provenance.json or else the first
     sample's header (a dataset merged from parts may have no provenance)."""
-    from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
-
     prov = read_provenance(out_dir)
     kind = dataset_final_state(prov)
     aux = prov.get("aux_layers") if prov else None

@@ -24,17 +24,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+
+from hsx_async.dataset import reader as dataset
 from hsx_async.dataset.export.draft import DRAFT_CONFIG
 from hsx_async.dataset.export.format import ExportFormat
 from hsx_async.dataset.export.plan import AUTO, DatasetFacts, ExportPlan, FinalConversion
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DatasetError
 from hsx_async.protocol import BF16, POST_NORM
-
-if TYPE_CHECKING:
-    import torch
 
 NAME = "specforge"
 GROUP_SIZE = 2000  # SpecForge's --file-group-size default
@@ -50,10 +50,6 @@ def specforge_relpath(index: int, group_size: int = GROUP_SIZE) -> str:
 def _record(
     sample_path: Path, entry: ManifestEntry, conv: FinalConversion
 ) -> dict[str, torch.Tensor]:
-    import torch  # noqa: PLC0415 - torch stays out of hsx --help
-
-    from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
-
     header, stored = dataset.read_hidden(
         sample_path, (dataset.INPUT_IDS, dataset.LOSS_MASK), num_tokens=entry.num_tokens
     )
@@ -77,8 +73,6 @@ def _record(
 
 
 def write_sample(sample_path: Path, entry: ManifestEntry, plan: ExportPlan, tmp: Path) -> None:
-    import torch  # noqa: PLC0415 - torch stays out of hsx --help
-
     record = _record(sample_path, entry, plan.conv)
     with tmp.open("wb") as fh:
         torch.save(record, fh)

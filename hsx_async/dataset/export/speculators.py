@@ -42,24 +42,24 @@ import collections
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import orjson
+import torch
+from safetensors.torch import save_file
 
+from hsx_async.dataset import reader as dataset
 from hsx_async.dataset.durable import fsync_dir, fsync_file
 from hsx_async.dataset.export.format import TMP_PREFIX, ExportFormat, write_output
 from hsx_async.dataset.export.fp8 import fp8_dtype_rule, requantized_slots
 from hsx_async.dataset.export.plan import ExportPlan, FinalConversion
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import ManifestEntry
+from hsx_async.dataset.reader import SampleHeader
 from hsx_async.errors import DatasetError
 from hsx_async.protocol import FP8, PRE_NORM
-
-if TYPE_CHECKING:
-    import torch
-
-    from hsx_async.dataset.reader import SampleHeader
+from hsx_async.quantize import quantize
 
 NAME = "speculators"
 SPECULATORS_ROWS = "samples.jsonl"
@@ -73,10 +73,6 @@ def speculators_relpath(index: int, group_size: int = 0) -> str:
 
 
 def write_sample(sample_path: Path, entry: ManifestEntry, plan: ExportPlan, tmp: Path) -> None:
-    from safetensors.torch import save_file  # noqa: PLC0415 - torch stays out of hsx --help
-
-    from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
-
     header, stored = dataset.read_hidden(
         sample_path, (dataset.INPUT_IDS,), num_tokens=entry.num_tokens
     )
@@ -98,8 +94,6 @@ def _bf16_hidden(
     header: SampleHeader, stored: dict[str, torch.Tensor], conv: FinalConversion
 ) -> torch.Tensor:
     """``[T, L, H]`` bf16: as stored (no copy) or dequantized, the final state converted."""
-    from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
-
     hidden = dataset.hidden_bf16(header, stored)
     final = conv.apply(header.metadata, hidden[:, -1])
     if final.data_ptr() != hidden[:, -1].data_ptr():  # converted: a new tensor
@@ -116,11 +110,6 @@ def _fp8_tensors(
     scales ``[T, L, 1]``. The dataset's FP8 bytes unchanged where they hold what speculators
     reads; the slots with new values (:func:`requantized_slots`) quantized here by the one
     quantizer, from the values the bf16 export would write."""
-    import torch  # noqa: PLC0415 - torch stays out of hsx --help
-
-    from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
-    from hsx_async.quantize import quantize  # noqa: PLC0415 - torch stays out of hsx --help
-
     storage, layers = header.storage, header.num_layers
     redo = requantized_slots(storage, layers, conv)
     if not redo:
@@ -155,10 +144,6 @@ def write_speculators_rows(
 ) -> None:
     """``samples.jsonl`` (row ``i`` = input_ids, loss_mask, seq_len of ``hs_i``) and
     ``token_freq.pt`` (counts of the tokens under ``loss_mask == 1``), in one pass."""
-    import torch  # noqa: PLC0415 - torch stays out of hsx --help
-
-    from hsx_async.dataset import reader as dataset  # noqa: PLC0415 - torch stays out of hsx --help
-
     order = sorted(entries, key=lambda e: indices[canonical_id(e.id)])
     if [indices[canonical_id(e.id)] for e in order] != list(range(len(order))):
         raise DatasetError(f"{dest}: export indices have gaps; export into an empty directory")

@@ -21,22 +21,28 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import numpy as np
 import orjson
 import structlog
+import torch
 import uvloop
 from aiohttp import web
 
 from hsx_async import __version__
 from hsx_async.errors import ConfigError
 from hsx_async.protocol import DEFAULT_DUMP_ROOT
+from hsx_async.server.reference import model as reference_model
 from hsx_async.server.reference.http import (
     BadRequest,
     error_body,
     generate_response,
     parse_generate,
 )
+from hsx_async.server.reference.model import PackedEngine, default_aux_layers, text_config
+from hsx_async.server.reference.passes import PassRunner
+from hsx_async.server.reference.sampling import TokenPicker
 from hsx_async.server.reference.sched import (
     DuplicateRid,
     Job,
@@ -45,12 +51,6 @@ from hsx_async.server.reference.sched import (
     Scheduler,
     ServerClosing,
 )
-
-if TYPE_CHECKING:
-    import numpy as np
-    import torch
-
-    from hsx_async.server.reference.model import PackedEngine
 
 __all__ = [
     "ReferenceOptions",
@@ -98,8 +98,6 @@ _STATE = web.AppKey("hsx_reference", _State)
 
 def build_default_model(seed: int = 0) -> Any:
     """The built-in tiny Llama (see :func:`.reference_model.build_default_model`)."""
-    from hsx_async.server.reference import model as reference_model  # noqa: PLC0415 - torch stays out of hsx --help
-
     return reference_model.build_default_model(seed)
 
 
@@ -108,31 +106,18 @@ def reference_hidden_states(
 ) -> torch.Tensor:
     """The ground truth: [T, L, H] bfloat16 from ONE unchunked, unbatched forward of
     ``model`` (see :func:`.reference_model.reference_hidden_states`)."""
-    from hsx_async.server.reference import model as reference_model  # noqa: PLC0415 - torch stays out of hsx --help
-
     return reference_model.reference_hidden_states(model, input_ids, aux_layers)
 
 
 def _load(options: ReferenceOptions) -> tuple[Any, str]:
-    from hsx_async.server.reference import model as rm  # noqa: PLC0415 - see build_app
-
     if options.model is None:
-        return rm.build_default_model(options.seed), rm.default_model_name(options.seed)
-    return rm.load_model(options.model), options.model
+        seed = options.seed
+        return reference_model.build_default_model(seed), reference_model.default_model_name(seed)
+    return reference_model.load_model(options.model), options.model
 
 
 def build_app(options: ReferenceOptions) -> web.Application:
     """The server, model loaded (blocking: seconds for a real checkpoint)."""
-    # torch and transformers take seconds to import: only a server that runs pays for them.
-    import torch  # noqa: PLC0415
-
-    from hsx_async.server.reference.model import (  # noqa: PLC0415
-        PackedEngine,
-        default_aux_layers,
-        text_config,
-    )
-    from hsx_async.server.reference.passes import PassRunner  # noqa: PLC0415
-
     if options.threads is not None:
         torch.set_num_threads(options.threads)
     model, model_name = _load(options)
@@ -190,8 +175,6 @@ async def _generate(request: web.Request) -> web.Response:
     )
     job.stop_ids = req.sampling.stop_token_ids
     if req.max_new_tokens and not req.sampling.greedy:
-        from hsx_async.server.reference.sampling import TokenPicker  # noqa: PLC0415 - torch
-
         job.picker = TokenPicker(req.sampling)
     try:
         done = await state.scheduler.submit(job)

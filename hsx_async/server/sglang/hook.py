@@ -51,9 +51,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 
 from hsx_async.errors import ConfigError, DumpError
 from hsx_async.protocol import BF16_STORAGE, Storage
+from hsx_async.quantize import encode_rows
 from hsx_async.server.hook_core import (
     DEFAULT_MAX_OPEN,
     ENV_AUX_LAYERS,
@@ -469,8 +471,6 @@ def stack_to_host(aux: Any, final: Any, async_d2h: Callable[[Any], Any]) -> tupl
     Costs ``T*(K+1)*H*2`` bytes of transient device memory. None (the plain path) when the
     shapes or dtypes do not allow it. Pure torch: the tests run it on CPU tensors.
     """
-    import torch  # noqa: PLC0415 (see tensor_bits)
-
     if aux is None or final.ndim != 2 or aux.dtype != final.dtype or aux.device != final.device:
         return None
     t, h = int(final.shape[0]), int(final.shape[1])
@@ -493,10 +493,6 @@ def encode_to_host(
     [T, row bytes]``, to the host with SGLang's own ``async_d2h``. The host buffer,
     /dev/shm and the disk then carry the section bytes only. None (the bfloat16 path) when
     the shapes do not allow it. Pure torch: the tests run it on CPU tensors."""
-    import torch  # noqa: PLC0415 (see tensor_bits)
-
-    from hsx_async.quantize import encode_rows  # noqa: PLC0415 (it imports torch)
-
     if aux is None or final.ndim != 2 or aux.device != final.device:
         return None
     t, h = int(final.shape[0]), int(final.shape[1])
@@ -690,8 +686,6 @@ def _layers_in_effect(state: HookState) -> tuple[int, ...]:
 def tensor_bits(tensor: Any) -> np.ndarray:
     """A torch tensor as a host numpy array of its bfloat16 bit patterns (no copy when it
     already is a host bfloat16 tensor with unit stride along its rows)."""
-    import torch  # noqa: PLC0415 (torch is SGLang's; `hsx --help` must not load it)
-
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
