@@ -1,13 +1,16 @@
-"""The package's layering holds: the import-linter contracts in pyproject.toml, and the
-``server`` whitelist (what SGLang loads into its own process imports only the protocol and
-the quantizer)."""
+"""The package's layering holds: the import-linter contracts in pyproject.toml — the
+``layers`` contract over the whole stack (cli → demo | prepare | samples → run → config |
+dataset → the core), the server apart — and the ``server`` whitelist (what SGLang and vLLM
+load into their own process imports only the protocol and the quantizer)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import pkgutil
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import grimp
 from importlinter.cli import lint_imports
@@ -32,6 +35,28 @@ def test_import_linter_contracts_are_kept() -> None:
     assert code == 0, report
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
     assert "0 broken" in report and f"{len(contracts['contracts'])} kept" in report, report
+
+
+def _contracts() -> list[dict[str, Any]]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    contracts: list[dict[str, Any]] = config["tool"]["importlinter"]["contracts"]
+    return contracts
+
+
+def test_the_layers_contract_covers_the_whole_stack() -> None:
+    """Every module of the package is in a layer, the server and package data excepted
+    (import-linter's ``exhaustive`` checks it too; this says which ones stand apart)."""
+    [layers] = [c for c in _contracts() if c["type"] == "layers"]
+    assert layers["containers"] == ["hsx_async"] and layers["exhaustive"] is True
+    named = {m.strip() for layer in layers["layers"] for m in layer.split("|")}
+    apart = set(layers["exhaustive_ignores"])
+    assert apart == {"data", "server"}
+    children = {m.name for m in pkgutil.iter_modules([str(ROOT / "hsx_async")])}
+    assert children == named | apart, children ^ (named | apart)
+    # The server side stands apart: nothing of the client side but the demo imports it.
+    [apart_contract] = [c for c in _contracts() if "only the demo" in str(c["name"])]
+    sources = {m.removeprefix("hsx_async.") for m in apart_contract["source_modules"]}
+    assert sources == named - {"__main__", "cli", "demo"}
 
 
 def _allowed(imported: str) -> bool:

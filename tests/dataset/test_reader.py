@@ -367,7 +367,7 @@ async def test_reads_what_the_pipeline_writes_reference_server(
 ) -> None:
     """Real hidden states (tiny Llama, chunked and batched passes): the Dataset's final and
     aux tensors equal one direct forward pass of the model, layer by layer."""
-    from hsx_async.run.demo import demo_samples
+    from hsx_async.demo import demo_samples
     from hsx_async.server.reference.model import bf16_mismatch
     from hsx_async.server.reference.server import (
         ReferenceOptions,

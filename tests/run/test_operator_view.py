@@ -12,9 +12,9 @@ from pathlib import Path
 import orjson
 import pytest
 
+from hsx_async.demo import demo_samples, hsx_invocation, run_demo
 from hsx_async.logs import configure_logging
 from hsx_async.run.daemon import Daemon, RunSummary
-from hsx_async.run.demo import demo_samples, hsx_invocation, run_demo
 from hsx_async.run.metrics import Totals
 from hsx_async.run.notify import Notifier
 from hsx_async.run.observe import progress_line, progress_loop
