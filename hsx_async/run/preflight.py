@@ -37,7 +37,7 @@ from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.dump import Dump, prepare_namespace, remove_tree, validate_dump, wait_for_meta
 from hsx_async.run.guard import free_bytes
 from hsx_async.run.mounts import fs_type
-from hsx_async.run.observe import eta_text
+from hsx_async.run.observe import eta_text, listen_problem
 from hsx_async.run.source import BadLine, SampleReader, open_input
 from hsx_async.units import human_bytes
 
@@ -165,7 +165,12 @@ def operator_problem(config: Config) -> str:
         open_input(config.input.path).close()
     except InputError as exc:
         return str(exc)
-    return output_problem(config.output.dir) or dump_root_problem(config.dump.root)
+    # The port before the directories: a refused run has created nothing.
+    return (
+        listen_problem(config.daemon.metrics_listen)
+        or output_problem(config.output.dir)
+        or dump_root_problem(config.dump.root)
+    )
 
 
 def check_output(config: Config, report: Report, need: int) -> float:
@@ -189,6 +194,15 @@ def check_output(config: Config, report: Report, need: int) -> float:
         f"durable writes ~{human_bytes(rate)}/s",
     )
     return rate
+
+
+def check_metrics(config: Config, report: Report) -> None:
+    listen = config.daemon.metrics_listen
+    problem = listen_problem(listen)
+    if problem:
+        report.add("FAIL", "metrics", problem)
+    elif listen:
+        report.add("OK", "metrics", f"{listen} is free (/metrics and /status of hsx run)")
 
 
 def check_dump_root(config: Config, report: Report) -> None:
@@ -431,6 +445,7 @@ def run_checks(config: Config) -> Report:
     report = Report()
     report.add("OK", "config", f"{config.path}: valid")
     scan = check_input(config, report)
+    check_metrics(config, report)
     row_bytes = config.dataset_bytes_per_token  # in the dataset's storage
     disk = check_output(config, report, scan.tokens * row_bytes)
     check_dump_root(config, report)

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
 import tracemalloc
@@ -407,6 +408,29 @@ def test_operator_mistakes_are_one_line_and_exit_2(
     assert code == 2, err
     assert len(err.splitlines()) == 1, err
     assert re.search(expect, err), err
+
+
+@pytest.fixture
+def taken_port() -> Iterator[str]:
+    """A loopback port another process listens on (as the first of two runs on one node)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield f"127.0.0.1:{held.getsockname()[1]}"
+
+
+def test_a_taken_metrics_port_is_one_line_exit_2_before_any_work(
+    tmp_path: Path, capsys: Any, taken_port: str
+) -> None:
+    """Issue 26: a second hsx run on one machine died with a 40-line ExceptionGroup (exit 1)
+    after start-up, when its /metrics port was the first run's."""
+    code, err = _cli_run(tmp_path, {"daemon": {"metrics_listen": taken_port}}, capsys)
+    assert code == 2, err
+    assert err == (
+        f"hsx: error: daemon.metrics_listen {taken_port} is in use (another hsx run on this "
+        'machine?): give each run its own HOST:PORT, or "" for no /metrics and /status'
+    )
+    assert not (tmp_path / "out").exists() and not (tmp_path / "shm").exists()
 
 
 @pytest.fixture

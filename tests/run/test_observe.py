@@ -4,13 +4,16 @@ for before every line (a reload changes ``daemon.progress_interval``)."""
 from __future__ import annotations
 
 import io
+import socket
 from typing import Any
 
 import pytest
 import structlog
+from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from hsx_async.run.observe import progress_line, progress_loop
+from hsx_async.errors import ConfigError
+from hsx_async.run.observe import progress_line, progress_loop, serve_http
 
 
 class _Stop(Exception):
@@ -50,3 +53,12 @@ def test_progress_line_shows_share_rate_and_eta() -> None:
     line = progress_line(STATUS)
     assert line.startswith("6/12 samples  50.0% | 1,000 tok/s | 1.9 GiB/s")
     assert "q 1 | in flight 4 (0 at servers, 4 writing) | ETA 1m15s" in line
+
+
+async def test_a_port_taken_after_the_start_up_check_is_a_config_error() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        listen = f"127.0.0.1:{held.getsockname()[1]}"
+        with pytest.raises(ConfigError, match=rf"daemon\.metrics_listen {listen} is in use"):
+            await serve_http(listen, CollectorRegistry(), dict)

@@ -4,6 +4,7 @@ server; and the mount table it reads."""
 from __future__ import annotations
 
 import dataclasses
+import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from hsx_async.run.preflight import (
     Report,
     check_dump_root,
     check_input,
+    check_metrics,
     check_output,
     check_servers,
 )
@@ -68,6 +70,31 @@ def test_output_that_is_not_a_directory_fails(tmp_path: Path) -> None:
     assert check_output(config, report, need=1) == 0.0
     ((level, _, detail),) = report.lines
     assert level == "FAIL" and "exists and is not a directory" in detail
+
+
+def test_a_taken_metrics_port_fails_the_check(tmp_path: Path) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        listen = f"127.0.0.1:{held.getsockname()[1]}"
+        config = make_config(
+            tmp_path, samples.path, ["http://127.0.0.1:1"], tmp_path / "shm",
+            daemon={"metrics_listen": listen},
+        )  # fmt: skip
+        report = Report()
+        check_metrics(config, report)
+    ((level, _, detail),) = report.lines
+    assert level == "FAIL" and f"daemon.metrics_listen {listen} is in use" in detail
+    free = Report()
+    check_metrics(config, free)  # the holder is gone
+    assert _levels(free, "metrics") == ["OK"]
+    off = Report()
+    check_metrics(
+        dataclasses.replace(config, daemon=dataclasses.replace(config.daemon, metrics_listen="")),
+        off,
+    )
+    assert off.lines == []
 
 
 def test_dump_root_on_tmpfs_passes_and_elsewhere_warns(tmp_path: Path, shm_root: Path) -> None:
