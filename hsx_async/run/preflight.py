@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import os
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,9 +115,31 @@ def check_disk_write(path: Path) -> float:
     return _PROBE_BYTES / max(time.monotonic() - started, 1e-6)
 
 
-def output_problem(out: Path) -> str:
-    """'' when hsx can make files in ``out`` (created if missing), else one line saying
+def nearest_existing(path: Path) -> Path:
+    """``path`` itself, or its closest ancestor that exists: where a missing directory
+    would be created, and on which file system."""
+    missing = _missing_dirs(path)
+    return missing[-1].parent if missing else path
+
+
+def _creatable(path: Path, key: str) -> str:
+    """'' when ``mkdir -p path`` would succeed, else why not (nothing is created)."""
+    parent = nearest_existing(path)
+    if not parent.is_dir():
+        why = "is not a directory"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        why = "is not writable"
+    else:
+        return ""
+    return f"{key} {path} cannot be created: {parent} {why}; fix it or pick another"
+
+
+def output_problem(out: Path, *, create: bool = True) -> str:
+    """'' when hsx can make files in ``out`` (created if missing; with ``create=False``, as
+    ``hsx check`` asks: a missing ``out`` that could be created), else one line saying
     why not: ``hsx check`` reports it, ``hsx run`` refuses to start with it."""
+    if not create and not os.path.lexists(out):
+        return _creatable(out, "output.dir")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -146,8 +170,11 @@ def _probe_write(directory: Path) -> None:
     probe.unlink()
 
 
-def dump_root_problem(root: Path) -> str:
-    """'' when ``dump.root`` exists as a directory (created if missing), else why not."""
+def dump_root_problem(root: Path, *, create: bool = True) -> str:
+    """'' when ``dump.root`` exists as a directory (created if missing; with
+    ``create=False``: or could be created), else why not."""
+    if not create and not os.path.lexists(root):
+        return _creatable(root, "dump.root")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -174,10 +201,16 @@ def operator_problem(config: Config) -> str:
 
 
 def check_output(config: Config, report: Report, need: int) -> float:
+    """The output disk's space and durable write rate. Creates nothing: a missing
+    ``output.dir`` is reported with the file system it would be created on (a mount that
+    is not there shows up as the root file system), its write rate not measured."""
     out = config.output.dir
-    problem = output_problem(out)
+    problem = output_problem(out, create=False)
     if problem:
         report.add("FAIL", "output", problem)
+        return 0.0
+    if not out.exists():
+        _report_missing_output(config, report, need)
         return 0.0
     try:
         rate = check_disk_write(out)
@@ -205,19 +238,37 @@ def check_metrics(config: Config, report: Report) -> None:
         report.add("OK", "metrics", f"{listen} is free (/metrics and /status of hsx run)")
 
 
+def _report_missing_output(config: Config, report: Report, need: int) -> None:
+    out = config.output.dir
+    where = nearest_existing(out)
+    free = free_bytes(where)
+    enough = free >= need + config.output.disk_reserve
+    report.add(
+        "WARN" if enough else "FAIL",
+        "output",
+        f"{out} does not exist: hsx run will create it in {where} (on {fs_type(where)}), "
+        f"{human_bytes(free)} free, job needs ~{human_bytes(need)} + reserve "
+        f"{human_bytes(config.output.disk_reserve)}; if {out} belongs on a mount, mount it "
+        "first (durable writes not measured)",
+    )
+
+
 def check_dump_root(config: Config, report: Report) -> None:
+    """Creates nothing: a missing ``dump.root`` is reported with where it would be made."""
     root = config.dump.root
-    problem = dump_root_problem(root)
+    problem = dump_root_problem(root, create=False)
     if problem:
         report.add("FAIL", "dump root", problem)
         return
-    kind = fs_type(root)
-    free = free_bytes(root)
-    level = "OK" if kind == "tmpfs" else "WARN"
+    where = nearest_existing(root)
+    kind = fs_type(where)
+    free = free_bytes(where)
+    level = "OK" if kind == "tmpfs" and where == root else "WARN"
+    place = str(root) if where == root else f"{root} does not exist yet (hsx run creates it)"
     report.add(
         level,
         "dump root",
-        f"{root} on {kind} ({'RAM' if kind == 'tmpfs' else 'not RAM: slow'}), "
+        f"{place} on {kind} ({'RAM' if kind == 'tmpfs' else 'not RAM: slow'}), "
         f"{human_bytes(free)} free, budget {human_bytes(config.dump.shm_budget)}",
     )
     if free < config.dump.shm_budget:
@@ -256,16 +307,45 @@ async def _tiny_request(
 ) -> tuple[str, Storage | None]:
     """One 4-token request through the dump path: ('', the dump's storage) on success,
     else (the problem, None)."""
-    ns = f"{config.dump.namespace_prefix}-check"
-    ns_dir = await asyncio.to_thread(prepare_namespace, config.dump.root, ns)
-    try:
+    async with scratch_namespace(config) as ns_dir:
         ids = np.array([1, 2, 3, 4], dtype=np.int64)
-        dump = await _dump_once(client, server, config, ns_dir, ids)
-    except (RequestError, DumpError) as exc:
-        return str(exc), None
+        try:
+            dump = await _dump_once(client, server, config, ns_dir, ids)
+        except (RequestError, DumpError) as exc:
+            return str(exc), None
+    return "", dump.meta.storage
+
+
+@contextlib.asynccontextmanager
+async def scratch_namespace(config: Config) -> AsyncIterator[Path]:
+    """The check's own namespace in ``dump.root``, removed afterwards with every directory
+    it needed to create (a missing dump root too), so ``hsx check`` leaves nothing."""
+    root = config.dump.root
+    missing = await asyncio.to_thread(_missing_dirs, root)
+    ns = f"{config.dump.namespace_prefix}-check"
+    ns_dir = await asyncio.to_thread(prepare_namespace, root, ns)
+    try:
+        yield ns_dir
     finally:
         await asyncio.to_thread(remove_tree, ns_dir)
-    return "", dump.meta.storage
+        await asyncio.to_thread(_remove_empty, missing)
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist, innermost first."""
+    missing = []
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    for made in dirs:  # innermost first; one that another process wrote into stays
+        try:
+            made.rmdir()
+        except OSError:
+            return
 
 
 def _storage_line(server: Server, config: Config, dumped: Storage) -> tuple[str, str, str]:
@@ -287,13 +367,9 @@ async def _probe_prefill(
     client: SGLangClient, server: Server, config: Config, probe: list[npt.NDArray[np.int64]]
 ) -> float:
     """Tokens/s of ``server`` for a few real samples sent at once (send → validated dump)."""
-    ns = f"{config.dump.namespace_prefix}-check"
-    ns_dir = await asyncio.to_thread(prepare_namespace, config.dump.root, ns)
-    started = time.monotonic()
-    try:
+    async with scratch_namespace(config) as ns_dir:
+        started = time.monotonic()
         await asyncio.gather(*(_dump_once(client, server, config, ns_dir, ids) for ids in probe))
-    finally:
-        await asyncio.to_thread(remove_tree, ns_dir)
     return sum(len(ids) for ids in probe) / max(time.monotonic() - started, 1e-6)
 
 
@@ -450,7 +526,7 @@ def run_checks(config: Config) -> Report:
     disk = check_output(config, report, scan.tokens * row_bytes)
     check_dump_root(config, report)
     try:
-        client = check_dump_read(config.dump.root)
+        client = check_dump_read(config.dump.root) if config.dump.root.is_dir() else 0.0
     except OSError:
         client = 0.0  # check_dump_root has said why
     servers = asyncio.run(check_servers(config, report, scan.probe))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hsx_async.cli import main
 from hsx_async.run.mounts import fs_type, read_mounts
 from hsx_async.run.preflight import (
     Report,
@@ -20,7 +21,7 @@ from hsx_async.run.preflight import (
 )
 from hsx_async.server.fake.server import running_fake_server
 from tests.crash_driver import fake_options
-from tests.e2e import make_config, shm_leftovers, write_samples
+from tests.e2e import config_raw, make_config, shm_leftovers, write_config, write_samples
 
 
 def _levels(report: Report, check: str) -> list[str]:
@@ -53,6 +54,7 @@ def test_missing_input_fails_the_check(tmp_path: Path) -> None:
 def test_output_reports_free_space_against_the_job(tmp_path: Path) -> None:
     samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
     config = make_config(tmp_path, samples.path, ["http://127.0.0.1:1"], tmp_path / "shm")
+    config.output.dir.mkdir()
     report = Report()
     assert check_output(config, report, need=1) > 0  # a measured write rate
     assert _levels(report, "output") == ["OK"]
@@ -139,6 +141,59 @@ async def test_servers_pass_through_the_whole_dump_path(tmp_path: Path, shm_root
     assert [line[1] for line in extra] == ["draft ids"]
     assert down[0] == "FAIL" and down[2].startswith("http://127.0.0.1:1: ")
     assert shm_leftovers(shm_root) == [], "the check request leaves nothing in /dev/shm"
+
+
+def _tree(root: Path) -> set[Path]:
+    return set(root.rglob("*"))
+
+
+def test_a_check_creates_nothing_and_says_what_is_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 26: on a box without /nvme, hsx check created /nvme/hsx-out and the dump root
+    on the root file system and reported its free space as the job's disk."""
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    out, root = tmp_path / "nvme" / "hsx-out", tmp_path / "shm" / "hsx"
+    raw = config_raw(tmp_path, samples.path, ["http://127.0.0.1:9"], root)
+    raw["output"]["dir"] = str(out)
+    path = write_config(tmp_path, raw)
+    before = _tree(tmp_path)
+    assert main(["check", "--config", str(path)]) == 1  # the server is down: FAIL
+    assert _tree(tmp_path) == before
+    text = capsys.readouterr().out
+    [output] = [line for line in text.splitlines() if line.split()[1:2] == ["output"]]
+    assert (
+        output.startswith("WARN") and f"{out} does not exist: hsx run will create it in " in output
+    )
+    assert f"in {tmp_path} (on " in output and "mount it first" in output
+    [dump] = [line for line in text.splitlines() if "dump root" in line]
+    assert f"{root} does not exist yet (hsx run creates it)" in dump
+
+
+async def test_the_dump_path_check_removes_the_dump_root_it_needed(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    root = shm_root / "not-yet"
+    async with running_fake_server(fake_options(root)) as fake:
+        config = make_config(tmp_path, samples.path, [fake.url], root)
+        report = Report()
+        await check_servers(config, report)
+    assert report.lines[0][0] == "OK" and "dump path OK" in report.lines[0][2]
+    assert _tree(shm_root) == set()
+
+
+def test_an_output_dir_that_cannot_be_created_fails_the_check(tmp_path: Path) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    (tmp_path / "file").write_bytes(b"x")
+    config = make_config(
+        tmp_path, samples.path, ["http://127.0.0.1:1"], tmp_path / "shm",
+        output={"dir": str(tmp_path / "file" / "out")},
+    )  # fmt: skip
+    report = Report()
+    check_output(config, report, need=1)
+    ((level, _, detail),) = report.lines
+    assert level == "FAIL" and f"{tmp_path / 'file'} is not a directory" in detail
 
 
 def test_mount_points_are_unescaped(tmp_path: Path) -> None:
