@@ -38,7 +38,7 @@ from hsx_async.dataset.manifest import (
     read_quarantine,
     shard_index_of,
 )
-from hsx_async.dataset.provenance import dataset_storage, read_provenance, shard_lock
+from hsx_async.dataset.provenance import PROVENANCE, dataset_storage, read_provenance, shard_lock
 from hsx_async.errors import DatasetError, DumpError
 from hsx_async.protocol import HIDDEN, SCALES, UNQUANTIZED, Storage, storage_from_metadata
 from hsx_async.units import human_bytes
@@ -91,17 +91,31 @@ class Status:
         )
 
 
-def dataset_status(out_dir: Path) -> Status:
+def _is_dataset(path: Path) -> bool:
+    return bool(
+        log_files(path, MANIFEST) or log_files(path, QUARANTINE) or (path / PROVENANCE).is_file()
+    )
+
+
+def require_dataset(out_dir: Path) -> None:
+    """:class:`DatasetError` (one line, what to give instead) unless ``out_dir`` is an hsx
+    output directory: the one rule of status, verify and export."""
     if not out_dir.is_dir():
         raise DatasetError(f"{out_dir} is not a directory; give an output directory ([output].dir)")
+    if _is_dataset(out_dir):
+        return
+    parent = out_dir.resolve().parent
+    hint = f"; did you mean {parent}?" if out_dir.name == DATA_DIR and _is_dataset(parent) else ""
+    raise DatasetError(
+        f"{out_dir} is not an hsx dataset (no manifest.jsonl, quarantine.jsonl or "
+        f"provenance.json); give the [output].dir of a run{hint}"
+    )
+
+
+def dataset_status(out_dir: Path) -> Status:
+    require_dataset(out_dir)
     manifest = read_manifest(out_dir)
-    prov = read_provenance(out_dir)
-    if prov is None and not log_files(out_dir, MANIFEST) and not log_files(out_dir, QUARANTINE):
-        raise DatasetError(
-            f"{out_dir} is not an hsx dataset (no manifest.jsonl, quarantine.jsonl or "
-            "provenance.json); give the [output].dir of a run"
-        )
-    prov = prov or {}
+    prov = read_provenance(out_dir) or {}
     counted = prov.get("input_samples")
     return Status(
         done=len(manifest),
@@ -244,6 +258,7 @@ def _strays(out_dir: Path, named: set[str]) -> list[str]:
 
 
 def verify_dataset(out_dir: Path, *, threads: int = 2) -> VerifyReport:
+    require_dataset(out_dir)
     entries = read_manifest(out_dir)
     report = VerifyReport()
     seen: dict[str, str] = {}

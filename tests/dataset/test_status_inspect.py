@@ -15,6 +15,7 @@ from hsx_async.dataset.manifest import QUARANTINE, read_manifest, read_quarantin
 from hsx_async.dataset.merge import merge
 from hsx_async.run.daemon import Daemon
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
+from tests.dataset_factory import write_dataset
 from tests.e2e import make_config, write_samples
 
 H, AUX = 64, (1, 3, 5)
@@ -118,3 +119,43 @@ def test_inspect_a_directory_or_a_missing_file(
     assert main(["inspect", str(tmp_path / "missing.safetensors")]) == 2
     err = capsys.readouterr().err
     assert "no such file" in err and "manifest" not in err
+
+
+def _tree(root: Path) -> set[Path]:
+    return set(root.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["verify"],
+        ["verify", "--deep"],
+        ["verify", "--json"],
+        ["export", "--format", "specforge", "--to", "{tmp}/sf"],
+        ["export", "--format", "speculators", "--to", "{tmp}/spec"],
+    ],
+)
+@pytest.mark.parametrize("where", ["missing", "empty", "data_dir"])
+def test_verify_and_export_of_what_is_no_dataset_exit_2_and_create_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str], where: str
+) -> None:
+    """Issue 26: `hsx verify nope-out` said "checked 0 files / OK" (exit 0); `hsx export`
+    said "exported 0 samples" (exit 0) and created sf/draft-config.json."""
+    out = tmp_path / "out"
+    write_dataset(out, num_samples=2)
+    target = {
+        "missing": tmp_path / "nope-out",
+        "empty": tmp_path / "empty",
+        "data_dir": out / "data",
+    }[where]
+    if where == "empty":
+        target.mkdir()
+    before = _tree(tmp_path)
+    args = [a.format(tmp=tmp_path) for a in command]
+    assert main([args[0], str(target), *args[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hsx: error: "), err
+    assert ("is not a directory" if where == "missing" else "is not an hsx dataset") in err
+    if where == "data_dir":
+        assert f"did you mean {out}?" in err
+    assert _tree(tmp_path) == before

@@ -42,6 +42,7 @@ from hsx_async.dataset.export.plan import (
     plan_conversion,
 )
 from hsx_async.dataset.export.specforge import GROUP_SIZE as SPECFORGE_GROUP_SIZE
+from hsx_async.dataset.inspection import require_dataset
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import AppendLog, ManifestEntry, read_manifest
 from hsx_async.dataset.reader import select_entries
@@ -146,6 +147,7 @@ def _exclusive(dest: Path) -> Iterator[None]:
 
 def _check_args(out_dir: Path, dest: Path, fmt: str, file_group_size: int) -> ExportFormat:
     found = export_format(fmt)
+    require_dataset(out_dir)  # before anything is created at dest
     if file_group_size < 1:
         raise DatasetError(f"file_group_size is {file_group_size}, expected at least 1")
     if dest.resolve() == out_dir.resolve():
