@@ -40,6 +40,7 @@ from hsx_async.dataset.manifest import (
 )
 from hsx_async.dataset.provenance import PROVENANCE, dataset_storage, read_provenance, shard_lock
 from hsx_async.errors import DatasetError, DumpError
+from hsx_async.logs import configure_logging
 from hsx_async.protocol import HIDDEN, SCALES, UNQUANTIZED, Storage, storage_from_metadata
 from hsx_async.units import human_bytes
 
@@ -332,6 +333,7 @@ def _rewrite_without(log_path: Path, bad: set[str]) -> int:
 
 
 def status_command(args: argparse.Namespace) -> int:
+    configure_logging("auto", "warning")  # a skipped events line is said on stderr
     print(dataset_status(Path(args.out)).format())
     return 0
 

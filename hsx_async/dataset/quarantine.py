@@ -19,7 +19,8 @@ def reason_kind(reason: str) -> str:
     text = re.sub(r"^https?://\S+?: ", "", text)  # the server a retried attempt went to
     text = re.split(r"[:(;]", text, maxsplit=1)[0]
     text = re.sub(r"'[^']*'|\"[^\"]*\"|/\S+", "…", text)
-    text = re.sub(r"\d+", "N", text).strip() or "other"
+    # HTTP status codes stay (a handful of kinds, and the code is what to act on).
+    text = re.sub(r"(HTTP \d{3}\b)|\d+", lambda m: m.group(1) or "N", text).strip() or "other"
     if len(text) > 60:
         text = text[:59] + "…"
     return f"retries exhausted: {text}" if exhausted else text

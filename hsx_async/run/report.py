@@ -34,10 +34,12 @@ from typing import Any
 import orjson
 
 from hsx_async.dataset.durable import write_atomic
-from hsx_async.dataset.events import EVENTS, event_files, read_events
+from hsx_async.dataset.events import EVENTS, event_files, input_lines, read_events
 from hsx_async.dataset.manifest import AppendLog, log_name, read_manifest, read_quarantine
+from hsx_async.dataset.provenance import read_provenance
 from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.errors import DatasetError
+from hsx_async.logs import configure_logging
 
 REPORT_JSON = "report.json"
 REPORT_PNG = "report.png"
@@ -143,13 +145,14 @@ def _read_runs(out_dir: Path) -> list[list[dict[str, Any]]]:
 def _rate_series(runs: list[list[dict[str, Any]]], t0: float) -> list[dict[str, float]]:
     """Tokens, samples and bytes per second between consecutive records of each run."""
     points = []
-    for run in runs:
+    for index, run in enumerate(runs):
         for a, b in itertools.pairwise(run):
             dt_s = float(b["time"]) - float(a["time"])
             if dt_s <= 0:
                 continue
             points.append(
                 {
+                    "run": index,  # into "runs": the plot draws each run apart
                     "t": round(float(b["time"]) - t0, 3),
                     "tokens_per_s": (b["tokens"] - a["tokens"]) / dt_s,
                     "samples_per_s": (b["samples"] - a["samples"]) / dt_s,
@@ -201,6 +204,7 @@ def build_report(out_dir: Path) -> dict[str, Any]:
             f"{out_dir} holds no manifest, quarantine or run events: not an hsx output directory"
         )
     t0 = float(runs[0][0]["time"]) if runs else 0.0
+    lines = input_lines(out_dir, (read_provenance(out_dir) or {}).get("input_lines"))
     reasons = Counter(reason_kind(q.reason) for q in quarantine)
     return {
         "dataset": str(out_dir),
@@ -210,6 +214,8 @@ def build_report(out_dir: Path) -> dict[str, Any]:
             "tokens": sum(e.num_tokens for e in manifest),
             "bytes": sum(e.size for e in manifest),
             "quarantined": len(quarantine),
+            # every input line, once a run has read the whole input (None before)
+            "input_lines": sum(lines.values()) if lines else None,
         },
         "runs": [_run_summary(r) for r in runs],
         "rate": _rate_series(runs, t0),
@@ -241,6 +247,7 @@ def write_report(out_dir: Path, *, png: bool = True) -> tuple[Path, Path | None,
 
 
 def report_command(args: argparse.Namespace) -> int:
+    configure_logging("auto", "warning")  # a skipped events line is said on stderr
     json_path, png_path, hint = write_report(Path(args.out), png=not args.no_png)
     print(f"report: {json_path}")
     if png_path is not None:

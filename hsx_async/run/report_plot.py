@@ -27,7 +27,10 @@ _GRID = "#e6e8ee"
 def _human(n: float) -> str:
     for suffix in ("", "k", "M", "G"):
         if abs(n) < 1000:
-            return f"{n:.0f}" if suffix == "" else f"{n:.1f}{suffix}"
+            if suffix:
+                return f"{n:.1f}{suffix}"
+            # Ticks below 10 keep a decimal: 0.2, 0.4, … not "0 0 0 0".
+            return f"{n:.0f}" if n == int(n) or abs(n) >= 10 else f"{n:.1f}"
         n /= 1000
     return f"{n:.1f}T"
 
@@ -68,20 +71,49 @@ def _rate_panel(ax: Axes, report: dict[str, Any]) -> None:
     _style(ax, "Rate over time (tokens/s)")
     span = max(p["t"] for p in rate)
     scale, unit = (1.0, "s") if span < 120 else (60.0, "min") if span < 3 * 3600 else (3600.0, "h")
-    t = [p["t"] / scale for p in rate]
-    y = [p["tokens_per_s"] for p in rate]
-    ax.fill_between(t, y, step="pre", color=_ACCENT, alpha=0.18, linewidth=0)
-    ax.step(t, y, where="pre", color=_ACCENT, linewidth=1.6)
+    starts = _run_starts(report)
+    for seconds, y in _segments(rate, starts):
+        t = [x / scale for x in seconds]
+        ax.fill_between(t, y, step="pre", color=_ACCENT, alpha=0.18, linewidth=0)
+        ax.step(t, y, where="pre", color=_ACCENT, linewidth=1.6)
     ax.set_xlabel(f"time since the first start ({unit})", color=_MUTED, fontsize=8)
     ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
+    # An all-zero run still gets a readable axis (not 0 to 0).
+    top = max(p["tokens_per_s"] for p in rate)
+    ax.set_ylim(0, top * 1.08 if top > 0 else 1.0)
     ax.yaxis.set_major_formatter(lambda v, _: _human(v))
-    t0 = _first_start(report)
-    for run in report["runs"][1:]:
-        start = _epoch(run["started"]) - t0
+    for start in starts[1:]:
         ax.axvline(start / scale, color=_MUTED, linestyle="--", linewidth=0.8)
         ax.text(start / scale, ax.get_ylim()[1] * 0.97, " resumed", color=_MUTED, fontsize=7,
                 va="top")  # fmt: skip
+
+
+def _run_starts(report: dict[str, Any]) -> list[float]:
+    """Each run's start in seconds since the first one's (``report["runs"]`` order)."""
+    t0 = _first_start(report)
+    return [_epoch(run["started"]) - t0 for run in report["runs"]]
+
+
+def _segments(
+    rate: list[dict[str, Any]], starts: list[float]
+) -> list[tuple[list[float], list[float]]]:
+    """One line per run, from its start to its last point: the time between two runs is
+    a gap, not a plateau of the last rate (a point's ``run`` indexes ``report["runs"]``)."""
+    by_run: dict[int, list[dict[str, Any]]] = {}
+    for p in rate:
+        by_run.setdefault(int(p.get("run", 0)), []).append(p)
+    lines = []
+    for index, points in sorted(by_run.items()):
+        points.sort(key=lambda p: p["t"])
+        start = starts[index] if index < len(starts) else points[0]["t"]
+        # step(where="pre"): y[i] is drawn over (t[i-1], t[i]]; the first pair only anchors.
+        lines.append(
+            (
+                [start, *(p["t"] for p in points)],
+                [points[0]["tokens_per_s"], *(p["tokens_per_s"] for p in points)],
+            )
+        )
+    return lines
 
 
 def _epoch(iso: str) -> float:
@@ -96,6 +128,7 @@ def _first_start(report: dict[str, Any]) -> float:
 def _bars(ax: Axes, title: str, counts: dict[str, int], color: str, empty: str,
           *, share: bool = False) -> None:  # fmt: skip
     """Horizontal bars, largest on top, each named above its bar (long names fit)."""
+    counts = {name: n for name, n in counts.items() if n > 0}  # a server asked nothing: no bar
     if not counts:
         _empty(ax, title, empty)
         return
@@ -116,10 +149,21 @@ def _bars(ax: Axes, title: str, counts: dict[str, int], color: str, empty: str,
     ax.set_ylim(-0.5, base + len(items) - 0.2)
     ax.xaxis.set_major_formatter(lambda v, _: _human(v))
     for i, (name, v) in enumerate(items):
-        label = name if len(name) <= 44 else name[:43] + "…"
+        label = _label(name)
         ax.text(0, base + i + 0.26, label, va="bottom", fontsize=8, color=_INK)
         text = f" {v:,}" + (f" ({100 * v / total:.0f}%)" if share else "")
         ax.text(v, base + i, text, va="center", fontsize=8, color=_INK, fontweight="bold")
+
+
+_LABEL_CHARS = 52  # what fits above a bar of a third of the page at 8 pt
+
+
+def _label(name: str) -> str:
+    """``name``, or as many of its words as fit, then "…" (never cut inside a word)."""
+    if len(name) <= _LABEL_CHARS:
+        return name
+    cut = name[: _LABEL_CHARS - 1].rsplit(" ", 1)[0]
+    return cut.rstrip(" :;,") + " …"
 
 
 def _header(fig: Figure, report: dict[str, Any]) -> None:
@@ -130,17 +174,19 @@ def _header(fig: Figure, report: dict[str, Any]) -> None:
     fig.text(0.04, 0.955, "hsx job report", fontsize=17, fontweight="bold", color=_INK)
     fig.text(0.04, 0.925, f"{report['dataset']}  ·  {report['generated']}", fontsize=9,
              color=_MUTED)  # fmt: skip
+    lines = totals.get("input_lines")
+    of = f" of {lines:,} total" if isinstance(lines, int) and lines else ""
     cards = [
-        (f"{totals['samples']:,}", "samples written"),
+        (f"{totals['samples']:,}", f"samples written{of}"),
         (_human(totals["tokens"]), "tokens"),
         (human_bytes(totals["bytes"]), "on disk"),
-        (f"{totals['quarantined']:,}", "quarantined"),
+        (f"{totals['quarantined']:,}", f"quarantined{of}"),
         (_duration(seconds), f"in {len(runs)} run{'s' if len(runs) != 1 else ''}"),
         (_human(tokens_s), "tokens/s (mean)"),
     ]
     for i, (value, label) in enumerate(cards):
         x = 0.04 + i * 0.158
-        bad = label == "quarantined" and totals["quarantined"] > 0
+        bad = label.startswith("quarantined") and totals["quarantined"] > 0
         fig.text(x, 0.865, value, fontsize=16, fontweight="bold", color=_BAD if bad else _ACCENT)
         fig.text(x, 0.845, label, fontsize=8, color=_MUTED)
 

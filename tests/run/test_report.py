@@ -25,7 +25,7 @@ def test_reason_kind_drops_particulars() -> None:
     assert reason_kind("duplicate id 'a-7' (first on line 4)") == "duplicate id …"
     assert (
         reason_kind("3 attempts failed; last: http://127.0.0.1:9/x: HTTP 503: busy")
-        == "retries exhausted: HTTP N"
+        == "retries exhausted: HTTP 503"
     )
     assert reason_kind("4 attempts failed; last: no meta.json in /dev/shm/a/b within 2 s") == (
         "retries exhausted: no meta.json in … within N s"
@@ -64,6 +64,7 @@ async def test_report_numbers_come_from_the_durable_files(tmp_path: Path, shm_ro
         "tokens": sum(e.num_tokens for e in manifest),
         "bytes": sum(e.size for e in manifest),
         "quarantined": len(quarantine),
+        "input_lines": len((tmp_path / "in.jsonl").read_bytes().splitlines()),
     }
     assert sum(report["quarantine_reasons"].values()) == len(quarantine)
     assert failed > 0 and sum(report["retries"].values()) == failed
@@ -120,3 +121,54 @@ def test_hsx_report_on_a_directory_that_is_no_dataset(
     assert cli.main(["report", str(tmp_path)]) == 2
     assert "not an hsx output directory" in capsys.readouterr().err
     assert cli.main(["report", str(tmp_path / "missing")]) == 2
+
+
+# -- the picture (issue 26; before/after looks in the issue note) ----------------------------
+
+
+def test_an_all_quarantined_run_draws_its_report(tmp_path: Path) -> None:
+    """Conversations fed to hsx run: every line quarantined, no request sent. The servers
+    panel divided by 0 requests (ZeroDivisionError: hsx run and hsx report exited 1)."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    out.mkdir()
+    base = {"shard": "0/1", "samples": 0, "tokens": 0, "bytes": 0, "retries": {}}
+    lines = [
+        {"event": "start", "time": 100.0, "quarantined": 0, "servers": {"http://s": 0}, **base},
+        {"event": "end", "time": 101.0, "quarantined": 2, "servers": {"http://s": 0}, **base},
+    ]
+    (out / "events.jsonl").write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    (out / "quarantine.jsonl").write_bytes(
+        b'{"id": null, "line": 1, "reason": "not JSON"}\n'
+        b'{"id": null, "line": 2, "reason": "not JSON"}\n'
+    )
+    _, png, _ = write_report(out)
+    assert png is not None and png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_each_run_is_drawn_apart_from_its_start() -> None:
+    from hsx_async.run.report_plot import _segments
+
+    rate = [
+        {"run": 0, "t": 1.0, "tokens_per_s": 5.0},
+        {"run": 0, "t": 2.0, "tokens_per_s": 7.0},
+        {"run": 1, "t": 601.0, "tokens_per_s": 3.0},
+    ]
+    # two lines: nothing is drawn between t=2 (the first run's end) and t=600
+    assert _segments(rate, [0.0, 600.0]) == [
+        ([0.0, 1.0, 2.0], [5.0, 5.0, 7.0]),
+        ([600.0, 601.0], [3.0, 3.0]),
+    ]
+
+
+def test_axis_ticks_and_bar_labels_read_whole() -> None:
+    from hsx_async.run.report_plot import _human, _label
+
+    assert [_human(v) for v in (0.0, 0.2, 0.4, 1.0, 12.5, 1500.0)] == [
+        "0", "0.2", "0.4", "1", "12", "1.5k",
+    ]  # fmt: skip
+    long = "input_ids contains a token id beyond the model's vocabulary of the server"
+    label = _label(long)
+    assert label.endswith(" …") and long.startswith(label[:-2]) and len(label) <= 54
+    assert long[len(label) - 2] == " ", "cut between two words"
+    assert _label("retries exhausted: HTTP 503") == "retries exhausted: HTTP 503"
