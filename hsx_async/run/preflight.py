@@ -210,8 +210,7 @@ def check_output(config: Config, report: Report, need: int) -> float:
         report.add("FAIL", "output", problem)
         return 0.0
     if not out.exists():
-        _report_missing_output(config, report, need)
-        return 0.0
+        return _report_missing_output(config, report, need)
     try:
         rate = check_disk_write(out)
     except OSError as exc:
@@ -238,19 +237,28 @@ def check_metrics(config: Config, report: Report) -> None:
         report.add("OK", "metrics", f"{listen} is free (/metrics and /status of hsx run)")
 
 
-def _report_missing_output(config: Config, report: Report, need: int) -> None:
+def _report_missing_output(config: Config, report: Report, need: int) -> float:
+    """A new job's output.dir: measured where it would be made (a probe file, removed)."""
     out = config.output.dir
     where = nearest_existing(out)
+    try:
+        rate = check_disk_write(where)
+    except OSError:
+        rate = 0.0
     free = free_bytes(where)
     enough = free >= need + config.output.disk_reserve
+    writes = (
+        f"durable writes ~{human_bytes(rate)}/s there" if rate else "durable writes not measured"
+    )
     report.add(
         "WARN" if enough else "FAIL",
         "output",
         f"{out} does not exist: hsx run will create it in {where} (on {fs_type(where)}), "
         f"{human_bytes(free)} free, job needs ~{human_bytes(need)} + reserve "
-        f"{human_bytes(config.output.disk_reserve)}; if {out} belongs on a mount, mount it "
-        "first (durable writes not measured)",
+        f"{human_bytes(config.output.disk_reserve)}; {writes}. If {out} belongs on a mount, "
+        "mount it first",
     )
+    return rate
 
 
 def check_dump_root(config: Config, report: Report) -> None:

@@ -166,6 +166,7 @@ def test_a_check_creates_nothing_and_says_what_is_missing(
         output.startswith("WARN") and f"{out} does not exist: hsx run will create it in " in output
     )
     assert f"in {tmp_path} (on " in output and "mount it first" in output
+    assert "durable writes ~" in output  # measured where it would be created, probe gone
     [dump] = [line for line in text.splitlines() if "dump root" in line]
     assert f"{root} does not exist yet (hsx run creates it)" in dump
 
