@@ -232,23 +232,25 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def warm_up() -> None:
+def warm_up(src: Path = REPO) -> None:
     """Fill the bytecode cache once, so that no measured start compiles anything."""
     subprocess.run(
         [PYTHON, "-m", "hsx_async", "--help"],
         env=child_env(),
-        cwd=REPO,
+        cwd=src,
         stdout=subprocess.DEVNULL,
         check=True,
     )
 
 
-def run_measured(argv: Sequence[str], log_path: Path, timeout: float = 1800.0) -> Usage:
+def run_measured(
+    argv: Sequence[str], log_path: Path, timeout: float = 1800.0, *, cwd: Path = REPO
+) -> Usage:
     """Run to completion with stdout+stderr in ``log_path``; returns its cost."""
     with log_path.open("wb") as log:
         started = time.monotonic()
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=child_env()
+            argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=child_env()
         )
         return wait_usage(proc, started, timeout)
 
@@ -480,8 +482,12 @@ class ClientRun:
 PROFILE: dict[str, Any] = {"dir": None, "gil": False}  # set by --profile-dir, --profile-gil
 
 
-def run_hsx(raw_config: dict[str, dict[str, Any]], work: Path, name: str) -> ClientRun:
+def run_hsx(
+    raw_config: dict[str, dict[str, Any]], work: Path, name: str, *, src: Path = REPO
+) -> ClientRun:
     """``python -m hsx_async run`` in its own process; raises if it did not finish.
+    ``src``: the source tree whose ``hsx_async`` runs (started there, so it is the one
+    imported): another checkout, to measure two versions side by side in one run.
 
     With ``--profile-dir`` the client runs under ``py-spy record`` (collapsed stacks,
     one file per run): its figures then include py-spy's own cost, so use them for the
@@ -497,7 +503,7 @@ def run_hsx(raw_config: dict[str, dict[str, Any]], work: Path, name: str) -> Cli
         gil = ["--gil"] if PROFILE["gil"] else []
         argv = [str(spy), "record", "--threads", *gil, "--rate", "200", "--format",
                 "raw", "--output", str(out), "--", *argv]  # fmt: skip
-    usage = run_measured(argv, log)
+    usage = run_measured(argv, log, cwd=src)
     m = _SUMMARY.search(_tail(log, 4000))
     if usage.returncode != 0 or m is None:
         raise RuntimeError(f"hsx run failed ({usage.returncode}); see {log}:\n{_tail(log)}")

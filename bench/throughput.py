@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import mmap
 import os
 import sys
@@ -53,6 +54,7 @@ import numpy as np
 from common import (
     GB,
     PYTHON,
+    REPO,
     ClientRun,
     Model,
     Scratch,
@@ -74,6 +76,7 @@ from common import (
     scratch,
     self_cpu_s,
     usage_dict,
+    warm_up,
     write_samples,
 )
 
@@ -418,9 +421,16 @@ def hsx_row(name: str, run: ClientRun, server_cpu: float | None = None) -> dict[
 
 
 def hsx_prefab(
-    ctx: Ctx, name: str, lengths: Sequence[int], prefabs: Path | None, *, fsync: bool = True
+    ctx: Ctx,
+    name: str,
+    lengths: Sequence[int],
+    prefabs: Path | None,
+    *,
+    fsync: bool = True,
+    src: Path = REPO,
 ) -> ClientRun:
-    """hsx over ``lengths`` served from ``prefabs`` (prepared before the call)."""
+    """hsx (the one in ``src``) over ``lengths`` served from ``prefabs`` (prepared before
+    the call)."""
     s = ctx.s
     samples = s.work / f"{name}.jsonl"
     write_samples(samples, lengths, seed=len(lengths))
@@ -438,7 +448,7 @@ def hsx_prefab(
         )
         if not fsync:
             raw.setdefault("writer", {})["fsync"] = False
-        run = run_hsx(raw, s.work, name)
+        run = run_hsx(raw, s.work, name, src=src)
     remove(out)
     remove(prefab_dir)
     return run
@@ -502,6 +512,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--pair-method", choices=sorted(COPIES), default=PAIRED_METHOD,
         help="the raw copy of each pair (default: the best from /dev/shm here)",
     )  # fmt: skip
+    p.add_argument(
+        "--compare-src", type=Path,
+        help="paired phase: also run the hsx of this source tree in every pair (e.g. "
+        "`git worktree add /tmp/hsx-before main`): a before/after measured in one run",
+    )  # fmt: skip
+    p.add_argument("--compare-name", default="hsx before", help="its name in the tables")
     p.add_argument(
         "--phases",
         default=",".join(PHASES),
@@ -604,43 +620,145 @@ def _hsx_round(
     return row
 
 
+@dataclass(frozen=True)
+class Client:
+    """One ``hsx`` measured in the paired phase: this checkout, or ``--compare-src``."""
+
+    name: str
+    src: Path
+
+
+def pair_clients(args: argparse.Namespace) -> list[Client]:
+    clients = [Client("hsx", REPO)]
+    if args.compare_src is not None:
+        clients.append(Client(args.compare_name, args.compare_src.resolve()))
+    return clients
+
+
+def pair_orders(members: int, pairs: int) -> list[tuple[int, ...]]:
+    """The order of the members (0 = the raw copy) in each pair: every permutation next to
+    its reverse, so that in each two pairs running one after the other each member comes
+    before each other one once (a drift within a pair favours none)."""
+    orders: list[tuple[int, ...]] = []
+    for perm in itertools.permutations(range(members)):
+        if perm not in orders and perm[::-1] not in orders:
+            orders += [perm, perm[::-1]]
+    return [orders[i % len(orders)] for i in range(pairs)]
+
+
+def idle_cpu(ctx: Ctx, client: Client, tag: str) -> float:
+    """The CPU of a run with no samples (imports, start-up, shutdown): what "net of
+    start-up" takes off each run of that client."""
+    run = hsx_prefab(ctx, f"idle-{tag}", [], None, src=client.src)
+    return run.usage.cpu_s
+
+
 def paired_phase(ctx: Ctx) -> dict[str, Any]:
     """Raw copy and hsx back to back on the same bytes, ``--pairs`` times, the order
-    alternating (so a drift within a pair favours each side alike): the median of the
-    per-pair ratios is the figure."""
+    changing (so a drift within a pair favours each side alike): the median of the
+    per-pair ratios is the figure. With ``--compare-src`` another checkout's hsx runs in
+    every pair too (a before/after in one run). Each client's CPU net of start-up is its
+    CPU less the median of its empty runs (one before the pairs, one after)."""
     args, s = ctx.args, ctx.s
+    clients = pair_clients(args)
+    idle: dict[str, list[float]] = {c.name: [idle_cpu(ctx, c, f"{k}-0")] for k, c in
+                                    enumerate(clients)}  # fmt: skip
+    streams = 1 if args.smoke else 2
     pairs = []
-    for i in range(args.pairs):
+    for i, order in enumerate(pair_orders(len(clients) + 1, args.pairs)):
         lengths = lognormal_lengths(
             args.pair_gb * GB, ctx.model.row_bytes, mean=args.mean_len,
             max_len=args.max_len, seed=args.seed + 1000 + i,
         )  # fmt: skip
         prefab_dir = s.fresh(f"pair-{i}", on_shm=True)
         prefabs = make_prefabs(prefab_dir, lengths, ctx.model)
-        hsx_first = i % 2 == 1
-        if hsx_first:  # hsx consumes the dumps: the raw copy gets them written again
-            hsx = hsx_row("hsx", hsx_prefab(ctx, f"pair-{i}", lengths, prefab_dir))
-            prefabs = make_prefabs(prefab_dir, lengths, ctx.model)
-        raw = raw_copy(prefabs, s.disk / "raw", args.pair_method, 1 if args.smoke else 2)
-        if not hsx_first:
-            hsx = hsx_row("hsx", hsx_prefab(ctx, f"pair-{i}", lengths, prefab_dir))
+        load = os.getloadavg()[0]
+        raw: dict[str, Any] = {}
+        runs: dict[str, dict[str, Any]] = {}
+        consumed = False  # hsx consumes the dumps: whoever follows gets them written again
+        for member in order:
+            if consumed:
+                prefabs = make_prefabs(prefab_dir, lengths, ctx.model)
+            if member == 0:
+                raw = raw_copy(prefabs, s.disk / "raw", args.pair_method, streams)
+                continue
+            c = clients[member - 1]
+            runs[c.name] = hsx_row(c.name, hsx_prefab(ctx, f"pair-{i}-{member}", lengths,
+                                                      prefab_dir, src=c.src))  # fmt: skip
+            consumed = True
         remove(prefab_dir)
-        ratio = hsx["gb_per_s"] / raw["gb_per_s"]
-        pairs.append({"raw_gb_per_s": raw["gb_per_s"], "hsx_gb_per_s": hsx["gb_per_s"],
-                      "ratio": ratio, "hsx_first": hsx_first, "bytes": hsx["bytes"],
-                      "hsx_cpu_s": hsx["cpu_s"],
-                      "raw_cpu_s_per_gb": raw["cpu_s_per_gb"]})  # fmt: skip
-        first = "hsx first" if hsx_first else "raw first"
-        rates = f"raw {raw['gb_per_s']:.3f}, hsx {hsx['gb_per_s']:.3f} GB/s"
-        print(f"  pair {i + 1}: {rates} ({first}): ratio {ratio:.2f}", flush=True)
-    ratios = sorted(p["ratio"] for p in pairs)
+        pairs.append(_pair_record(order, load, raw, runs, clients))
+        print("  pair " + str(i + 1) + ": " + ", ".join(
+            f"{name} {gbps:.3f} GB/s" for name, gbps in
+            [("raw", raw["gb_per_s"]), *((n, r["gb_per_s"]) for n, r in runs.items())]
+        ) + f"; ratio {pairs[-1]['ratio']:.2f} (load {load:.1f})", flush=True)  # fmt: skip
+    for k, c in enumerate(clients):
+        idle[c.name].append(idle_cpu(ctx, c, f"{k}-1"))
+    idle_s = {name: float(np.median(v)) for name, v in idle.items()}
+    for p in pairs:
+        for name, run in [("hsx", p), *p["others"].items()]:
+            gb = run["bytes"] / GB
+            run["hsx_cpu_s_per_gb_net"] = (run["hsx_cpu_s"] - idle_s[name]) / gb
     return {
-        "raw_method": f"raw {args.pair_method} ×{1 if args.smoke else 2}",
+        "raw_method": f"raw {args.pair_method} ×{streams}",
         "pair_gb": args.pair_gb,
+        "clients": [{"name": c.name, "src": str(c.src)} for c in clients],
+        "idle_cpu_s": idle_s,
+        "idle_cpu_s_runs": idle,
         "pairs": pairs,
-        "median_ratio": float(np.median(ratios)),
-        "quartiles": [float(q) for q in np.percentile(ratios, [25, 75])],
+        **_pair_summary(pairs, clients),
     }
+
+
+def _pair_record(
+    order: tuple[int, ...],
+    load: float,
+    raw: dict[str, Any],
+    runs: dict[str, dict[str, Any]],
+    clients: list[Client],
+) -> dict[str, Any]:
+    """One pair: this checkout's figures at the top level, another client's in ``others``."""
+
+    def of(row: dict[str, Any]) -> dict[str, Any]:
+        return {"hsx_gb_per_s": row["gb_per_s"], "ratio": row["gb_per_s"] / raw["gb_per_s"],
+                "bytes": row["bytes"], "hsx_cpu_s": row["cpu_s"],
+                "process_wall_s": row["process_wall_s"]}  # fmt: skip
+
+    names = ["raw", *(c.name for c in clients)]
+    main = runs["hsx"]
+    return {
+        "order": [names[m] for m in order],
+        "hsx_first": order.index(1) < order.index(0),
+        "load_avg_1m": load,
+        "raw_gb_per_s": raw["gb_per_s"],
+        "raw_cpu_s_per_gb": raw["cpu_s_per_gb"],
+        **of(main),
+        "others": {name: of(row) for name, row in runs.items() if name != "hsx"},
+    }
+
+
+def _median_quartiles(values: Sequence[float]) -> tuple[float, list[float]]:
+    return float(np.median(values)), [float(q) for q in np.percentile(values, [25, 75])]
+
+
+def _pair_summary(pairs: list[dict[str, Any]], clients: list[Client]) -> dict[str, Any]:
+    """Medians and quartiles of the per-pair ratios (and of the other client's)."""
+    median, quartiles = _median_quartiles([p["ratio"] for p in pairs])
+    raw_cpu, raw_cpu_q = _median_quartiles([p["raw_cpu_s_per_gb"] for p in pairs])
+    out: dict[str, Any] = {"median_ratio": median, "quartiles": quartiles,
+                           "raw_cpu_s_per_gb_median": raw_cpu,
+                           "raw_cpu_s_per_gb_quartiles": raw_cpu_q,
+                           "load_avg_1m": [p["load_avg_1m"] for p in pairs]}  # fmt: skip
+    others = {}
+    for c in clients[1:]:
+        med, q = _median_quartiles([p["others"][c.name]["ratio"] for p in pairs])
+        vs, vs_q = _median_quartiles(
+            [p["hsx_gb_per_s"] / p["others"][c.name]["hsx_gb_per_s"] for p in pairs]
+        )
+        others[c.name] = {"median_ratio": med, "quartiles": q,
+                          "hsx_over_it_median": vs, "hsx_over_it_quartiles": vs_q}  # fmt: skip
+    out["others"] = others
+    return out
 
 
 def no_fsync_phase(ctx: Ctx, lengths: Sequence[int]) -> list[dict[str, Any]]:
@@ -735,23 +853,61 @@ def report(data: dict[str, Any]) -> list[str]:
         title = "Throughput" + (f" (ratio: to the best raw copy, {best['name']})" if best else "")
         tables.append(print_table(title, THROUGHPUT_HEADERS, rows))
     if data["paired"]:
-        pr = data["paired"]
-        rows_p = [[i + 1, "hsx" if p["hsx_first"] else "raw", p["raw_gb_per_s"],
-                   p["hsx_gb_per_s"], p["ratio"], p["raw_cpu_s_per_gb"],
-                   p.get("hsx_cpu_s_per_gb_net", "")]
-                  for i, p in enumerate(pr["pairs"])]  # fmt: skip
-        lo, hi = pr["quartiles"]
-        title = (
-            f"Paired rounds: {pr['raw_method']} (fsync) and hsx (prefab server) back to "
-            f"back, {pr['pair_gb']:g} GB each — median ratio {pr['median_ratio']:.2f} "
-            f"(quartiles {lo:.2f}–{hi:.2f})"
-        )
-        headers = ["pair", "first", "raw GB/s", "hsx GB/s", "ratio", "raw CPU s/GB",
-                   "hsx CPU s/GB net of start-up"]  # fmt: skip
-        tables.append(print_table(title, headers, rows_p))
+        tables += _paired_tables(data["paired"])
     if data["memory"]:
         mem = [_memory_row(m) for m in data["memory"]]
         tables.append(print_table("Client memory and fixed cost", MEMORY_HEADERS, mem))
+    return tables
+
+
+def _paired_tables(pr: dict[str, Any]) -> list[str]:
+    """Each pair's rates, ratios and CPU; then the medians (quartiles) of every client."""
+    names = ["hsx", *pr["others"]]
+
+    def client(p: dict[str, Any], name: str) -> dict[str, Any]:
+        return p if name == "hsx" else p["others"][name]
+
+    headers = ["pair", "order", "load", "raw GB/s", "raw CPU s/GB"]
+    for name in names:
+        headers += [f"{name} GB/s", f"{name} ratio", f"{name} CPU s/GB net"]
+    rows = []
+    for i, p in enumerate(pr["pairs"]):
+        row = [i + 1, " → ".join(p["order"]), p["load_avg_1m"], p["raw_gb_per_s"],
+               p["raw_cpu_s_per_gb"]]  # fmt: skip
+        for name in names:
+            c = client(p, name)
+            row += [c["hsx_gb_per_s"], c["ratio"], c["hsx_cpu_s_per_gb_net"]]
+        rows.append(row)
+    lo, hi = pr["quartiles"]
+    title = (
+        f"Paired rounds: {pr['raw_method']} (fsync) and hsx (prefab server) on the same "
+        f"bytes, {pr['pair_gb']:g} GB each — median ratio {pr['median_ratio']:.2f} "
+        f"(quartiles {lo:.2f}–{hi:.2f})"
+    )
+    tables = [print_table(title, headers, rows)]
+    raw_cpu = pr["raw_cpu_s_per_gb_median"]
+    summary = []
+    for name in names:
+        ratio, (r_lo, r_hi) = (
+            (pr["median_ratio"], pr["quartiles"]) if name == "hsx"
+            else (pr["others"][name]["median_ratio"], pr["others"][name]["quartiles"])
+        )  # fmt: skip
+        cpu = [client(p, name)["hsx_cpu_s_per_gb_net"] for p in pr["pairs"]]
+        med, (c_lo, c_hi) = _median_quartiles(cpu)
+        summary.append([name, ratio, f"{r_lo:.2f}–{r_hi:.2f}", med, f"{c_lo:.2f}–{c_hi:.2f}",
+                        med / raw_cpu, pr["idle_cpu_s"][name]])  # fmt: skip
+    loads = pr["load_avg_1m"]
+    title = (
+        f"Paired summary (raw copy: CPU {raw_cpu:.2f} s/GB median; load average "
+        f"{min(loads):.1f}–{max(loads):.1f} over the pairs)"
+    )
+    headers = ["client", "ratio to raw, median", "quartiles", "CPU s/GB net of start-up, median",
+               "quartiles", "CPU / raw copy's", "start-up CPU s (empty run)"]  # fmt: skip
+    tables.append(print_table(title, headers, summary))
+    for name, o in pr["others"].items():
+        lo, hi = o["hsx_over_it_quartiles"]
+        print(f"hsx / {name}, per pair: median {o['hsx_over_it_median']:.2f} "
+              f"(quartiles {lo:.2f}–{hi:.2f})", flush=True)  # fmt: skip
     return tables
 
 
@@ -794,8 +950,6 @@ def net_of_startup(data: dict[str, Any]) -> None:
     for r in data["hsx"]:
         if r["bytes"]:
             r["cpu_s_per_gb_net"] = (r["cpu_s"] - idle["cpu_s"]) / (r["bytes"] / GB)
-    for p in data["paired"]["pairs"] if data["paired"] else []:
-        p["hsx_cpu_s_per_gb_net"] = (p["hsx_cpu_s"] - idle["cpu_s"]) / (p["bytes"] / GB)
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
@@ -841,6 +995,8 @@ def main(argv: Sequence[str]) -> int:
         return serve_prefab(p.parse_args(argv[1:]))
     args = parse_args(argv)
     apply_common(args)
+    if args.compare_src is not None:
+        warm_up(args.compare_src.resolve())
     model = Model(args.hidden_size, tuple(args.aux_layers))
     with scratch(args, "throughput") as s:
         ctx = Ctx(args, s, model, s.shm / "dumps")

@@ -86,10 +86,13 @@ def test_throughput_smoke(tmp_path: Path, shm_root: Path) -> None:
     assert data["best_raw_named"] in {r["name"] for r in data["raw"] if r["named"]}
     paired = data["paired"]
     assert [p["hsx_first"] for p in paired["pairs"]] == [False, True]  # the order alternates
+    assert [p["order"] for p in paired["pairs"]] == [["raw", "hsx"], ["hsx", "raw"]]
+    assert len(paired["idle_cpu_s_runs"]["hsx"]) == 2  # an empty run before and after
     for p in paired["pairs"]:
         assert positive(p["raw_gb_per_s"]) and positive(p["hsx_gb_per_s"])
         assert p["ratio"] == p["hsx_gb_per_s"] / p["raw_gb_per_s"]
-        net = (p["hsx_cpu_s"] - idle["cpu_s"]) / (p["bytes"] / 1e9)  # the empty run's CPU off
+        # the paired phase's own empty runs' CPU off
+        net = (p["hsx_cpu_s"] - paired["idle_cpu_s"]["hsx"]) / (p["bytes"] / 1e9)
         assert p["hsx_cpu_s_per_gb_net"] == pytest.approx(net)
     lo, hi = paired["quartiles"]
     assert lo <= paired["median_ratio"] <= hi
@@ -104,6 +107,26 @@ def test_throughput_pairs_hsx_with_the_raw_copy_asked_for(tmp_path: Path, shm_ro
     assert paired["raw_method"] == f"raw {method} ×1"
     assert len(paired["pairs"]) == 2
     assert all(positive(p["raw_gb_per_s"]) and positive(p["ratio"]) for p in paired["pairs"])
+
+
+def test_throughput_pairs_another_checkout_in_every_pair(tmp_path: Path, shm_root: Path) -> None:
+    """``--compare-src``: a second hsx (here the same tree, by another path) in each pair,
+    the order of the three members changing from pair to pair."""
+    repo = BENCH.parent
+    data = run_smoke(
+        "throughput.py", tmp_path, shm_root, "--phases", "paired", "--compare-src", str(repo),
+        "--compare-name", "other",
+    )  # fmt: skip
+    paired = data["paired"]
+    assert [c["name"] for c in paired["clients"]] == ["hsx", "other"]
+    orders = [p["order"] for p in paired["pairs"]]
+    assert orders == [["raw", "hsx", "other"], ["other", "hsx", "raw"]]
+    for p in paired["pairs"]:
+        other = p["others"]["other"]
+        assert positive(other["hsx_gb_per_s"]) and positive(other["ratio"])
+        net = (other["hsx_cpu_s"] - paired["idle_cpu_s"]["other"]) / (other["bytes"] / 1e9)
+        assert other["hsx_cpu_s_per_gb_net"] == pytest.approx(net)
+    assert positive(paired["others"]["other"]["hsx_over_it_median"])
 
 
 def test_scaling_smoke(tmp_path: Path, shm_root: Path) -> None:
