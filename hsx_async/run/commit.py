@@ -5,17 +5,22 @@ Flow of one handed-off dump::
 
     writer queue ─► writer task: copy, hash, fsync a temp file (a copy thread)
         ─► committer (a batch at a time): rename, fsync of the directories, manifest
-        lines, fsync ─► delete dump ─► the worker half releases the bytes
+        lines, fsync ─► outcome ─► delete dump (an I/O thread, not awaited) ─► freed:
+        the worker half releases the bytes
 
 A sample reaches the manifest only after its file is durable, and leaves /dev/shm only
 after its manifest line is. Each hand-off is answered with its outcome
-(:mod:`hsx_async.run.handoff`); the worker half does the rest.
+(:mod:`hsx_async.run.handoff`); the worker half does the rest. Neither the next commit
+nor the end of the run waits for a committed dump's deletion: freeing a large dump's
+tmpfs pages takes ~0.2 CPU-s per GB on 4 KiB pages, and as long again in wall time on a
+busy machine (bench/README.md, issue 27).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +65,6 @@ class _Line:
     line: bytes
     done: asyncio.Future[None]
     staged: Staged | None = None  # a sample file to name before its manifest line
-    dump: Path | None = None  # ... and its dump, deleted once the line is durable
 
 
 @dataclass
@@ -69,9 +73,9 @@ class Committer:
     was syncing is made durable together, so the cost per sample falls as load rises.
 
     A batch: rename the staged files into place, one fsync per directory they touched,
-    then one write + fsync per log file, then delete the samples' dumps. A manifest line
-    is never durable before its file and name are (PROTOCOL §4); a crash in between leaves
-    a named file without a line, which a resume deletes; a dump goes only after its line.
+    then one write + fsync per log file. A manifest line is never durable before its file
+    and name are (PROTOCOL §4); a crash in between leaves a named file without a line,
+    which a resume deletes. The writers delete a sample's dump once its commit returned.
     """
 
     manifest: AppendLog
@@ -87,10 +91,9 @@ class Committer:
     async def commit(self, log_file: AppendLog, line: bytes) -> None:
         await self._submit(_Line(log_file, line, self._future()))
 
-    async def commit_sample(self, staged: Staged, dump: Path) -> None:
-        """Name the staged file and list it in the manifest, durably; then delete its dump."""
-        line = _Line(self.manifest, staged.entry.to_line(), self._future(), staged, dump)
-        await self._submit(line)
+    async def commit_sample(self, staged: Staged) -> None:
+        """Name the staged file and list it in the manifest, durably."""
+        await self._submit(_Line(self.manifest, staged.entry.to_line(), self._future(), staged))
 
     def _future(self) -> asyncio.Future[None]:
         if self._failed is not None:
@@ -155,9 +158,6 @@ class Committer:
                     # kernel may have dropped the pages. Stop; resume repairs the tail.
                     raise write_error(exc, log_file.path) from exc
         failpoint("commit.after_append")
-        for item in batch:
-            if item.dump is not None:
-                delete_dump(item.dump)
 
 
 class Writers:
@@ -235,6 +235,7 @@ class Writers:
         log.warning("sample_quarantined", id=sample_id, input_line=line + 1, reason=reason)
 
     async def writer(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             item = await self.queue.get()
             if isinstance(item, EndOfInput):
@@ -244,11 +245,17 @@ class Writers:
             try:
                 outcome = await asyncio.shield(self._finish(item.job))
             finally:
-                if not isinstance(outcome, Committed):  # a committed dump is deleted
-                    await asyncio.get_running_loop().run_in_executor(
-                        self.executor, delete_dump, item.job.dump.path
-                    )
-                item.settle(outcome)
+                gone = loop.run_in_executor(self.executor, delete_dump, item.job.dump.path)
+                if isinstance(outcome, Committed):
+                    # Durable: answered at once; the dump goes meanwhile (not awaited:
+                    # Pipeline.close removes whatever is still there at the end).
+                    item.settle(outcome)
+                    gone.add_done_callback(functools.partial(_freed, item))
+                else:  # gone before the answer: a retry never meets its dump
+                    with contextlib.suppress(Exception):
+                        await gone
+                    item.settle(outcome)
+                    item.free()
 
     async def _finish(self, job: WriteJob) -> Outcome:
         """Write, then commit the manifest line: shielded so a drain never cuts it in half."""
@@ -260,7 +267,7 @@ class Writers:
         except DumpError as exc:
             # Nothing was written: the attempt failed after all (a hostile or still-writing
             # server), which the worker half charges or forgives like any other.
-            log.warning("dump_changed_before_copy", id=sample.id, error=str(exc))
+            log.warning("dump_refused_at_copy", id=sample.id, error=str(exc))
             return Failed(exc)
         except DiskFullError as exc:
             # The temp file is gone; pause intake and extract this sample again later.
@@ -268,7 +275,7 @@ class Writers:
             await self.guard.trip(str(exc))
             return Requeue(str(exc))
         try:
-            await self.committer.commit_sample(staged, job.dump.path)
+            await self.committer.commit_sample(staged)
         except Exception as exc:
             self.file_writer.forget(staged)  # the temp file, if it was not renamed yet
             if self.committer.failed:
@@ -280,6 +287,12 @@ class Writers:
         self.metrics.sample_done(entry.num_tokens, entry.size)
         log.debug("sample_done", id=entry.id, tokens=entry.num_tokens, bytes=entry.size)
         return Committed(entry)
+
+
+def _freed(item: Handoff[WriteJob], gone: asyncio.Future[None]) -> None:
+    item.free()
+    if not gone.cancelled() and (exc := gone.exception()) is not None:
+        log.warning("dump_not_deleted", dump=str(item.job.dump.path), error=repr(exc))
 
 
 def delete_dump(path: Path) -> None:

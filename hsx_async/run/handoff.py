@@ -10,8 +10,8 @@ charge an attempt, try again, quarantine).
 
 The outcomes:
 
-- :class:`Committed` — the sample's file and its manifest line are durable (the dump is
-  deleted).
+- :class:`Committed` — the sample's file and its manifest line are durable (its dump is
+  deleted next: :attr:`Handoff.freed`).
 - :class:`Requeue` — not written, for a reason that is not the sample's (the output disk
   is full): extract it again, uncharged.
 - :class:`Failed` — the attempt failed after all (the dump changed before its copy); the
@@ -75,16 +75,25 @@ JobT_contra = TypeVar("JobT_contra", contravariant=True)
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Handoff(Generic[JobT_co]):
-    """One job on its way to the writers; ``outcome`` resolves once, when they are done
-    with it (and done with whatever the job holds: the dump, its bytes)."""
+    """One job on its way to the writers. ``outcome`` resolves once, when they are done
+    with the sample; ``freed`` once they hold nothing of the job any more (its dump
+    deleted), never before ``outcome``. For a committed sample that comes later: freeing a
+    large dump's tmpfs pages takes a while (bench/README.md, issue 27), and neither the
+    next sample nor the end of the run waits for it, only the bytes it held."""
 
     job: JobT_co
     outcome: asyncio.Future[Outcome]
+    freed: asyncio.Future[None]
 
     def settle(self, outcome: Outcome) -> None:
         """Answer the hand-off (a second answer is ignored: the first one stands)."""
         if not self.outcome.done():
             self.outcome.set_result(outcome)
+
+    def free(self) -> None:
+        """The writers hold nothing of the job any more (after :meth:`settle`)."""
+        if not self.freed.done():
+            self.freed.set_result(None)
 
 
 class Sink(Protocol[JobT_contra]):

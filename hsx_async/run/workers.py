@@ -62,7 +62,8 @@ log = structlog.get_logger("hsx.workers")
 
 @dataclass(frozen=True, slots=True)
 class _Reserved:
-    """What a worker holds for a handed-off dump until its outcome comes back."""
+    """What a worker holds for a handed-off dump: the sample until its outcome comes back,
+    the rid and the bytes until the writers freed the dump."""
 
     sample: Sample
     tries: Tries  # the attempts behind this dump, counting it
@@ -248,6 +249,10 @@ class Workers:
 
     def _release(self, need: int) -> None:
         self.budget.release(need)
+        self._landed()
+
+    def _landed(self) -> None:
+        """A sample is no longer in flight (settled, or back in the intake)."""
         self.in_flight -= 1
         self.intake.wake()
 
@@ -332,28 +337,36 @@ class Workers:
         )
 
     async def _hand_off(self, sample: Sample, dump: Dump, tries: Tries, ns: str, need: int) -> None:
-        """Queue the dump for the writers; its outcome comes back to :meth:`_settle`."""
+        """Queue the dump for the writers; its outcome comes back to :meth:`_settle`, and
+        :meth:`_freed` releases what it holds once the writers deleted it."""
         job = write_job(self.config, sample, dump, self.nonce)
-        handoff = Handoff(job, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        handoff = Handoff(job, loop.create_future(), loop.create_future())
         await self.sink.submit(handoff)
         # No await since the put: the writers cannot have answered yet.
         reserved = _Reserved(sample, tries, ns, dump.path.name, need)
         self.live_rids[ns].add(reserved.rid)
         handoff.outcome.add_done_callback(functools.partial(self._settle, reserved))
+        handoff.freed.add_done_callback(functools.partial(self._freed, reserved))
 
     def _settle(self, held: _Reserved, done: asyncio.Future[Outcome]) -> None:
-        """The writers are done with a dump: what its outcome means for the sample."""
-        self.live_rids[held.ns].discard(held.rid)
+        """The writers are done with a sample: what its outcome means for it."""
         outcome = done.result() if not done.cancelled() else Abandoned("cancelled")
         if isinstance(outcome, Failed) and self._spawn_task(self._copy_failed(held, outcome)):
-            # Counting may quarantine (a commit): the bytes stay reserved, so the sample
-            # stays in flight, until that is durable.
+            # Counting may quarantine (a commit): the sample stays in flight until that
+            # is durable.
             return
         if isinstance(outcome, Committed):
             self.settled += 1
         elif isinstance(outcome, Requeue):
             self._requeue(held.sample, held.tries)  # a full disk: uncharged
-        self._release(held.need)
+        self._landed()
+
+    def _freed(self, held: _Reserved, _: asyncio.Future[None]) -> None:
+        """The writers deleted the dump: its rid and its /dev/shm bytes are free."""
+        self.live_rids[held.ns].discard(held.rid)
+        self.budget.release(held.need)
+        self.intake.wake()
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> bool:
         """Run ``coro`` in the run's task group; False (and ``coro`` dropped) once the
@@ -375,7 +388,7 @@ class Workers:
             if not await self._count_failure(held.sample, held.tries, error):
                 self._requeue(held.sample, held.tries)
         finally:
-            self._release(held.need)
+            self._landed()
 
 
 def namespace_base(config: Config) -> str:

@@ -81,17 +81,11 @@ async def test_samples_arriving_during_a_flush_are_committed_together_next(
 ) -> None:
     publish = _Publisher()
     committer, manifest = _committer(tmp_path, executor, publish)
-    dumps = [tmp_path / f"dump-{i}" for i in range(4)]
-    for dump in dumps:
-        dump.mkdir()
     publish.release.clear()
     async with running(committer):
-        first = asyncio.create_task(committer.commit_sample(_staged(tmp_path, "a"), dumps[0]))
+        first = asyncio.create_task(committer.commit_sample(_staged(tmp_path, "a")))
         await asyncio.to_thread(publish.entered.wait)
-        rest = [
-            asyncio.create_task(committer.commit_sample(_staged(tmp_path, n), d))
-            for n, d in zip("bcd", dumps[1:], strict=True)
-        ]
+        rest = [asyncio.create_task(committer.commit_sample(_staged(tmp_path, n))) for n in "bcd"]
         await asyncio.sleep(0)  # let them queue behind the held flush
         publish.release.set()
         await asyncio.gather(first, *rest)
@@ -101,7 +95,6 @@ async def test_samples_arriving_during_a_flush_are_committed_together_next(
     ]
     assert _listed(manifest) == [f"{n}.safetensors" for n in "abcd"]
     assert all((tmp_path / f"{n}.safetensors").exists() for n in "abcd")
-    assert not any(d.exists() for d in dumps), "each dump goes once its line is durable"
 
 
 async def test_a_failed_publish_lists_nothing_and_refuses_later_samples(
@@ -110,18 +103,15 @@ async def test_a_failed_publish_lists_nothing_and_refuses_later_samples(
     publish = _Publisher()
     publish.fail = True
     committer, manifest = _committer(tmp_path, executor, publish)
-    dump = tmp_path / "dump"
-    dump.mkdir()
     async with running(committer) as task:
         with pytest.raises(WriteError, match="renaming failed"):
-            await committer.commit_sample(_staged(tmp_path, "a"), dump)
+            await committer.commit_sample(_staged(tmp_path, "a"))
         with pytest.raises(WriteError, match="an earlier commit failed"):
-            await committer.commit_sample(_staged(tmp_path, "b"), dump)
+            await committer.commit_sample(_staged(tmp_path, "b"))
         with pytest.raises(WriteError):
             await task
     assert committer.failed
     assert manifest.read_bytes() == b""
-    assert dump.exists(), "a dump is deleted only after its line is durable"
 
 
 async def test_a_commit_cancelled_mid_flush_never_lists_what_queued_behind_it(
@@ -134,13 +124,9 @@ async def test_a_commit_cancelled_mid_flush_never_lists_what_queued_behind_it(
     publish.release.clear()
     committer, manifest = _committer(tmp_path, executor, publish)
     async with running(committer) as task:
-        first = asyncio.create_task(
-            committer.commit_sample(_staged(tmp_path, "a"), tmp_path / "no-dump")
-        )
+        first = asyncio.create_task(committer.commit_sample(_staged(tmp_path, "a")))
         await asyncio.to_thread(publish.entered.wait)
-        behind = asyncio.create_task(
-            committer.commit_sample(_staged(tmp_path, "b"), tmp_path / "no-dump")
-        )
+        behind = asyncio.create_task(committer.commit_sample(_staged(tmp_path, "b")))
         await asyncio.sleep(0)
         task.cancel()
         results = await asyncio.gather(first, behind, return_exceptions=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -55,11 +56,19 @@ async def _writers(tmp_path: Path, shm_root: Path) -> AsyncIterator[Writers]:
         quarantine.close()
 
 
+def _handoff(job: WriteJob) -> Handoff[WriteJob]:
+    loop = asyncio.get_running_loop()
+    return Handoff(job, loop.create_future(), loop.create_future())
+
+
 async def _answer(writers: Writers, job: WriteJob) -> Outcome:
-    handoff = Handoff(job, asyncio.get_running_loop().create_future())
+    """The outcome of one hand-off, once the writers also freed what it held."""
+    handoff = _handoff(job)
     await writers.submit(handoff)
     async with asyncio.timeout(10):
-        return await handoff.outcome
+        outcome = await handoff.outcome
+        await handoff.freed
+    return outcome
 
 
 async def test_a_written_dump_is_answered_committed(tmp_path: Path, shm_root: Path) -> None:
@@ -68,7 +77,7 @@ async def test_a_written_dump_is_answered_committed(tmp_path: Path, shm_root: Pa
         outcome = await _answer(writers, case.job)
     assert isinstance(outcome, Committed)
     assert [e.id for e in read_manifest(tmp_path / "out")] == [outcome.entry.id]
-    assert not case.job.dump.path.exists()  # the commit deleted the dump
+    assert not case.job.dump.path.exists()  # deleted once committed
 
 
 @pytest.mark.parametrize(
@@ -101,3 +110,38 @@ def test_the_writer_half_imports_nothing_of_the_worker_half() -> None:
         node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
     }
     assert not imported & {"hsx_async.run.workers", "hsx_async.run.retry", "hsx_async.run.pool"}
+
+
+async def test_a_committed_dump_is_answered_at_once_and_freed_once_deleted(
+    tmp_path: Path, shm_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A committed sample is answered as soon as its line is durable; its dump is deleted
+    after that, in an I/O thread the writer does not wait for (freeing a large dump's
+    pages is slow): the next hand-off and the end of the writers go on meanwhile, and
+    ``freed`` (the worker half's cue to release the bytes) comes once the dump is gone."""
+    first, second = make_case(shm_root, ALIGNED, sid="a"), make_case(shm_root, ALIGNED, sid="b")
+    manifest = tmp_path / "out" / "manifest.jsonl"
+    hold = threading.Event()
+    listed_at_delete: list[int] = []
+    real_delete = commit_module.delete_dump
+
+    def held_delete(path: Path) -> None:
+        listed_at_delete.append(len(read_manifest(manifest.parent)))
+        if path == first.job.dump.path:
+            assert hold.wait(10)
+        real_delete(path)
+
+    monkeypatch.setattr(commit_module, "delete_dump", held_delete)
+    async with _writers(tmp_path, shm_root) as writers:
+        held = _handoff(first.job)
+        await writers.submit(held)
+        async with asyncio.timeout(10):
+            assert isinstance(await held.outcome, Committed)
+            assert isinstance(await _answer(writers, second.job), Committed)  # not held up
+        assert not held.freed.done() and first.job.dump.path.exists()
+        hold.set()
+        async with asyncio.timeout(10):
+            await held.freed
+    assert not first.job.dump.path.exists()
+    assert listed_at_delete[0] >= 1  # the line was durable before its dump went
+    assert {e.id for e in read_manifest(manifest.parent)} == {"a", "b"}
