@@ -506,7 +506,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--writer-threads", type=int, help="hsx [writer].threads (default: the config default)"
     )
     p.add_argument("--concurrency", type=int, help="hsx [workers].concurrency (default: ditto)")
-    p.add_argument("--pairs", type=int, default=8, help="paired rounds (raw copy, hsx)")
+    p.add_argument("--pairs", type=int, help="paired rounds (raw copy, hsx); default 8 (smoke: 2)")
     p.add_argument("--pair-gb", type=float, default=1.5, help="GB moved by each of a pair")
     p.add_argument(
         "--pair-method", choices=sorted(COPIES), default=PAIRED_METHOD,
@@ -530,7 +530,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"unknown phase {sorted(unknown)[0]!r}; known: {', '.join(PHASES)}")
     if args.smoke:
         args.gb, args.hidden_size, args.mean_len, args.max_len = 0.05, 512, 200.0, 2048
-        args.repeat, args.pairs, args.pair_gb = 1, 2, 0.02
+        args.repeat, args.pair_gb = 1, 0.02
+    if args.pairs is None:
+        args.pairs = 2 if args.smoke else 8
     return args
 
 
@@ -638,11 +640,14 @@ def pair_clients(args: argparse.Namespace) -> list[Client]:
 def pair_orders(members: int, pairs: int) -> list[tuple[int, ...]]:
     """The order of the members (0 = the raw copy) in each pair: every permutation next to
     its reverse, so that in each two pairs running one after the other each member comes
-    before each other one once (a drift within a pair favours none)."""
-    orders: list[tuple[int, ...]] = []
+    before each other one once (a drift within a pair favours none); those with the raw
+    copy in the middle first (each hsx right next to it)."""
+    couples: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for perm in itertools.permutations(range(members)):
-        if perm not in orders and perm[::-1] not in orders:
-            orders += [perm, perm[::-1]]
+        if all(perm not in c for c in couples):
+            couples.append((perm, perm[::-1]))
+    couples.sort(key=lambda c: abs(c[0].index(0) - (members - 1) / 2))
+    orders = [order for couple in couples for order in couple]
     return [orders[i % len(orders)] for i in range(pairs)]
 
 
@@ -679,6 +684,7 @@ def paired_phase(ctx: Ctx) -> dict[str, Any]:
         for member in order:
             if consumed:
                 prefabs = make_prefabs(prefab_dir, lengths, ctx.model)
+                consumed = False
             if member == 0:
                 raw = raw_copy(prefabs, s.disk / "raw", args.pair_method, streams)
                 continue

@@ -110,17 +110,17 @@ def test_throughput_pairs_hsx_with_the_raw_copy_asked_for(tmp_path: Path, shm_ro
 
 
 def test_throughput_pairs_another_checkout_in_every_pair(tmp_path: Path, shm_root: Path) -> None:
-    """``--compare-src``: a second hsx (here the same tree, by another path) in each pair,
-    the order of the three members changing from pair to pair."""
+    """``--compare-src``: a second hsx (here the same tree) in each pair, the order of the
+    three members changing from pair to pair (the dumps written again after each hsx)."""
     repo = BENCH.parent
     data = run_smoke(
-        "throughput.py", tmp_path, shm_root, "--phases", "paired", "--compare-src", str(repo),
-        "--compare-name", "other",
+        "throughput.py", tmp_path, shm_root, "--phases", "paired", "--pairs", "3",
+        "--compare-src", str(repo), "--compare-name", "other",
     )  # fmt: skip
     paired = data["paired"]
     assert [c["name"] for c in paired["clients"]] == ["hsx", "other"]
     orders = [p["order"] for p in paired["pairs"]]
-    assert orders == [["raw", "hsx", "other"], ["other", "hsx", "raw"]]
+    assert orders == [["hsx", "raw", "other"], ["other", "raw", "hsx"], ["raw", "hsx", "other"]]
     for p in paired["pairs"]:
         other = p["others"]["other"]
         assert positive(other["hsx_gb_per_s"]) and positive(other["ratio"])
