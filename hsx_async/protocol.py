@@ -7,11 +7,12 @@ servers and the SGLang hook all import this module, so a rule lives in exactly o
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from hsx_async.errors import DumpError
@@ -405,6 +406,38 @@ def check_part_sizes(meta: DumpMeta, sizes: dict[tuple[int, int], int], per_row:
     extra = sorted(set(sizes) - set(meta.parts))
     if extra:
         raise DumpError(f"part {part_name(*extra[0])} is not listed in meta.json")
+
+
+# A scale is max(amax(|x|) / 448, 2^-126) (§3): positive, normal and finite. As bits: sign
+# clear and a biased exponent of 1..254, i.e. 0x00800000 (2^-126) to 0x7F7FFFFF (float32's
+# largest), one unsigned compare after an offset.
+_SCALE_LOWEST_BITS = 0x00800000
+_SCALE_BITS_SPAN = 0x7F800000 - _SCALE_LOWEST_BITS
+
+SectionCheck = Callable[[bytes | bytearray | memoryview], "str | None"]
+
+
+def section_check(section: Section) -> SectionCheck | None:
+    """The check a dump's bytes of ``section`` must pass before they are written to the
+    dataset, or None where any bytes of the right size are valid (bfloat16 and e4m3fn
+    values): the FP8 scales must be what the quantization rule makes (§3). The check takes
+    a block of the section's bytes (whole values) and returns what is wrong, or None."""
+    return _check_scales if section.name == SCALES else None
+
+
+def _check_scales(data: bytes | bytearray | memoryview) -> str | None:
+    """float32 scales that no quantizer makes: negative, zero, subnormal (< 2^-126),
+    infinite or NaN (a negative scale flips the sign of its vector, NaN poisons it)."""
+    bits = np.frombuffer(data, dtype="<u4")
+    bad = (bits - np.uint32(_SCALE_LOWEST_BITS)) >= np.uint32(_SCALE_BITS_SPAN)
+    count = int(np.count_nonzero(bad))
+    if not count:
+        return None
+    first = float(bits[int(np.argmax(bad)) :].view("<f4")[0])
+    return (
+        f"{count} FP8 scales are negative, zero, subnormal or not finite (first: {first!r}); "
+        "the quantization rule makes max(amax / 448, 2^-126)"
+    )
 
 
 def storage_params(storage: Storage) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,11 @@ from hypothesis import strategies as st
 from hsx_async.errors import DumpError
 from hsx_async.protocol import (
     CUSTOM_PARAM_NS,
+    FP8,
     NS_PATTERN,
     RID_PATTERN,
     DumpMeta,
+    Storage,
     check_meta,
     check_part_sizes,
     check_response,
@@ -28,6 +31,7 @@ from hsx_async.protocol import (
     part_name,
     request_dir,
     row_bytes,
+    section_check,
     valid_ns,
     valid_rid,
 )
@@ -356,3 +360,41 @@ def test_check_response_accepts(cached: object) -> None:
 def test_check_response_rejects(body: object, match: str) -> None:
     with pytest.raises(DumpError, match=match):
         check_response(body, rid="r", num_tokens=3)
+
+
+# --- the FP8 scale rule (§3): what the copy refuses -------------------------------------
+
+_VALID_SCALE_BITS = [0x00800000, 0x3F800000, 0x7F7FFFFF]  # 2^-126, 1.0, float32's largest
+_INVALID_SCALE_BITS = [
+    0x00000000,  # zero
+    0x00000001,  # the smallest subnormal
+    0x007FFFFF,  # the largest subnormal
+    0x7F800000,  # +Inf
+    0x7FC00000,  # NaN
+    0x80000000,  # -0
+    0x80800000,  # -2^-126
+    0xBF800000,  # -1.0
+    0xFF800000,  # -Inf
+    0xFFFFFFFF,  # a negative NaN
+]
+
+
+def _scale_bytes(*bits: int) -> bytes:
+    return struct.pack(f"<{len(bits)}I", *bits)
+
+
+def test_only_the_fp8_scale_section_is_checked() -> None:
+    names = {s.name: section_check(s) for s in Storage(FP8, (0, 1)).sections(3, 8)}
+    assert names["hidden_states"] is None and names["hidden_states_unquantized"] is None
+    assert names["hidden_states_scales"] is not None
+    assert all(section_check(s) is None for s in Storage().sections(3, 8))
+
+
+@pytest.mark.parametrize("bits", _INVALID_SCALE_BITS, ids=hex)
+def test_a_scale_no_quantizer_makes_is_refused(bits: int) -> None:
+    (scales,) = (s for s in Storage(FP8, (0,)).sections(2, 8) if s.name == "hidden_states_scales")
+    check = section_check(scales)
+    assert check is not None
+    assert check(_scale_bytes(*_VALID_SCALE_BITS)) is None
+    problem = check(_scale_bytes(*_VALID_SCALE_BITS, bits, bits))
+    assert problem is not None and problem.startswith("2 FP8 scales are negative, zero, sub")

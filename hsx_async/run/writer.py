@@ -11,9 +11,13 @@ Two steps, so that the slow part runs in parallel and the syncs are shared:
 
 FP8 datasets (PROTOCOL version 3): a dump the hook stored as FP8 is copied the same way,
 section by section (each file tensor is one section of every part, in row order), bytes
-unchanged. A server that dumped bfloat16 gets its rows quantized here, by the same
-quantizer, a bounded block of rows at a time (:func:`_encoded`): the same file as if the
-hook had done it, at the CPU cost bench/README.md ("FP8") measures.
+unchanged; its scales (4 bytes a vector) pass through a small private buffer, checked
+there against the quantization rule (:func:`~hsx_async.protocol.section_check`: a
+negative, zero, subnormal or non-finite scale is an invalid dump, a failed attempt), so
+the big sections get no extra pass and what is checked is what is written. A server that
+dumped bfloat16 gets its rows quantized here, by the same quantizer, a bounded block of
+rows at a time (:func:`_encoded`): the same file as if the hook had done it, at the CPU
+cost bench/README.md ("FP8") measures.
 
 Copy methods:
 
@@ -48,7 +52,7 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +65,7 @@ from hsx_async.dataset.durable import fsync_dir, write_error
 from hsx_async.dataset.layout import ALIGN, FileLayout
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DumpError, WriteError
+from hsx_async.protocol import SectionCheck, num_layers, section_check
 from hsx_async.run.dump import Dump, DumpLinkError, open_dump_dir, open_dump_file
 from hsx_async.run.failpoints import failpoint
 from hsx_async.run.source import Sample
@@ -424,28 +429,64 @@ class _AlignedFile:
 
 @dataclass(frozen=True, slots=True)
 class _Piece:
-    """A byte range of one dump part, copied unchanged into the file."""
+    """A byte range of one dump part, copied unchanged into the file; ``check``: the rule
+    its bytes must pass (:func:`~hsx_async.protocol.section_check`: the FP8 scales)."""
 
     path: Path
     part_bytes: int  # the whole part's size, re-checked on the descriptor
     offset: int
     length: int
+    check: SectionCheck | None = None
 
 
 def _pieces(job: WriteJob) -> list[_Piece]:
     """What the file's hidden sections are made of when the dump holds the dataset's own
     storage: each section in turn, each part's range of it in row order (a part holds its
     rows' sections back to back, the file each section over all rows)."""
-    rows = [e - s for s, e in job.dump.meta.parts]
-    sections = job.layout.section_row_bytes
-    per_row = sum(sections)
+    meta = job.dump.meta
+    rows = [e - s for s, e in meta.parts]
+    sections = job.layout.storage.sections(num_layers(meta.aux_layers), meta.hidden_size)
+    per_row = sum(section.row_bytes for section in sections)
     pieces: list[_Piece] = []
     before = 0  # bytes per row of the sections before this one
     for section in sections:
+        check = section_check(section)
         for path, n in zip(job.dump.part_paths(), rows, strict=True):
-            pieces.append(_Piece(path, n * per_row, n * before, n * section))
-        before += section
+            pieces.append(_Piece(path, n * per_row, n * before, n * section.row_bytes, check))
+        before += section.row_bytes
     return pieces
+
+
+class _Scratch(threading.local):
+    """A small buffer per copy thread for the pieces that are checked on their way."""
+
+    buf: bytearray | None = None
+
+    def get(self) -> bytearray:
+        if self.buf is None or len(self.buf) < SUB:
+            self.buf = bytearray(SUB)
+        return self.buf
+
+
+_scratch = _Scratch()
+
+
+def _copy_checked(part_fd: int, piece: _Piece, emit: Callable[[memoryview], None]) -> None:
+    """A piece whose bytes must pass a check (the FP8 scales: a tiny share of the bytes),
+    read a block at a time into private memory, checked there and only then handed to
+    ``emit`` (hashed and written): what is checked is what is written, whatever the server
+    does to the part meanwhile. A block is a multiple of 4 bytes: whole float32 values."""
+    assert piece.check is not None
+    with memoryview(_scratch.get()) as scratch:
+        pos, end = piece.offset, piece.offset + piece.length
+        while pos < end:
+            with scratch[: min(SUB, end - pos)] as block:
+                _read_exact(part_fd, piece.path.name, block, pos)
+                problem = piece.check(block)
+                if problem is not None:
+                    raise DumpError(f"{piece.path.name}: {problem}")
+                emit(block)
+                pos += block.nbytes
 
 
 def _transcoded(job: WriteJob) -> bool:
@@ -534,7 +575,10 @@ def _write_direct(fd: int, job: WriteJob, hasher: Hasher) -> None:
             for piece in _pieces(job):
                 part_fd = _open_part(piece.path, piece.part_bytes)
                 try:
-                    out.copy_part(part_fd, piece.path.name, piece.offset, piece.length)
+                    if piece.check is None:
+                        out.copy_part(part_fd, piece.path.name, piece.offset, piece.length)
+                    else:
+                        _copy_checked(part_fd, piece, out.put)
                 finally:
                     os.close(part_fd)
         out.put(_tail(job))
@@ -542,9 +586,18 @@ def _write_direct(fd: int, job: WriteJob, hasher: Hasher) -> None:
 
 
 def _send_piece(fd: int, piece: _Piece, hasher: Hasher) -> None:
-    """A piece of a part through the kernel (``sendfile``), then hashed from the tmpfs."""
+    """A piece of a part through the kernel (``sendfile``), then hashed from the tmpfs; a
+    piece to check goes through private memory instead (:func:`_copy_checked`)."""
     part_fd = _open_part(piece.path, piece.part_bytes)
     try:
+        if piece.check is not None:
+
+            def emit(block: memoryview) -> None:
+                _write_all(fd, block)
+                hasher.update(block)
+
+            _copy_checked(part_fd, piece, emit)
+            return
         offset, end = piece.offset, piece.offset + piece.length
         while offset < end:
             sent = os.sendfile(fd, part_fd, offset, min(end - offset, 1 << 30))

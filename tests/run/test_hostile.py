@@ -532,3 +532,52 @@ def test_namespace_lock_names_never_collide_across_prefixes() -> None:
     assert base("hsx", 0, 1) == "hsx-w"
     assert base("hsx", 0, 2) == "hsx-s0-w"
     assert base("hsx-s0", 0, 1) == base("hsx", 0, 2)  # same namespaces: the same lock
+
+
+# --- 8. FP8 scales that no quantizer makes (issue 24) ------------------------------------
+
+
+async def test_a_hook_writing_impossible_fp8_scales_fails_the_attempt(
+    tmp_path: Path, shm_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hook that stores negative scales (impossible under PROTOCOL §3: a sign flip of the
+    rows that only ``verify --deep`` used to notice, after the fact) fails the attempt like
+    any invalid part: the sample whose every dump has them is quarantined with the reason
+    after ``max_attempts``, and nothing of it is written; the others are written."""
+    import numpy as np
+    import torch
+
+    from hsx_async import quantize
+    from hsx_async.server.fake.content import expected_hidden_states
+    from hsx_async.server.fake.server import FakeOptions, running_fake_server
+
+    samples = write_samples(tmp_path / "in.jsonl", 4, max_len=40, seed=5)
+    bad_ids = [77_777, 5, 6]  # the first token no other sample has (ids < 50,000)
+    with samples.path.open("ab") as fh:
+        fh.write(orjson.dumps({"id": "negative", "input_ids": bad_ids}) + b"\n")
+    layers = len(AUX) + 1
+    first_row = expected_hidden_states(bad_ids[:1], H, layers).view(np.int16)
+    bad_row = torch.from_numpy(first_row).view(torch.bfloat16)[0]
+    real_encode = quantize.encode_rows
+
+    def hostile_encode(rows: torch.Tensor, storage: Any) -> list[torch.Tensor]:
+        sections = real_encode(rows, storage)
+        if torch.equal(rows[0], bad_row):  # this sample's rows: its scales negated
+            sections[1] = sections[1].neg()
+        return sections
+
+    monkeypatch.setattr(quantize, "encode_rows", hostile_encode)
+    options = FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=shm_root)
+    async with running_fake_server(options) as fake:
+        config = make_config(
+            tmp_path, samples.path, [fake.url], shm_root, hidden_size=H, aux_layers=AUX,
+            output={"dtype": "float8_e4m3fn"}, workers={"max_attempts": 2},
+        )  # fmt: skip
+        summary = await _run(config)
+    assert (summary.done, summary.quarantined, summary.unfinished) == (4, 1, 0)
+    out = config.output.dir
+    assert sorted(str(e.id) for e in read_manifest(out)) == sorted(samples.good)
+    (q,) = read_quarantine(out)
+    assert q.id == "negative"
+    assert re.search(r"^2 attempts failed; last: part-\S+: 12 FP8 scales are negative", q.reason)
+    assert shm_leftovers(shm_root) == []

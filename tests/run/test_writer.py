@@ -698,3 +698,90 @@ def test_the_client_imports_torch_only_to_quantize() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def _corrupt_scale(job: WriteJob, value: float, *, part: int = 1, row: int = 3) -> None:
+    """Overwrite one float32 scale of a hook-written FP8 dump (its scale section follows
+    the e4m3fn one in each part), as a broken or hostile hook could leave it."""
+    meta = job.dump.meta
+    start, end = meta.parts[part]
+    n, lq, hidden = end - start, len(job.layout.storage.quantized), meta.hidden_size
+    offset = n * lq * hidden + (row * lq + lq - 1) * 4  # the last quantized slot of the row
+    path = job.dump.part_paths()[part]
+    with path.open("r+b") as fh:
+        fh.seek(offset)
+        fh.write(np.array([value], dtype="<f4").tobytes())
+
+
+BAD_SCALES = {
+    "negative": -0.5,
+    "zero": 0.0,
+    "negative zero": -0.0,
+    "subnormal": 2.0**-127,
+    "smallest subnormal": 2.0**-149,
+    "NaN": float("nan"),
+    "Inf": float("inf"),
+    "-Inf": float("-inf"),
+}
+
+
+@pytest.mark.parametrize("method", ["direct", "sendfile"])
+@pytest.mark.parametrize("value", list(BAD_SCALES.values()), ids=list(BAD_SCALES))
+def test_fp8_scales_no_quantizer_makes_fail_the_copy(
+    shm_root: Path, tmp_path: Path, method: str, value: float
+) -> None:
+    """PROTOCOL §3 makes every scale max(amax / 448, 2^-126): a hook-written scale that is
+    negative (it flips the sign of its vector), zero, subnormal or not finite is an invalid
+    dump, refused while its bytes are copied; nothing is written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _fp8_case(shm_root, Storage(FP8, (0, 1, 2)), dump_fp8=True, rid="r-bad")
+    _corrupt_scale(job, value)
+    fw = FileWriter(out, method=method, fsync=False, row_bytes=ALIGNED.row)
+    with pytest.raises(DumpError, match=r"part-0000000016-0000000030\.bin: 1 FP8 scales are "):
+        fw.stage(job)
+    fw.close()
+    assert_nothing_written(out)
+
+
+@pytest.mark.parametrize("method", ["direct", "sendfile"])
+def test_fp8_scales_at_the_rules_bounds_are_copied(
+    shm_root: Path, tmp_path: Path, method: str
+) -> None:
+    """The smallest scale the rule makes (2^-126: an all-zero vector) and float32's largest
+    pass; the file holds them as dumped."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _fp8_case(shm_root, Storage(FP8, (0, 1, 2)), dump_fp8=True, rid="r-edge")
+    _corrupt_scale(job, 2.0**-126, row=0)
+    _corrupt_scale(job, float(np.finfo(np.float32).max), row=1)
+    fw = FileWriter(out, method=method, fsync=False, row_bytes=ALIGNED.row)
+    write_one(fw, job)
+    fw.close()
+    with safe_open(str(out / job.relpath), "pt") as fh:
+        scales = fh.get_tensor("hidden_states_scales")
+    assert scales[16, 2, 0].item() == 2.0**-126
+    assert scales[17, 2, 0].item() == float(np.finfo(np.float32).max)
+
+
+def test_a_checked_section_is_read_in_blocks_and_still_hashed_in_order(
+    shm_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scales are checked a bounded block at a time (here 8 bytes: two scales); a bad one
+    in a later block is found, and a good dump's file and hash are the plain copy's."""
+    monkeypatch.setattr(writer_module, "SUB", 8)
+    storage = Storage(FP8, (0, 1, 2))
+    for name, value in (("good", None), ("bad", -1.0)):
+        out = tmp_path / name
+        out.mkdir()
+        job = _fp8_case(shm_root, storage, dump_fp8=True, rid=f"r-{name}")
+        fw = FileWriter(out, method="direct", fsync=False, row_bytes=ALIGNED.row)
+        if value is None:
+            entry = write_one(fw, job)
+            data = (out / job.relpath).read_bytes()
+            assert entry.xxh3_64 == xxhash.xxh3_64_hexdigest(data)
+        else:
+            _corrupt_scale(job, value, row=12)
+            with pytest.raises(DumpError, match="1 FP8 scales are negative"):
+                fw.stage(job)
+        fw.close()
