@@ -34,6 +34,7 @@ from hsx_async.cli import (
     status,
     verify,
 )
+from hsx_async.cli.help import CommandParser
 from hsx_async.errors import ForcedExit, HsxError, NoServerError
 
 # Order is the order of ``hsx --help``.
@@ -62,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hsx", description="Extract EAGLE-3 hidden states from SGLang into a dataset."
     )
     parser.add_argument("--version", action="version", version=f"hsx {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=CommandParser
+    )
     for command in COMMANDS:
         command.add_parser(sub)
     return parser

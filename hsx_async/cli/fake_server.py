@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from hsx_async.cli.help import RawEpilogHelpFormatter
+
 # What each injected fault does (``--faults``); the keys are exactly ALL_FAULTS, in order.
 FAULT_HELP: dict[str, str] = {
     "http_500": "answer 500 at once, nothing written",
@@ -52,10 +54,6 @@ def _fault_list(text: str) -> tuple[str, ...]:
     return names
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults after each option; the fault list keeps its lines."""
-
-
 def _fault_epilog() -> str:
     width = max(len(k) for k in FAULT_HELP)
     rows = [f"  {kind:<{width}}  {text}" for kind, text in FAULT_HELP.items()]
@@ -74,7 +72,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "faults on demand. Listens on 127.0.0.1 unless --host says otherwise."
         ),
         epilog=_fault_epilog(),
-        formatter_class=_HelpFormatter,
+        formatter_class=RawEpilogHelpFormatter,  # the fault list keeps its lines
     )
     add = p.add_argument
     add("--host", default="127.0.0.1", help="listen address")

@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         choices=("keep", "drop", "override"),
         default="keep",
         help="the records' system prompts: keep them, drop them, or replace them with "
-        "--system-prompt (default: keep)",
+        "--system-prompt",
     )
     p.add_argument("--system-prompt", default=None, help="added when absent (keep), or the one")
     p.add_argument("--max-tokens", type=int, default=None, help="default: [input].max_tokens")
@@ -34,9 +34,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         choices=("skip", "truncate"),
         default="skip",
         help="a conversation over --max-tokens: quarantine it (skip) or cut it at the limit "
-        "(truncate); either is counted in the summary (default: skip)",
+        "(truncate); either is counted in the summary",
     )
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="processes encoding in parallel (default: one per CPU, %(default)s here)",
+    )
     p.add_argument("--quarantine", type=Path, default=None, help="default: OUT's stem")
     p.add_argument("--config", type=Path, default=None, help="job.toml: size estimate")
     p.set_defaults(handler="hsx_async.prepare.command:prepare_command")

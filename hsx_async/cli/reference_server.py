@@ -27,10 +27,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "built from --seed, no download)."
         ),
     )
-    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=30000, help="listen port (default 30000)")
-    p.add_argument("--model", default=None, help="local Hugging Face model directory")
-    p.add_argument("--aux-layers", default=None, help="comma-separated, e.g. 1,3,5")
+    p.add_argument("--host", default="127.0.0.1", help="listen address")
+    p.add_argument("--port", type=int, default=30000, help="listen port")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face model directory (default: the built-in tiny Llama)",
+    )
+    p.add_argument(
+        "--aux-layers",
+        default=None,
+        help="layers to capture, comma-separated, e.g. 1,3,5 (default: SGLang's EAGLE-3 "
+        "choice 2,L/2,L-3 for L layers; 1,3,5 for the built-in model)",
+    )
     p.add_argument(
         "--dump-root",
         type=Path,
@@ -41,14 +50,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--chunk-size",
         type=int,
         default=64,
-        help="most rows of one request per pass (default %(default)s)",
+        help="most rows of one request per pass",
     )
     p.add_argument(
         "--max-batch-tokens",
         type=int,
         default=256,
-        help="tokens of one batched pass (default %(default)s)",
+        help="tokens of one batched pass",
     )
     p.add_argument("--seed", type=int, default=0, help="weights of the built-in model")
-    p.add_argument("--threads", type=int, default=_default_threads(), help="torch threads")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=_default_threads(),
+        help="torch threads (default: the CPUs less one, %(default)s here)",
+    )
     p.set_defaults(handler="hsx_async.server.reference.server:reference_server_command")

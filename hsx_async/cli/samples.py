@@ -13,7 +13,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "Write COUNT random samples (PROTOCOL §1: one JSON object with id and input_ids "
             "per line) to FILE. The same arguments always write the same file."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--count", type=int, required=True, help="number of samples")
     p.add_argument("--max-len", type=int, default=512, help="longest sample, in tokens")

@@ -41,3 +41,45 @@ def test_fake_server_help_lists_defaults_and_every_fault() -> None:
     assert "(default: 1,3,5)" in text and "(default: 30000)" in text
     for kind in ALL_FAULTS:
         assert f"{kind} {' '.join(FAULT_HELP[kind].split())}" in text, kind
+
+
+def _option_help(command: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """What ``--help`` prints for one option, on one line."""
+    formatter = command._get_formatter()
+    return " ".join(formatter._expand_help(action).split()) if action.help else ""
+
+
+@pytest.mark.parametrize("name", sorted(_commands()))
+def test_every_default_is_said_once_where_it_means_something(name: str) -> None:
+    """Issue 26: "(default: None)" on required arguments, a doubled default on `samples
+    --min-len`, no default shown for prepare --workers, verify --fraction/--threads and the
+    reference server's --aux-layers/--seed/--threads."""
+    command = _commands()[name]
+    assert "(default: None)" not in command.format_help()
+    for action in command._actions:
+        text = _option_help(command, action)
+        assert text.count("default") <= 1, f"hsx {name} {action.dest}: {text}"
+        flag = isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction)
+        if action.required or not action.option_strings or flag or action.dest == "help":
+            assert "(default: " not in text or not action.required, f"{name} {action.dest}"
+            continue
+        if action.default is not None:
+            assert "default" in text, f"hsx {name} {action.option_strings[0]}: {text}"
+
+
+def test_the_defaults_the_issue_found_missing_are_shown() -> None:
+    commands = _commands()
+    for name, option, shown in [
+        ("prepare", "--workers", "one per CPU"),
+        ("verify", "--fraction", "(default: 1.0)"),
+        ("verify", "--threads", "(default: 2)"),
+        ("reference-server", "--aux-layers", "2,L/2,L-3"),
+        ("reference-server", "--seed", "(default: 0)"),
+        ("reference-server", "--threads", "the CPUs less one"),
+        ("samples", "--max-len", "(default: 512)"),
+    ]:
+        command = commands[name]
+        [action] = [a for a in command._actions if option in a.option_strings]
+        assert shown in _option_help(command, action), (name, option)
+    count = next(a for a in commands["samples"]._actions if "--count" in a.option_strings)
+    assert "default" not in _option_help(commands["samples"], count)
