@@ -29,6 +29,14 @@ class ConfigError(HsxError):
         super().__init__(f"config key {key!r}: {message}" if key else message)
 
 
+class ArgumentError(ConfigError):
+    """A command-line argument is invalid, named as it is typed (``--workers``, ``INPUT``)."""
+
+    def __init__(self, argument: str, message: str) -> None:
+        HsxError.__init__(self, f"argument {argument}: {message}")
+        self.key = argument
+
+
 class InputError(HsxError):
     """The input JSONL cannot be opened or read."""
 

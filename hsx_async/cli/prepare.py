@@ -44,4 +44,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--quarantine", type=Path, default=None, help="default: OUT's stem")
     p.add_argument("--config", type=Path, default=None, help="job.toml: size estimate")
+    p.add_argument(
+        "--json", action="store_true", help="print the summary as one JSON object instead"
+    )
     p.set_defaults(handler="hsx_async.prepare.command:prepare_command")

@@ -25,7 +25,7 @@ import orjson
 from hsx_async.config import load_config
 from hsx_async.dataset.durable import open_atomic
 from hsx_async.dataset.layout import canonical_id
-from hsx_async.errors import ConfigError
+from hsx_async.errors import ArgumentError
 from hsx_async.parallel import ordered_map
 from hsx_async.prepare.encode import (
     ChunkResult,
@@ -35,7 +35,7 @@ from hsx_async.prepare.encode import (
     encode_chunk,
     init_worker,
 )
-from hsx_async.prepare.summary import PrepareStats, disk_free, size_estimate
+from hsx_async.prepare.summary import PrepareStats, describe, disk_free, size_estimate
 from hsx_async.run.source import TOO_LONG, SampleReader
 
 CHUNK_LINES = 64
@@ -157,7 +157,11 @@ def run_prepare(
     summary = stats.to_json()
     summary["max_tokens"] = options.max_tokens
     summary["length_policy"] = options.length_policy
-    summary["files"] = {"samples": str(paths.out), "quarantine": str(paths.quarantine)}
+    summary["files"] = {
+        "samples": str(paths.out),
+        "quarantine": str(paths.quarantine),
+        "summary": str(paths.summary),
+    }
     if estimate is not None:
         free_at, free = disk_free(Path(estimate["output_dir"]))
         summary["extraction_estimate"] = {
@@ -184,15 +188,24 @@ def _estimate_from_config(path: Path | None) -> dict[str, Any] | None:
     }
 
 
-def prepare_command(args: argparse.Namespace) -> int:
+def _check_arguments(args: argparse.Namespace) -> None:
     if args.workers < 1:
-        raise ConfigError("workers", f"is {args.workers}, expected at least 1")
+        raise ArgumentError("--workers", f"is {args.workers}, expected at least 1")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ArgumentError("--max-tokens", f"is {args.max_tokens}, expected at least 1")
     if not args.input.is_file():
-        raise ConfigError("input", f"{args.input} is not a file")
+        raise ArgumentError("INPUT", f"{args.input} is not a file")
+    if args.system == "override" and not args.system_prompt:
+        raise ArgumentError(
+            "--system override",
+            "needs --system-prompt TEXT, the system prompt to put in every conversation",
+        )
+
+
+def prepare_command(args: argparse.Namespace) -> int:
+    _check_arguments(args)
     estimate = _estimate_from_config(args.config)
     max_tokens = args.max_tokens or (estimate or {}).get("max_tokens") or 32768
-    if max_tokens < 1:
-        raise ConfigError("max-tokens", f"is {max_tokens}, expected at least 1")
     options = EncodeOptions(
         tokenizer=args.tokenizer,
         chat_template=args.chat_template,
@@ -203,7 +216,10 @@ def prepare_command(args: argparse.Namespace) -> int:
     )
     paths = PreparePaths.beside(args.input, args.out, args.quarantine)
     summary = run_prepare(options, paths, workers=args.workers, estimate=estimate)
-    sys.stdout.write(orjson.dumps(summary).decode() + "\n")
+    if args.json:
+        sys.stdout.write(orjson.dumps(summary).decode() + "\n")
+    else:
+        print(describe(summary))
     if not summary["samples"]:
         with contextlib.suppress(OSError):
             sys.stderr.write(f"hsx: no sample written; see {paths.quarantine}\n")

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.prepare.encode import Outcome
+from hsx_async.units import human_bytes
 
 # Upper bounds (inclusive) of the length histogram's buckets; the last bucket is open.
 HISTOGRAM_BOUNDS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-_REASON_KEY_CHARS = 48
 
 
 def bucket_label(n: int) -> str:
@@ -23,18 +24,6 @@ def bucket_label(n: int) -> str:
         if n <= bound:
             return f"<={bound}"
     return f">{HISTOGRAM_BOUNDS[-1]}"
-
-
-def reason_kind(reason: str) -> str:
-    """A reason without its specifics (numbers, quoted text), for counting kinds."""
-    out, quoted = [], False
-    for ch in reason[:_REASON_KEY_CHARS]:
-        if ch == "'":
-            quoted = not quoted
-            continue
-        if not quoted:
-            out.append("N" if ch.isdigit() else ch)
-    return "".join(out).strip()
 
 
 @dataclass
@@ -104,3 +93,35 @@ def size_estimate(
         "disk_reserve_bytes": reserve,
         "fits": need + reserve <= free,
     }
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """``hsx prepare``'s summary for a person (``samples.summary.json`` has every figure)."""
+    files = summary["files"]
+    lines = [
+        f"hsx prepare: {summary['samples']:,} samples from {summary['records']:,} records → "
+        f"{files['samples']}",
+        f"  tokens:      {summary['tokens']:,}, {100 * summary['trainable_share']:.1f}% "
+        f"trainable (loss_mask 1); longest {summary['longest']:,}",
+    ]
+    if summary["truncated"]:
+        lines.append(
+            f"  truncated:   {summary['truncated']:,} at --max-tokens {summary['max_tokens']:,}"
+        )
+    histogram = ", ".join(f"{k} {v:,}" for k, v in summary["length_histogram"].items())
+    if histogram:
+        lines.append(f"  lengths:     {histogram}")
+    if summary["quarantined"]:
+        lines.append(f"  quarantined: {summary['quarantined']:,} → {files['quarantine']}")
+        lines += [f"    {n:>7,}  {kind}" for kind, n in summary["quarantine_reasons"].items()]
+    estimate = summary.get("extraction_estimate")
+    if estimate:
+        fits = "fits" if estimate["fits"] else "does NOT fit"
+        lines.append(
+            f"  extraction:  ~{human_bytes(estimate['bytes'])} ({estimate['layers']} layers × "
+            f"{estimate['hidden_size']} × bf16 per token); {fits} in "
+            f"{human_bytes(estimate['disk_free_bytes'])} free at {estimate['output_dir']} "
+            f"(reserve {human_bytes(estimate['disk_reserve_bytes'])})"
+        )
+    lines.append(f"  summary:     {files['summary']}")
+    return "\n".join(lines)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsx_async.errors import ConfigError
+from hsx_async.errors import ArgumentError
 from hsx_async.prepare.records import Conversation
 
 Messages = list[dict[str, str]]
@@ -120,13 +120,13 @@ def load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     if not path.is_dir():
-        raise ConfigError("tokenizer", f"{path} is not a directory holding a tokenizer")
+        raise ArgumentError("--tokenizer", f"{path} is not a directory holding a tokenizer")
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ConfigError("tokenizer", f"cannot load a tokenizer from {path}: {exc}") from None
+        raise ArgumentError("--tokenizer", f"cannot load a tokenizer from {path}: {exc}") from None
     if not getattr(tok, "is_fast", False):
-        raise ConfigError("tokenizer", f"{path} has no fast tokenizer (tokenizer.json)")
+        raise ArgumentError("--tokenizer", f"{path} has no fast tokenizer (tokenizer.json)")
     return tok
 
 
@@ -136,13 +136,13 @@ def read_template(path: Path | None, tokenizer: Any) -> str:
         try:
             return path.read_text(encoding="utf-8")
         except OSError as exc:
-            raise ConfigError("chat-template", f"cannot read {path}: {exc.strerror}") from None
+            raise ArgumentError("--chat-template", f"cannot read {path}: {exc.strerror}") from None
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: the default one
         template = template.get("default")
     if not isinstance(template, str) or not template:
-        raise ConfigError(
-            "chat-template", "the tokenizer has no chat template; pass --chat-template FILE"
+        raise ArgumentError(
+            "--chat-template", "the tokenizer has no chat template; pass --chat-template FILE"
         )
     return template
 

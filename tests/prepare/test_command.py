@@ -201,3 +201,68 @@ def test_no_sample_exits_1(
                  "--out", str(out), "--workers", "1"])  # fmt: skip
     assert code == 1
     assert len(_lines(tmp_path / "o.quarantine.jsonl")) == 2 and out.read_bytes() == b""
+
+
+def test_the_summary_is_for_a_person_and_json_on_request(
+    tmp_path: Path,
+    tokenizer_dirs: dict[str, Path],
+    write_jsonl: WriteLines,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 26: hsx prepare printed raw JSON only, with garbled reason keys ("record has
+    neither  (ShareGPT) no")."""
+    src = write_jsonl(tmp_path / "in.jsonl", [*_records()[:20], {"id": "x", "turns": []}])
+    argv = ["prepare", str(src), "--tokenizer", str(tokenizer_dirs["chatml"]), "--workers", "1"]
+    assert main([*argv, "--out", str(tmp_path / "a.jsonl")]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"hsx prepare: 16 samples from 21 records → {tmp_path / 'a.jsonl'}")
+    assert "% trainable (loss_mask 1)" in text and "{" not in text
+    assert f"quarantined: 5 → {tmp_path / 'a.quarantine.jsonl'}" in text
+    assert "2  not JSON" in text and "2  no assistant turn" in text
+    assert "1  record has neither …" in text, text
+    assert f"summary:     {tmp_path / 'a.summary.json'}" in text
+    assert main([*argv, "--out", str(tmp_path / "b.jsonl"), "--json"]) == 0
+    summary = orjson.loads(capsys.readouterr().out)
+    assert summary["samples"] == 16
+    assert set(summary["quarantine_reasons"]) == {
+        "not JSON", "no assistant turn", "record has neither …",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "expect"),
+    [
+        (["--workers", "0"], "hsx: error: argument --workers: is 0, expected at least 1"),
+        (["--max-tokens", "0"], "hsx: error: argument --max-tokens: is 0, expected at least 1"),
+        (
+            ["--system", "override"],
+            "hsx: error: argument --system override: needs --system-prompt TEXT, the system "
+            "prompt to put in every conversation",
+        ),
+        (["--input-missing"], "hsx: error: argument INPUT: {tmp}/nope.jsonl is not a file"),
+        (["--tokenizer-missing"], "hsx: error: argument --tokenizer: {tmp}/no-tok is not a"),
+    ],
+)
+def test_a_bad_argument_is_named_as_an_argument(
+    tmp_path: Path,
+    *,
+    tokenizer_dirs: dict[str, Path],
+    write_jsonl: WriteLines,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    expect: str,
+) -> None:
+    """Issue 26: "config key 'input'" for a CLI argument; --system override without
+    --system-prompt was accepted silently."""
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD])
+    tok = str(tokenizer_dirs["chatml"])
+    if extra == ["--input-missing"]:
+        src, extra = tmp_path / "nope.jsonl", []
+    if extra == ["--tokenizer-missing"]:
+        tok, extra = str(tmp_path / "no-tok"), []
+    out = tmp_path / "o.jsonl"
+    assert main(["prepare", str(src), "--tokenizer", tok, "--out", str(out), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expect.format(tmp=tmp_path)) and err.count("\n") == 1, err
+    assert "config key" not in err
+    assert not out.exists()
