@@ -31,6 +31,21 @@ def exclusive_lock(path: Path, busy: str) -> Iterator[None]:
         os.close(fd)
 
 
+def is_locked(path: Path) -> bool:
+    """Whether a live process holds :func:`exclusive_lock` on ``path`` now (creates nothing)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the shared lock taken
+    return False
+
+
 def fsync_dir(path: Path) -> None:
     """Make a directory's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -39,10 +39,11 @@ from hsx_async.dataset.manifest import (
     shard_index_of,
 )
 from hsx_async.dataset.provenance import PROVENANCE, dataset_storage, read_provenance, shard_lock
+from hsx_async.dataset.running import Running, running_runs
 from hsx_async.errors import DatasetError, DumpError
 from hsx_async.logs import configure_logging
 from hsx_async.protocol import HIDDEN, SCALES, UNQUANTIZED, Storage, storage_from_metadata
-from hsx_async.units import human_bytes
+from hsx_async.units import eta_text, human_bytes
 
 # -- status --------------------------------------------------------------------------------
 
@@ -59,6 +60,7 @@ class Status:
     # line ends in the manifest or the quarantine, so these give "remaining" exactly.
     input_lines: dict[str, int] = field(default_factory=dict)
     storage: str = "bfloat16"  # provenance.json's dtype and quantized slots, described
+    running: tuple[Running, ...] = ()  # the runs going on now, with their /status
 
     @property
     def remaining(self) -> int | None:
@@ -88,8 +90,25 @@ class Status:
                 f"quarantined: {self.quarantined:,}",
                 f"remaining:   {self._remaining_text()}",
                 f"manifests:   {self.shards}",
+                *(_running_line(r) for r in self.running),
             ]
         )
+
+
+def _running_line(run: Running) -> str:
+    """A live run as its progress line says it: rate, in flight, ETA (from /status)."""
+    s = run.status
+    if s is None:
+        return f"running:     shard {run.shard}: {run.error}"
+    eta = eta_text(s.get("eta_s")) if isinstance(s.get("eta_s"), int | float) else "?"
+    rate = s.get("tokens_per_s")
+    rate_text = f"{rate:,.0f} tok/s" if isinstance(rate, int | float) else "? tok/s"
+    paused = ", PAUSED (disk)" if s.get("paused") else ""
+    return (
+        f"running:     shard {run.shard}: {rate_text}, "
+        f"{human_bytes(float(s.get('bytes_per_s') or 0))}/s, {s.get('in_flight', '?')} in "
+        f"flight, ETA {eta}{paused} ({run.url}/status)"
+    )
 
 
 def _is_dataset(path: Path) -> bool:
@@ -127,6 +146,7 @@ def dataset_status(out_dir: Path) -> Status:
         shards=len(log_files(out_dir, MANIFEST)),
         input_lines=input_lines(out_dir, prov.get("input_lines")),
         storage=dataset_storage(prov).describe(),
+        running=tuple(running_runs(out_dir)),
     )
 
 

@@ -335,12 +335,16 @@ def directory_lock(out_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def shard_lock_path(out_dir: Path, shard_index: int) -> Path:
+    return out_dir / f".hsx-shard-{shard_index}.lock"
+
+
 @contextlib.contextmanager
 def shard_lock(out_dir: Path, shard_index: int) -> Iterator[None]:
     """An exclusive lock per (output dir, shard): two runs appending to one manifest
     would interleave lines and delete each other's files as orphans."""
     with exclusive_lock(
-        out_dir / f".hsx-shard-{shard_index}.lock",
+        shard_lock_path(out_dir, shard_index),
         f"another hsx process is writing shard {shard_index} of {out_dir}; stop it "
         "first, or give this run another output.dir or [shard].index",
     ):

@@ -31,6 +31,7 @@ import uvloop
 from hsx_async.config import Config, load_config
 from hsx_async.dataset.manifest import AppendLog
 from hsx_async.dataset.provenance import shard_lock
+from hsx_async.dataset.running import announce, withdraw
 from hsx_async.errors import ConfigError, HsxError
 from hsx_async.logs import configure_logging
 from hsx_async.run.autotune import ConcurrencyController, Reading, TuneSettings, shm_ceiling
@@ -146,6 +147,7 @@ class Daemon:
             try:
                 await self._connect_and_serve(self.feeder, manifest, quarantine)
             finally:
+                withdraw(out, cfg.shard.index)
                 await asyncio.to_thread(self._finish_events)
         t = self.metrics.totals
         return RunSummary(
@@ -277,6 +279,8 @@ class Daemon:
 
     def _http_bound(self, url: str) -> None:
         self.http_url = url
+        shard = self.config.shard
+        announce(self.config.output.dir, shard.index, shard.count, url)  # for hsx status
 
     def _intake_changed(self, open_: bool) -> None:
         """The disk guard paused or resumed intake: systemd's status line says so."""

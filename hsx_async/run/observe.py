@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from hsx_async.config import listen_address
 from hsx_async.errors import ConfigError
-from hsx_async.units import human_bytes
+from hsx_async.units import eta_text, human_bytes
 
 log = structlog.get_logger("hsx.observe")
 StatusFn = Callable[[], dict[str, Any]]
@@ -96,14 +96,6 @@ async def serve_http(
         await asyncio.Event().wait()  # until cancelled
     finally:
         await runner.cleanup()
-
-
-def eta_text(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
 
 
 def progress_line(s: dict[str, Any]) -> str:

@@ -39,9 +39,9 @@ from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.dump import Dump, prepare_namespace, remove_tree, validate_dump, wait_for_meta
 from hsx_async.run.guard import free_bytes
 from hsx_async.run.mounts import fs_type
-from hsx_async.run.observe import eta_text, listen_problem
+from hsx_async.run.observe import listen_problem
 from hsx_async.run.source import BadLine, SampleReader, open_input
-from hsx_async.units import human_bytes
+from hsx_async.units import eta_text, human_bytes
 
 _PROBE_BYTES = 64 << 20
 _PROBE_SAMPLES = 4  # real samples sent at once to each server to measure its prefill rate

@@ -4,6 +4,7 @@ duplicate ids kept in the quarantine; inspect on a directory or a missing file."
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import orjson
@@ -13,6 +14,7 @@ from hsx_async.cli import main
 from hsx_async.dataset.inspection import dataset_status
 from hsx_async.dataset.manifest import QUARANTINE, read_manifest, read_quarantine
 from hsx_async.dataset.merge import merge
+from hsx_async.dataset.running import announce
 from hsx_async.run.daemon import Daemon
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
 from tests.dataset_factory import write_dataset
@@ -159,3 +161,41 @@ def test_verify_and_export_of_what_is_no_dataset_exit_2_and_create_nothing(
     if where == "data_dir":
         assert f"did you mean {out}?" in err
     assert _tree(tmp_path) == before
+
+
+async def test_status_of_a_live_run_shows_its_rate_and_eta(tmp_path: Path, shm_root: Path) -> None:
+    """Issue 26: `hsx status` on a live run showed counts only; rate and ETA were at
+    /status."""
+    samples = write_samples(tmp_path / "in.jsonl", 30, max_len=8)
+    bound = asyncio.Event()
+
+    class _Watched(Daemon):
+        def _http_bound(self, url: str) -> None:
+            super()._http_bound(url)
+            bound.set()
+
+    options = FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=shm_root, latency_base_ms=40)
+    async with running_fake_server(options) as srv:
+        config = make_config(
+            tmp_path, samples.path, [srv.url], shm_root,
+            daemon={"metrics_listen": "127.0.0.1:0"}, workers={"concurrency": 1},
+        )  # fmt: skip
+        daemon = _Watched(config)
+        run = asyncio.create_task(daemon.run())
+        async with asyncio.timeout(30):
+            await bound.wait()
+        live = (await asyncio.to_thread(dataset_status, config.output.dir)).format()
+        await run
+    [line] = [x for x in live.splitlines() if x.startswith("running:")]
+    assert "shard 0/1: " in line and " tok/s, " in line and " in flight, ETA " in line, line
+    assert f"({daemon.http_url}/status)" in line
+    after = (await asyncio.to_thread(dataset_status, config.output.dir)).format()
+    assert "running:" not in after
+    assert not list(config.output.dir.glob(".hsx-running-*"))
+
+
+def test_a_killed_runs_status_file_is_ignored(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_dataset(out, num_samples=1)
+    announce(out, 0, 1, "http://127.0.0.1:9")  # no process holds shard 0's lock
+    assert "running:" not in dataset_status(out).format()
