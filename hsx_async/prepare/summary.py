@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,33 +96,50 @@ def size_estimate(
     }
 
 
+def row(label: str, value: str) -> str:
+    """One line of a command's summary for a person, after its headline: ``hsx prepare``'s
+    and ``hsx regenerate``'s summaries are laid out by these two functions."""
+    return f"  {label + ':':<12} {value}"
+
+
+def reason_rows(reasons: Mapping[str, int]) -> list[str]:
+    """The quarantine's reason kinds under their ``row``, most frequent first."""
+    return [f"    {n:>7,}  {kind}" for kind, n in reasons.items()]
+
+
 def describe(summary: dict[str, Any]) -> str:
     """``hsx prepare``'s summary for a person (``samples.summary.json`` has every figure)."""
     files = summary["files"]
     lines = [
         f"hsx prepare: {summary['samples']:,} samples from {summary['records']:,} records → "
         f"{files['samples']}",
-        f"  tokens:      {summary['tokens']:,}, {100 * summary['trainable_share']:.1f}% "
-        f"trainable (loss_mask 1); longest {summary['longest']:,}",
+        row(
+            "tokens",
+            f"{summary['tokens']:,}, {100 * summary['trainable_share']:.1f}% trainable "
+            f"(loss_mask 1); longest {summary['longest']:,}",
+        ),
     ]
     if summary["truncated"]:
         lines.append(
-            f"  truncated:   {summary['truncated']:,} at --max-tokens {summary['max_tokens']:,}"
+            row("truncated", f"{summary['truncated']:,} at --max-tokens {summary['max_tokens']:,}")
         )
     histogram = ", ".join(f"{k} {v:,}" for k, v in summary["length_histogram"].items())
     if histogram:
-        lines.append(f"  lengths:     {histogram}")
+        lines.append(row("lengths", histogram))
     if summary["quarantined"]:
-        lines.append(f"  quarantined: {summary['quarantined']:,} → {files['quarantine']}")
-        lines += [f"    {n:>7,}  {kind}" for kind, n in summary["quarantine_reasons"].items()]
+        lines.append(row("quarantined", f"{summary['quarantined']:,} → {files['quarantine']}"))
+        lines += reason_rows(summary["quarantine_reasons"])
     estimate = summary.get("extraction_estimate")
     if estimate:
         fits = "fits" if estimate["fits"] else "does NOT fit"
         lines.append(
-            f"  extraction:  ~{human_bytes(estimate['bytes'])} ({estimate['layers']} layers × "
-            f"{estimate['hidden_size']} × bf16 per token); {fits} in "
-            f"{human_bytes(estimate['disk_free_bytes'])} free at {estimate['output_dir']} "
-            f"(reserve {human_bytes(estimate['disk_reserve_bytes'])})"
+            row(
+                "extraction",
+                f"~{human_bytes(estimate['bytes'])} ({estimate['layers']} layers × "
+                f"{estimate['hidden_size']} × bf16 per token); {fits} in "
+                f"{human_bytes(estimate['disk_free_bytes'])} free at {estimate['output_dir']} "
+                f"(reserve {human_bytes(estimate['disk_reserve_bytes'])})",
+            )
         )
-    lines.append(f"  summary:     {files['summary']}")
+    lines.append(row("summary", files["summary"]))
     return "\n".join(lines)
