@@ -318,14 +318,32 @@ def _prefab_handler(index: dict[int, list[Path]], root: Path, model: Model) -> A
         ns = body["sampling_params"]["custom_params"]["hsx_ns"]
         if not (valid_ns(ns) and valid_rid(rid)):
             return web.Response(status=400, text="bad ns or rid")
-        if not index.get(n):
-            return web.Response(status=500, text=f"no prepared dump of {n} tokens left")
         dest = root / ns / rid
-        await asyncio.to_thread(_publish, index[n].pop(), dest, n=n, model=model)
+        if not index.get(n) and n <= _PROBE_TOKENS:
+            # hsx's admission probe (a few tokens, before any sample): a zero dump.
+            await asyncio.to_thread(_write_probe, dest, n=n, model=model)
+        elif not index.get(n):
+            return web.Response(status=500, text=f"no prepared dump of {n} tokens left")
+        else:
+            await asyncio.to_thread(_publish, index[n].pop(), dest, n=n, model=model)
         answer = orjson.dumps(response_body(rid, n, None))
         return web.Response(body=answer, content_type="application/json")
 
     return generate
+
+
+_PROBE_TOKENS = 16  # a request this short, of no prepared length, is hsx's probe
+
+
+def _write_probe(dest: Path, *, n: int, model: Model) -> None:
+    from hsx_async.protocol import DumpMeta
+    from hsx_async.server.dumpwrite import request_dir_fd, write_meta, write_part
+
+    meta = DumpMeta(dest.name, n, model.hidden_size, model.aux_layers, ((0, n),), "prefab",
+                    "bench-prefab")  # fmt: skip
+    with request_dir_fd(dest.parent.parent, dest.parent.name, dest.name) as dir_fd:
+        write_part(dir_fd, 0, n, bytes(n * meta.row_bytes))
+        write_meta(dir_fd, meta)
 
 
 def _publish(src: Path, dest: Path, *, n: int, model: Model) -> None:

@@ -108,6 +108,9 @@ class DumpConfig:
 class ModelConfig:
     hidden_size: int
     aux_layers: tuple[int, ...]
+    # The model every server must serve: its reported model path, or the model its dumps
+    # name. "" : the first server admitted pins it (run/admission.py).
+    name: str = ""
 
     @property
     def row_bytes(self) -> int:

@@ -6,6 +6,11 @@
     ├── ConfigError            a config file or option is wrong (names the key and the fix)
     ├── InputError             the input file cannot be read at all
     ├── DumpError              one attempt's dump or response breaks PROTOCOL §2–3 (retried)
+    │   ├── ResponseError      the response breaks PROTOCOL §2 (ids, token counts)
+    │   │   ├── CacheHitError  the response reports a prefix-cache hit (rows skipped)
+    │   │   └── HookMissingError  served without the hsx hook/connector taking it
+    │   ├── DumpMissingError   no meta.json appeared after the response
+    │   └── IdentityError      the server is not the job's (shape, model, final state, ...)
     ├── RequestError           one attempt's HTTP call failed (retried)
     ├── NoServerError          no server has been reachable for too long
     ├── DatasetError           the output directory is inconsistent or belongs to another run
@@ -42,19 +47,63 @@ class InputError(HsxError):
 
 
 class DumpError(HsxError):
-    """A response or dump violates the protocol; the attempt is retried, then quarantined."""
+    """A response or dump violates the protocol; the attempt fails (whose fault it is:
+    :mod:`hsx_async.run.faults`)."""
+
+
+class ResponseError(DumpError):
+    """The server's answer to a marked request breaks PROTOCOL §2."""
+
+
+class CacheHitError(ResponseError):
+    """The answer reports cached prompt tokens: the server runs with its prefix cache on."""
+
+
+class HookMissingError(ResponseError):
+    """The server answered a marked request without the hsx hook or connector taking it
+    (vLLM without ``--kv-transfer-config``): a server fault, never the sample's."""
+
+
+class DumpMissingError(DumpError):
+    """No ``meta.json`` appeared within ``dump.timeout`` after the response."""
+
+
+class IdentityError(DumpError):
+    """What a server reports (at first contact or in a ``meta.json``) is not what this job
+    is made of. ``key``: the config key it contradicts ('' when it contradicts the
+    dataset or the other servers rather than the config); ``field``: what differs."""
+
+    def __init__(self, message: str, *, key: str = "", field: str = "") -> None:
+        self.key = key
+        self.field = field
+        super().__init__(message)
 
 
 class RequestError(HsxError):
-    """An HTTP call failed (connection error, timeout, HTTP error); the attempt is retried.
+    """An HTTP call failed (connection error, timeout, HTTP error); the attempt fails.
 
     ``server_fault``: the server, not the request, is to blame (5xx, timeout, connection);
-    ``hard``: the connection itself failed, so the server leaves rotation at once.
+    ``hard``: the connection itself failed, so the server leaves rotation at once;
+    ``status``: the HTTP status, when one came; ``reached``: False when the request
+    provably never reached the server (the connection was refused); ``timed_out``: no
+    response within the request's timeout.
     """
 
-    def __init__(self, message: str, *, server_fault: bool = True, hard: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        server_fault: bool = True,
+        hard: bool = False,
+        status: int | None = None,
+        reached: bool = True,
+        timed_out: bool = False,
+    ) -> None:
         self.server_fault = server_fault
         self.hard = hard
+        self.status = status
+        self.reached = reached
+        self.timed_out = timed_out
         super().__init__(message)
 
 

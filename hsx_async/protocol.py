@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from hsx_async.errors import DumpError
+from hsx_async.errors import CacheHitError, DumpError
 
 PROTOCOL_VERSION = 3
 # Versions a client accepts in meta.json: version 1 differs only in having no final_state,
@@ -269,6 +269,7 @@ class DumpMeta:
     server: str
     final_state: str = POST_NORM
     storage: Storage = BF16_STORAGE
+    protocol: int = PROTOCOL_VERSION  # the writing hook's version (meta.json "protocol")
 
     @property
     def row_bytes(self) -> int:
@@ -277,7 +278,7 @@ class DumpMeta:
 
     def to_json(self) -> bytes:
         raw: dict[str, Any] = {
-            "protocol": PROTOCOL_VERSION,
+            "protocol": self.protocol,
             "rid": self.rid,
             "num_tokens": self.num_tokens,
             "hidden_size": self.hidden_size,
@@ -340,6 +341,7 @@ def parse_meta(data: bytes) -> DumpMeta:
         server=str(raw.get("server", "")),
         final_state=parse_final_state(raw.get("final_state"), "meta.json final_state"),
         storage=storage,
+        protocol=raw["protocol"],
     )
 
 
@@ -492,7 +494,7 @@ def check_response(body: object, *, rid: str, num_tokens: int) -> None:
         )
     cached = meta.get("cached_tokens", 0)
     if cached is not None and (type(cached) is not int or cached != 0):
-        raise DumpError(
+        raise CacheHitError(
             f"response meta_info.cached_tokens is {cached!r}: a prefix-cache hit skips rows; "
             "start the server with --disable-radix-cache"
         )

@@ -40,6 +40,7 @@ from hsx_async.dataset.manifest import (
 )
 from hsx_async.dataset.provenance import PROVENANCE, dataset_storage, read_provenance, shard_lock
 from hsx_async.dataset.running import Running, running_runs
+from hsx_async.dataset.quarantine import after_attempts, retried_before
 from hsx_async.errors import DatasetError, DumpError
 from hsx_async.logs import configure_logging
 from hsx_async.protocol import HIDDEN, SCALES, UNQUANTIZED, Storage, storage_from_metadata
@@ -61,6 +62,9 @@ class Status:
     input_lines: dict[str, int] = field(default_factory=dict)
     storage: str = "bfloat16"  # provenance.json's dtype and quantized slots, described
     running: tuple[Running, ...] = ()  # the runs going on now, with their /status
+    retriable: int = 0  # quarantined after attempts: `hsx quarantine --retry` puts them back
+    retried: int = 0  # put back by earlier retries (the history)
+    out: str = ""
 
     @property
     def remaining(self) -> int | None:
@@ -81,13 +85,23 @@ class Status:
         where = "" if counted == ["0/1"] else f", shards {', '.join(counted)}"
         return f"{rem:,} (of {total:,} input lines{where})"
 
+    def _retry_text(self) -> str:
+        before = f"; {self.retried:,} put back before" if self.retried else ""
+        if not self.retriable:
+            return f" (none could be retried{before})" if self.quarantined else ""
+        return (
+            f" ({self.retriable:,} after failed attempts could be retried: "
+            f"`hsx quarantine {self.out or 'OUT'} --retry` puts them back for the next run"
+            f"{before})"
+        )
+
     def format(self) -> str:
         return "\n".join(
             [
                 f"done:        {self.done:,} samples, {self.tokens:,} tokens, "
                 f"{human_bytes(self.bytes)}",
                 f"storage:     {self.storage}",
-                f"quarantined: {self.quarantined:,}",
+                f"quarantined: {self.quarantined:,}{self._retry_text()}",
                 f"remaining:   {self._remaining_text()}",
                 f"manifests:   {self.shards}",
                 *(_running_line(r) for r in self.running),
@@ -137,9 +151,10 @@ def dataset_status(out_dir: Path) -> Status:
     manifest = read_manifest(out_dir)
     prov = read_provenance(out_dir) or {}
     counted = prov.get("input_samples")
+    quarantine = read_quarantine(out_dir)
     return Status(
         done=len(manifest),
-        quarantined=len(read_quarantine(out_dir)),
+        quarantined=len(quarantine),
         tokens=sum(e.num_tokens for e in manifest),
         bytes=sum(e.size for e in manifest),
         input_samples=counted if isinstance(counted, int) else None,
@@ -147,6 +162,9 @@ def dataset_status(out_dir: Path) -> Status:
         input_lines=input_lines(out_dir, prov.get("input_lines")),
         storage=dataset_storage(prov).describe(),
         running=tuple(running_runs(out_dir)),
+        retriable=sum(after_attempts(q.reason) for q in quarantine),
+        retried=retried_before(out_dir),
+        out=str(out_dir),
     )
 
 

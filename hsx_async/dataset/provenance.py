@@ -36,7 +36,7 @@ from hsx_async.dataset.manifest import (
     log_files,
     shard_count_of,
 )
-from hsx_async.errors import DatasetError, DumpError
+from hsx_async.errors import DatasetError, DumpError, IdentityError
 from hsx_async.protocol import (
     BF16_STORAGE,
     NORM_KINDS,
@@ -50,7 +50,7 @@ from hsx_async.protocol import (
 
 PROVENANCE = "provenance.json"
 # Keys a later rewrite of provenance.json keeps (learnt during a run, not from the config).
-_LEARNT_KEYS = ("final_state", "final_norm", "input_samples")
+_LEARNT_KEYS = ("final_state", "final_norm", "input_samples", "identity", "servers")
 
 
 def fingerprint(fh: Readable, path: Path, *, prefix: int | None = None) -> dict[str, Any]:
@@ -199,41 +199,73 @@ def write_provenance(out_dir: Path, data: bytes) -> None:
     write_atomic(out_dir / PROVENANCE, data)
 
 
-def check_and_record(out_dir: Path, record: Provenance, *, allow_change: bool) -> None:
+def check_and_record(
+    out_dir: Path,
+    record: Provenance,
+    *,
+    allow_change: bool,
+    samples: bool = True,
+    lines: bool = True,
+) -> None:
+    """Refuse a record that may not extend the dataset's, else write it. ``samples``:
+    the dataset holds samples (made under the old record's shape, model and storage);
+    ``lines``: it holds manifest or quarantine lines (numbered in the old input). What no
+    sample or line was made under binds nothing: a corrected rerun of a run that stopped
+    before its first sample (a wrong aux_layers, say) replaces the record."""
     old = read_provenance(out_dir)
+    if old is not None and not lines:
+        old = None  # nothing was made under it
     if old is not None:
-        have = dataset_storage(old)
-        if have != record.storage:
-            # Not overridable: one dataset holds one storage (its readers, exports and
-            # verify take it from provenance.json), as it holds one final-state kind.
-            raise DatasetError(
-                f"{out_dir} stores hidden states as {have.describe()} (provenance.json); "
-                f"this config asks for {record.storage.describe()}. Set [output].dtype and "
-                "[output].quantize as the dataset was made, or use a new output.dir"
-            )
-        problems = mismatches(old, record)
+        if samples:
+            _check_storage(out_dir, old, record)
+        problems = mismatches(old, record) if samples else _input_mismatch(old, record)
         if problems and not allow_change:
             raise DatasetError(
                 f"{out_dir} belongs to another run: " + "; ".join(problems) + ". Use a new "
                 "output.dir, or pass --allow-provenance-change if this is intended"
             )
-        old_in = old.get("input") or {}
-        grown = (old_in.get("bytes"), old_in.get("xxh3_64")) != (
-            record.input["bytes"],
-            record.input["xxh3_64"],
-        )
-        if grown and not problems:
-            # The same input with lines appended: from now on the whole of it is the input.
-            old["input"] = record.input
-            write_provenance(out_dir, orjson.dumps(old, option=orjson.OPT_INDENT_2))
-        news_norm = record.final_norm is not None and old.get("final_norm") != record.final_norm
-        if not problems and (old.get("model") or not record.model) and not news_norm:
-            return  # nothing (else) new to record
+        if samples and not problems and _only_grown(out_dir, old, record):
+            return
     new = record.to_dict()
-    for key in _LEARNT_KEYS:
-        if old is not None and key in old and key not in new:
-            new[key] = old[key]
+    if old is not None and samples:
+        for key in _LEARNT_KEYS:
+            if key in old and key not in new:
+                new[key] = old[key]
+    elif old is not None and "input_samples" in old:
+        new["input_samples"] = old["input_samples"]
     write_provenance(out_dir, orjson.dumps(new, option=orjson.OPT_INDENT_2))
+
+
+def _check_storage(out_dir: Path, old: dict[str, Any], record: Provenance) -> None:
+    have = dataset_storage(old)
+    if have != record.storage:
+        # Not overridable: one dataset holds one storage (its readers, exports and
+        # verify take it from provenance.json), as it holds one final-state kind.
+        raise DatasetError(
+            f"{out_dir} stores hidden states as {have.describe()} (provenance.json); "
+            f"this config asks for {record.storage.describe()}. Set [output].dtype and "
+            "[output].quantize as the dataset was made, or use a new output.dir"
+        )
+
+
+def _input_mismatch(old: dict[str, Any], record: Provenance) -> list[str]:
+    return [p for p in mismatches(old, record) if p.startswith("input differs")]
+
+
+def _only_grown(out_dir: Path, old: dict[str, Any], record: Provenance) -> bool:
+    """Nothing new to record but, perhaps, lines appended to the input (recorded here);
+    False: the record has news (a model, a final norm) to write."""
+    old_in = old.get("input") or {}
+    grown = (old_in.get("bytes"), old_in.get("xxh3_64")) != (
+        record.input["bytes"],
+        record.input["xxh3_64"],
+    )
+    if grown:
+        # The same input with lines appended: from now on the whole of it is the input.
+        old["input"] = record.input
+        write_provenance(out_dir, orjson.dumps(old, option=orjson.OPT_INDENT_2))
+    news_norm = record.final_norm is not None and old.get("final_norm") != record.final_norm
+    return bool(old.get("model") or not record.model) and not news_norm
 
 
 class FinalStateGuard:
@@ -258,10 +290,11 @@ class FinalStateGuard:
                 _record_key(self._out_dir, "final_state", kind)
                 self._kind = kind
         if self._kind != kind:
-            raise DumpError(
+            raise IdentityError(
                 f"the dump holds the {kind} final state but this dataset holds {self._kind} "
                 "(provenance.json final_state); one dataset holds one kind: serve it with "
-                "the same hook, or use a new output.dir"
+                "the same hook, or use a new output.dir",
+                field="final_state",
             )
 
 
@@ -271,6 +304,42 @@ def _record_key(out_dir: Path, key: str, value: Any) -> None:
         old = read_provenance(out_dir) or {"protocol": PROTOCOL_VERSION, "hsx": __version__}
         old[key] = value
         write_provenance(out_dir, orjson.dumps(old, option=orjson.OPT_INDENT_2))
+
+
+def record_server(
+    out_dir: Path,
+    server: str,
+    identity: dict[str, Any],
+    job: dict[str, Any],
+    final_norm: dict[str, Any] | None = None,
+) -> None:
+    """A server admitted to the job: its identity under ``servers`` (keyed by its URL as
+    displayed), the job's under ``identity``, and the served model and server version
+    in the keys older readers know (``model``, ``server``). Written only when something
+    changed, under :func:`directory_lock` like every write."""
+    with directory_lock(out_dir):
+        old = read_provenance(out_dir) or {"protocol": PROTOCOL_VERSION, "hsx": __version__}
+        servers = old.get("servers") if isinstance(old.get("servers"), dict) else {}
+        assert isinstance(servers, dict)
+        known = servers.get(server)
+        since = known.get("admitted") if isinstance(known, dict) else None
+        if (
+            isinstance(known, dict)
+            and {k: v for k, v in known.items() if k != "admitted"} != identity
+        ):
+            since = None  # a new identity behind the same URL
+        entry = {**identity, "admitted": since or _now()}
+        new = {**old, "servers": {**servers, server: entry}, "identity": job}
+        new["model"] = job.get("model") or job.get("served_as") or old.get("model", "")
+        new["server"] = job.get("version") or job.get("server") or old.get("server", "")
+        if final_norm is not None:
+            new["final_norm"] = final_norm
+        if new != old:
+            write_provenance(out_dir, orjson.dumps(new, option=orjson.OPT_INDENT_2))
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def record_input_count(out_dir: Path, samples: int) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hsx_async.engines.engine import Decoded, Decoding, Engine, is_count
-from hsx_async.errors import DumpError, RequestError
+from hsx_async.errors import CacheHitError, DumpError, HookMissingError, RequestError
 from hsx_async.protocol import BF16_STORAGE, CUSTOM_PARAM_NS, Storage, storage_params
 
 VLLM_PARAM_RID = "hsx_rid"
@@ -40,6 +40,11 @@ def check_vllm_response(body: object, rid: str, num_tokens: int) -> None:
         raise DumpError("response is not a JSON object")
     params = body.get("kv_transfer_params")
     got = params.get(VLLM_PARAM_RID) if isinstance(params, Mapping) else None
+    if got is None:
+        raise HookMissingError(
+            f"response kv_transfer_params.hsx_rid is {got!r}, expected {rid!r}: is vLLM "
+            "running with the hsx connector (deploy/vllm/launch.sh)?"
+        )
     if got != rid:
         raise DumpError(
             f"response kv_transfer_params.hsx_rid is {got!r}, expected {rid!r}: is vLLM "
@@ -55,7 +60,7 @@ def check_vllm_response(body: object, rid: str, num_tokens: int) -> None:
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
     if cached is not None and (not is_count(cached) or cached != 0):
-        raise DumpError(
+        raise CacheHitError(
             f"response usage.prompt_tokens_details.cached_tokens is {cached!r}: a prefix-cache "
             "hit skips rows; start vLLM with --no-enable-prefix-caching"
         )

@@ -1,11 +1,18 @@
 """The client's HTTP side: one prefill request per attempt (``POST /generate`` to SGLang,
 ``POST /v1/completions`` to vLLM: :mod:`hsx_async.engines`) and a rotation of replicas.
 
-:class:`ServerPool` spreads requests over the healthy servers (fewest in flight first),
-takes a server out of rotation on a connection error or after repeated 5xx/timeouts,
-probes it with ``GET /health`` and brings it back. Workers wait for a healthy server
-instead of burning attempts while every server is down; only when none has answered for
-``server.unreachable_timeout`` does the run stop with :class:`NoServerError`.
+:class:`ServerPool` spreads requests over the servers in rotation (fewest in flight
+first) and takes a server out of rotation with the reason — at once for a fault that says
+the server cannot serve (refused connection, no hook, 404, another model), after a streak
+of soft ones (5xx, timeouts, broken dumps). It keeps each server's record (dumps served,
+each time it left rotation, what its first probe after showed), from which
+:mod:`hsx_async.run.retry` decides whether a failure was the sample's. Workers wait for a
+server in rotation instead of burning attempts while every server is out.
+
+``hsx run`` brings servers into rotation through :mod:`hsx_async.run.admission` (a real
+request through the dump path, the server's identity checked against the job's); the
+``/health`` probes here (:meth:`SGLangClient.probe_forever`) serve ``hsx regenerate``,
+which needs no dump.
 """
 
 from __future__ import annotations
@@ -16,8 +23,8 @@ import functools
 import time
 import urllib.parse
 import zlib
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 
 import aiohttp
 import numpy as np
@@ -28,8 +35,11 @@ import yarl
 
 from hsx_async.config import ServerConfig, redact_url
 from hsx_async.engines import ENGINES, Engine, EngineName
-from hsx_async.errors import NoServerError, RequestError
+from hsx_async.errors import DumpError, NoServerError, RequestError, ResponseError
 from hsx_async.protocol import BF16_STORAGE, Storage
+from hsx_async.run.faults import Fault
+from hsx_async.run.identity import Identity
+from hsx_async.run.retry import Eviction
 
 log = structlog.get_logger("hsx.client")
 
@@ -46,6 +56,11 @@ _HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "gzip, deflat
 _GET_HEADERS = {"Accept-Encoding": "gzip, deflate"}
 # zlib window bits: 16 + 15 gzip only, 15 zlib, -15 raw deflate (some servers send that).
 _WBITS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
+NOT_CHECKED = "not_checked"  # the out-of-rotation kind of a server not admitted yet
+
+
+class PoolStopped(Exception):
+    """The run is stopping while a worker waits for a server (its sample was not sent)."""
 
 
 @dataclass(eq=False)
@@ -59,6 +74,10 @@ class Server:
     last_error: str = ""
     down_since: float | None = None
     retired: bool = False  # removed from the config by a reload
+    out_kind: str = ""  # why it is out of rotation (a fault kind: hsx_async.run.faults)
+    served: int = 0  # validated dumps
+    evictions: list[Eviction] = field(default_factory=list)
+    identity: Identity | None = None  # what it was admitted as (hsx run)
 
     @property
     def engine(self) -> Engine:
@@ -83,13 +102,31 @@ class ServerPool:
         health_interval: float,
         unreachable_timeout: float,
         engines: Sequence[EngineName] | None = None,
+        admission: bool = False,
     ) -> None:
         names: list[EngineName] = list(engines) if engines is not None else ["sglang"] * len(urls)
-        self.servers = [Server(u.rstrip("/"), e) for u, e in zip(urls, names, strict=True)]
+        # admission: every server starts out of rotation until it is admitted (hsx run).
+        self.admission = admission
+        self.servers = [self._new(u.rstrip("/"), e) for u, e in zip(urls, names, strict=True)]
         self.health_interval = health_interval
         self.unreachable_timeout = unreachable_timeout
         self._changed = asyncio.Condition()
         self._rr = 0
+        self._stopped = False
+        # Called with (server, in_rotation) at each change: the events log, the metrics.
+        self.on_change: list[Callable[[Server, bool], None]] = []
+
+    def _new(self, url: str, engine: EngineName) -> Server:
+        if not self.admission:
+            return Server(url, engine)
+        return Server(
+            url,
+            engine,
+            healthy=False,
+            out_kind=NOT_CHECKED,
+            last_error="not checked yet",
+            down_since=time.monotonic(),
+        )
 
     def healthy(self) -> list[Server]:
         return [s for s in self.servers if s.healthy and not s.retired]
@@ -98,13 +135,29 @@ class ServerPool:
         async with self._changed:
             self._changed.notify_all()
 
-    async def wait_healthy(self) -> None:
-        """Return once a server is in rotation; NoServerError after the unreachable timeout."""
+    async def stop_waiting(self) -> None:
+        """The run is stopping: every wait for a server ends (:class:`PoolStopped`)."""
+        self._stopped = True
+        if not self.healthy():
+            log.warning(
+                "stopped_while_waiting_for_server",
+                servers={s.display: s.last_error or "no answer" for s in self.servers},
+                note="samples not sent anywhere are left for the next run",
+            )
+        await self._notify()
+
+    async def wait_healthy(self, timeout: float | None = -1.0) -> None:
+        """Return once a server is in rotation; NoServerError after ``timeout`` (default:
+        the unreachable timeout; None: wait as long as it takes); PoolStopped once
+        :meth:`stop_waiting` was called."""
         if self.healthy():
             return
+        limit = self.unreachable_timeout if timeout == -1.0 else timeout
         try:
-            async with asyncio.timeout(self.unreachable_timeout), self._changed:
-                await self._changed.wait_for(lambda: bool(self.healthy()))
+            async with asyncio.timeout(limit), self._changed:
+                await self._changed.wait_for(lambda: bool(self.healthy()) or self._stopped)
+            if not self.healthy():
+                raise PoolStopped("the run is stopping")
         except TimeoutError:
             detail = "; ".join(f"{s.display}: {s.last_error or 'no answer'}" for s in self.servers)
             raise NoServerError(
@@ -114,9 +167,10 @@ class ServerPool:
             ) from None
 
     @contextlib.asynccontextmanager
-    async def lease(self) -> AsyncIterator[Server]:
-        """A healthy server for one attempt, least loaded first (round robin on ties)."""
-        await self.wait_healthy()
+    async def lease(self, timeout: float | None = -1.0) -> AsyncIterator[Server]:
+        """A healthy server for one attempt, least loaded first (round robin on ties);
+        ``timeout`` as for :meth:`wait_healthy`."""
+        await self.wait_healthy(timeout)
         candidates = self.healthy()
         self._rr += 1
         low = min(s.in_flight for s in candidates)
@@ -132,6 +186,13 @@ class ServerPool:
     def succeeded(self, server: Server) -> None:
         server.soft_failures = 0
 
+    def served(self, server: Server) -> None:
+        """A dump of ``server`` became a sample: it works (the evidence
+        :mod:`hsx_async.run.retry` settles suspicions with); its streak of soft faults
+        ends."""
+        server.served += 1
+        server.soft_failures = 0
+
     async def failed(self, server: Server, error: RequestError) -> None:
         server.last_error = str(error)
         if not error.server_fault:
@@ -140,24 +201,55 @@ class ServerPool:
         if error.hard or server.soft_failures >= SOFT_FAILURES_TO_EVICT:
             await self.evict(server, str(error))
 
-    async def evict(self, server: Server, reason: str) -> None:
+    async def fault(self, server: Server, fault: Fault) -> None:
+        """A failed attempt on ``server``: a server fault counts against it (out of
+        rotation at once, or after a streak of soft ones); a sample's does not."""
+        if fault.cause != "server":
+            return
+        server.last_error = fault.reason
+        if fault.kind == "throttled":
+            return  # busy, not broken: the backoff is enough
+        server.soft_failures += 1
+        if fault.evict or server.soft_failures >= SOFT_FAILURES_TO_EVICT:
+            await self.evict(server, fault.reason, fault.kind)
+
+    async def evict(self, server: Server, reason: str, kind: str = "") -> None:
         if server.healthy:
             server.healthy = False
             server.down_since = time.monotonic()
+            server.out_kind = kind or "unreachable"
+            server.last_error = server.last_error or reason
+            server.evictions.append(Eviction(server.served))
             log.warning(
                 "server_out_of_rotation",
                 server=server.display,
+                kind=server.out_kind,
                 reason=reason,
                 healthy=len(self.healthy()),
             )
+            self._changed_state(server, False)
             await self._notify()
+
+    async def refuse(self, server: Server, reason: str, kind: str) -> None:
+        """A server out of rotation stays out, with a new reason (its probe failed)."""
+        changed = server.out_kind != kind  # not the text: it may name a rid or a path
+        server.out_kind, server.last_error = kind, reason
+        if changed:
+            log.warning("server_refused", server=server.display, kind=kind, reason=reason)
+            self._changed_state(server, False)
 
     async def restore(self, server: Server) -> None:
         if not server.healthy:
             down = time.monotonic() - (server.down_since or time.monotonic())
             server.healthy, server.soft_failures, server.down_since = True, 0, None
+            server.out_kind = ""
             log.info("server_back_in_rotation", server=server.display, down_s=round(down, 1))
+            self._changed_state(server, True)
             await self._notify()
+
+    def _changed_state(self, server: Server, in_rotation: bool) -> None:
+        for listener in self.on_change:
+            listener(server, in_rotation)
 
     async def apply(self, config: ServerConfig) -> None:
         """A reloaded ``[server]`` section: intervals at once, URLs (and their engines)
@@ -180,7 +272,7 @@ class ServerPool:
             s.retired = (s.url, s.engine_name) not in wanted
         known = {(s.url, s.engine_name) for s in self.servers if not s.retired}
         order = [(u.rstrip("/"), e) for u, e in zip(urls, names, strict=True)]
-        self.servers.extend(Server(u, e) for u, e in order if (u, e) not in known)
+        self.servers.extend(self._new(u, e) for u, e in order if (u, e) not in known)
         await self._notify()
 
 
@@ -206,7 +298,12 @@ class SGLangClient:
         engine = server.engine
         body = engine.build_body(rid, ns, input_ids, storage)
         parsed = await self.post_generate(server, body, timeout)
-        engine.check(parsed, rid, int(input_ids.shape[0]))
+        try:
+            engine.check(parsed, rid, int(input_ids.shape[0]))
+        except ResponseError:
+            raise
+        except DumpError as exc:
+            raise ResponseError(f"{server.display}: {exc}") from None
 
     async def post_generate(self, server: Server, request: object, timeout: float) -> object:
         """POST any body to the server's generate endpoint (``hsx regenerate`` decodes
@@ -224,12 +321,15 @@ class SGLangClient:
                 status = resp.status
         except TimeoutError:
             raise RequestError(
-                f"{server.display}: no response within {timeout:g} s (server.request_timeout)"
+                f"{server.display}: no response within {timeout:g} s (server.request_timeout)",
+                timed_out=True,
             ) from None
         except aiohttp.ClientError as exc:
             raise RequestError(
                 f"{server.display}: {type(exc).__name__}: {_redact_text(str(exc), server.url)}",
                 hard=True,
+                # A refused or unresolvable connection: the request never left.
+                reached=not isinstance(exc, aiohttp.ClientConnectorError),
             ) from None
         _raise_for_status(server.display, status, payload)
         try:
@@ -333,4 +433,6 @@ def _raise_for_status(url: str, status: int, payload: bytes) -> None:
     if status == 200:
         return
     excerpt = payload[:_BODY_EXCERPT].decode("utf-8", "replace").strip()
-    raise RequestError(f"{url}: HTTP {status}: {excerpt}", server_fault=status >= 500)
+    raise RequestError(
+        f"{url}: HTTP {status}: {excerpt}", server_fault=status >= 500, status=status
+    )

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -30,15 +31,17 @@ import uvloop
 
 from hsx_async.config import Config, load_config
 from hsx_async.dataset.manifest import AppendLog
-from hsx_async.dataset.provenance import shard_lock
+from hsx_async.dataset.provenance import record_server, shard_lock
 from hsx_async.dataset.running import announce, withdraw
 from hsx_async.errors import ConfigError, HsxError
 from hsx_async.logs import configure_logging
+from hsx_async.run.admission import Admission
 from hsx_async.run.autotune import ConcurrencyController, Reading, TuneSettings, shm_ceiling
-from hsx_async.run.client import ServerPool, SGLangClient
+from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.dump import namespace_lock
 from hsx_async.run.feed import Feeder
 from hsx_async.run.guard import DiskGuard, FreeFn, free_bytes
+from hsx_async.run.identity import Identity, JobRecord
 from hsx_async.run.metrics import Metrics
 from hsx_async.run.notify import Notifier, watchdog_loop
 from hsx_async.run.observe import progress_line, progress_loop, serve_http
@@ -47,9 +50,9 @@ from hsx_async.run.preflight import operator_problem
 from hsx_async.run.reload import reload_config
 from hsx_async.run.report import RunRecorder, Tick, write_report
 from hsx_async.run.signals import DrainExpired, Stopper
-from hsx_async.run.startup import prepare_output, record_server, wait_for_server
+from hsx_async.run.startup import job_record, prepare_output
 from hsx_async.run.status import RunStatus, StatusCollector, take_status
-from hsx_async.run.workers import Workers, namespace_base
+from hsx_async.run.workers import Workers, namespace_base, probe_namespace
 from hsx_async.units import human_bytes
 
 log = structlog.get_logger("hsx.daemon")
@@ -119,6 +122,10 @@ class Daemon:
         self.http_url: str | None = None
         self.pipeline: Pipeline | None = None
         self.servers: ServerPool | None = None
+        self.admission: Admission | None = None
+        # Called (on the event loop) with (server, in_rotation) whenever a server leaves
+        # rotation, is refused again or comes back: for code embedding a Daemon.
+        self.on_server_change: list[Callable[[Server, bool], None]] = []
         self.metrics.registry.register(StatusCollector(self.snapshot))
         self.guard.on_change.append(self._intake_changed)
         self.recorder = RunRecorder(
@@ -143,9 +150,10 @@ class Daemon:
             done, manifest, quarantine = await asyncio.to_thread(
                 prepare_output, cfg, stack, allow_provenance_change=self.allow_provenance_change
             )
+            job = await asyncio.to_thread(job_record, out, done)
             self.feeder = Feeder(cfg, done, self.metrics, on_input_read=self.recorder.input_read)
             try:
-                await self._connect_and_serve(self.feeder, manifest, quarantine)
+                await self._connect_and_serve(self.feeder, manifest, quarantine, job)
             finally:
                 withdraw(out, cfg.shard.index)
                 await asyncio.to_thread(self._finish_events)
@@ -174,7 +182,7 @@ class Daemon:
         return max(0, pending[0] - t.samples_done - t.samples_quarantined)
 
     async def _connect_and_serve(
-        self, feeder: Feeder, manifest: AppendLog, quarantine: AppendLog
+        self, feeder: Feeder, manifest: AppendLog, quarantine: AppendLog, job: JobRecord
     ) -> None:
         cfg = self.config
         pool = self.servers = ServerPool(
@@ -182,12 +190,12 @@ class Daemon:
             health_interval=cfg.server.health_interval,
             unreachable_timeout=cfg.server.unreachable_timeout,
             engines=[cfg.server.engine_of(u) for u in cfg.server.urls],
+            admission=True,  # no server takes a sample before it is admitted
         )
+        pool.on_change.append(self._server_changed)
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         async with aiohttp.ClientSession(connector=connector) as session:
             client = SGLangClient(session, pool)
-            await wait_for_server(client, cfg, self.notifier)
-            await record_server(client, cfg, allow_provenance_change=self.allow_provenance_change)
             pipeline = Pipeline(
                 cfg,
                 client=client,
@@ -197,6 +205,20 @@ class Daemon:
                 guard=self.guard,
             )
             self.pipeline = pipeline
+            # Servers are admitted while the run goes: a finished dataset needs none, and
+            # a job fault stops the run before any sample is sent.
+            self.admission = Admission(
+                cfg,
+                client,
+                nonce=pipeline.workers.nonce,
+                namespace=probe_namespace(cfg),
+                record=self._record_server,
+                job=job,
+                final_states=pipeline.workers.final_states,
+                notifier=self.notifier,
+                stop_requested=self.stop_requested,
+                allow_provenance_change=self.allow_provenance_change,
+            )
             await self.recorder.start()
             try:
                 await self._serve(pipeline, client, feeder)
@@ -243,7 +265,8 @@ class Daemon:
     def _start_services(self, tg: asyncio.TaskGroup, client: SGLangClient, feeder: Feeder) -> None:
         """The long-lived helpers: none of them ends the run by returning."""
         cfg = self.config
-        tg.create_task(client.probe_forever(), name="hsx-prober")
+        if self.admission is not None:
+            tg.create_task(self.admission.run(), name="hsx-admission")
         tg.create_task(self.guard.run(), name="hsx-disk-guard")
         tg.create_task(feeder.count(self.guard), name="hsx-count")
         tg.create_task(self._reload_loop(), name="hsx-reload")
@@ -276,6 +299,34 @@ class Daemon:
     def progress_interval(self) -> float:
         """Read at every round, so a reload changes it (``daemon.progress_interval``)."""
         return self.config.daemon.progress_interval
+
+    async def _record_server(
+        self, server: Server, identity: Identity, final_norm: dict[str, Any] | None
+    ) -> None:
+        """An admitted server's identity, and the job's, into provenance.json."""
+        assert self.admission is not None and self.admission.job is not None
+        await asyncio.to_thread(
+            record_server,
+            self.config.output.dir,
+            server.display,
+            identity.to_record(),
+            self.admission.job.to_record(),
+            final_norm,
+        )
+
+    def _server_changed(self, server: Server, in_rotation: bool) -> None:
+        """A server left rotation, was refused again, or came back: the events log (the
+        job report lists them) and the metrics."""
+        if not in_rotation:
+            self.metrics.server_out(server.display, server.out_kind)
+        for listener in self.on_server_change:
+            listener(server, in_rotation)
+        self.recorder.note(
+            "server_back" if in_rotation else "server_out",
+            server=server.display,
+            kind=server.out_kind,
+            reason=server.last_error if not in_rotation else "",
+        )
 
     def _http_bound(self, url: str) -> None:
         self.http_url = url
@@ -398,6 +449,8 @@ class Daemon:
                 outcome, self.config = await reload_config(
                     self.config, pipeline=self.pipeline, servers=self.servers, guard=self.guard
                 )
+                if self.admission is not None:
+                    self.admission.apply(self.config)
             finally:
                 self.notifier.ready()
         return outcome

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx_async.errors import ConfigError, DumpError
+from hsx_async.errors import ConfigError, DumpError, DumpMissingError, IdentityError
 from hsx_async.protocol import (
     BF16_STORAGE,
     META_NAME,
@@ -316,7 +316,7 @@ async def wait_for_meta(rid_dir: Path, timeout: float) -> bytes:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _POLL_MAX)
     except TimeoutError:
-        raise DumpError(
+        raise DumpMissingError(
             f"no meta.json in {rid_dir} {timeout:g} s after the response (dump.timeout); "
             "is the hsx hook loaded and HSX_DUMP_ROOT the same as dump.root?"
         ) from None
@@ -367,7 +367,18 @@ def validate_dump(
     dataset's (the dump holds it, or bfloat16). ``sizes``: the part sizes
     :func:`read_dump` saw with ``meta_bytes`` (else the directory is listed)."""
     meta = parse_meta(meta_bytes)
-    check_meta(meta, rid=rid, num_tokens=num_tokens, hidden_size=hidden_size, aux_layers=aux_layers)
+    try:
+        check_meta(
+            meta, rid=rid, num_tokens=num_tokens, hidden_size=hidden_size, aux_layers=aux_layers
+        )
+    except DumpError as exc:
+        # A dump of another shape than the config's: the server's identity, not the
+        # sample (hsx_async.run.faults); the message stays the protocol's.
+        if meta.hidden_size != hidden_size:
+            raise IdentityError(str(exc), key="model.hidden_size", field="hidden_size") from None
+        if list(meta.aux_layers) != list(aux_layers):
+            raise IdentityError(str(exc), key="model.aux_layers", field="aux_layers") from None
+        raise
     check_storage(meta, storage)
     check_part_sizes(meta, _part_sizes(rid_dir) if sizes is None else sizes, meta.row_bytes)
     return Dump(rid_dir, meta)

@@ -45,7 +45,16 @@ class Metrics:
             "hsx_samples", "Samples finished, by outcome", ["outcome"], registry=r
         )
         self.retries = Counter(
-            "hsx_attempts_failed", "Failed attempts, by reason kind", ["kind"], registry=r
+            "hsx_attempts_failed",
+            "Failed attempts, by fault kind and cause (sample, server, job)",
+            ["kind", "cause"],
+            registry=r,
+        )
+        self.evictions = Counter(
+            "hsx_server_out_of_rotation",
+            "Times a server left rotation (or was refused at a probe), by fault kind",
+            ["server", "kind"],
+            registry=r,
         )
         self.tokens = Counter("hsx_tokens", "Tokens written to the dataset", registry=r)
         self.bytes = Counter("hsx_bytes_written", "Dataset bytes written", registry=r)
@@ -76,12 +85,16 @@ class Metrics:
         self.totals.samples_quarantined += 1
         self.samples.labels("quarantined").inc()
 
-    def attempt_failed(self, kind: str, reason: str = "") -> None:
-        """``kind`` labels the Prometheus series; ``reason`` (what failed, without its
-        particulars) is counted for the job report."""
+    def attempt_failed(self, kind: str, cause: str, reason: str = "") -> None:
+        """``kind`` (a fault kind, :mod:`hsx_async.run.faults`) and ``cause`` label the
+        Prometheus series; ``reason`` (what failed, without its particulars) is counted
+        for the job report."""
         self.totals.attempts_failed += 1
-        self.retries.labels(kind).inc()
+        self.retries.labels(kind, cause).inc()
         self.failure_reasons[reason or kind] += 1
+
+    def server_out(self, server: str, kind: str) -> None:
+        self.evictions.labels(server, kind).inc()
 
     def elapsed(self) -> float:
         """Seconds since this run started (the monotonic start never leaves the process)."""

@@ -102,6 +102,12 @@ class Pipeline:
     def stop_intake(self) -> None:
         self.workers.intake.stop()
 
+    async def stop(self) -> None:
+        """Stop intake, and stop waiting for a server: a sample not yet sent anywhere is
+        left for a resume, rather than held until the drain deadline."""
+        self.stop_intake()
+        await self.workers.servers.stop_waiting()
+
     @property
     def stopping(self) -> bool:
         return self.workers.intake.stopping

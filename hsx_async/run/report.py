@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import structlog
 
 from hsx_async.dataset.durable import write_atomic
 from hsx_async.dataset.events import EVENTS, event_files, input_lines, read_events
@@ -41,6 +42,9 @@ from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.errors import DatasetError
 from hsx_async.logs import configure_logging
 
+log = structlog.get_logger("hsx.report")
+
+_RUN_EVENTS = ("start", "tick", "end")  # the lines with the run's counts
 REPORT_JSON = "report.json"
 REPORT_PNG = "report.png"
 _FAST_TICKS_S = 60.0  # tick every second this long, then every _SLOW_TICK_S
@@ -63,9 +67,15 @@ class Tick:
 
 
 class RunRecorder:
-    """Appends this run's ``start``/``tick``/``end`` lines to its shard's events log.
+    """Appends this run's ``start``/``tick``/``end`` lines to its shard's events log, and
+    the events between ticks (``input``; ``server_out``/``server_back``: a server left
+    rotation with its reason, or came back).
 
     Blocking file calls go to a thread; one ``fsync`` per line (at most one a second).
+    The log is a record, not the data: a full disk (ENOSPC) or any other failure to
+    append it never stops the run. The failed lines wait (the latest tick replaces an
+    older one) and are written once the disk takes them again; a torn line is cut when
+    the log is reopened.
     """
 
     def __init__(
@@ -76,11 +86,46 @@ class RunRecorder:
         self.shard = f"{shard_index}/{shard_count}"
         self._log: AppendLog | None = None
         self._started = time.monotonic()
+        self._pending: list[dict[str, Any]] = []  # events not yet appended
+        self._failing = False
 
-    def _append(self, record: dict[str, Any]) -> None:
-        if self._log is None:
-            self._log = AppendLog(self.path)
-        self._log.append([orjson.dumps(record) + b"\n"])
+    def _append(self, records: list[dict[str, Any]]) -> bool:
+        """Append ``records`` (blocking); False, and logged once, when the disk refuses."""
+        try:
+            if self._log is None:
+                self._log = AppendLog(self.path)
+            self._log.append([orjson.dumps(r) + b"\n" for r in records])
+        except (OSError, DatasetError) as exc:
+            if self._log is not None:
+                self._log.close()  # reopened next time: the torn tail is cut then
+                self._log = None
+            if not self._failing:
+                self._failing = True
+                log.warning(
+                    "events_log_not_written",
+                    path=str(self.path),
+                    error=str(exc),
+                    note="the run goes on; the job report misses what is not written",
+                )
+            return False
+        if self._failing:
+            self._failing = False
+            log.info("events_log_written_again", path=str(self.path))
+        return True
+
+    async def _write(self, record: dict[str, Any]) -> None:
+        """Append the pending events and ``record``; keep what failed for later (a tick
+        is superseded by the next one: only the events are kept)."""
+        batch = [*self._pending, record]
+        self._pending = []
+        if not await asyncio.to_thread(self._append, batch):
+            self._pending = [r for r in batch if r.get("event") not in ("tick", "start")]
+
+    def note(self, event: str, **fields: Any) -> None:
+        """An event to append with the next line (called on the event loop)."""
+        self._pending.append(
+            {"event": event, "time": round(time.time(), 3), "shard": self.shard, **fields}
+        )
 
     def _record(self, event: str, **extra: Any) -> dict[str, Any]:
         tick = self.snapshot()
@@ -99,24 +144,27 @@ class RunRecorder:
 
     async def start(self) -> None:
         self._started = time.monotonic()
-        await asyncio.to_thread(self._append, self._record("start", pid=os.getpid()))
+        await self._write(self._record("start", pid=os.getpid()))
 
     async def run(self) -> None:
         """Tick until cancelled (a long-lived task of the daemon's TaskGroup)."""
         while True:
             elapsed = time.monotonic() - self._started
             await asyncio.sleep(1.0 if elapsed < _FAST_TICKS_S else _SLOW_TICK_S)
-            await asyncio.to_thread(self._append, self._record("tick"))
+            await self._write(self._record("tick"))
 
     async def input_read(self, lines: int) -> None:
         """The feeder read the whole input: ``lines`` of it belong to this shard."""
-        record = {"event": "input", "time": round(time.time(), 3), "shard": self.shard}
-        await asyncio.to_thread(self._append, {**record, "lines": lines})
+        self.note("input", lines=lines)
+        await self._write(self._record("tick"))
 
     def finish(self, *, stopped: bool, unfinished: int) -> None:
         """The ``end`` line (blocking; called once the run is over)."""
         try:
-            self._append(self._record("end", stopped=stopped, unfinished=unfinished))
+            self._append(
+                [*self._pending, self._record("end", stopped=stopped, unfinished=unfinished)]
+            )
+            self._pending = []
         finally:
             if self._log is not None:
                 self._log.close()
@@ -132,7 +180,7 @@ def _read_runs(out_dir: Path) -> list[list[dict[str, Any]]]:
     for path in event_files(out_dir):
         current: list[dict[str, Any]] | None = None
         for rec in read_events(path):
-            if rec.get("event") == "input":
+            if rec.get("event") not in _RUN_EVENTS:
                 continue
             if rec.get("event") == "start" or current is None:
                 current = []
@@ -192,6 +240,35 @@ def _summed(runs: list[list[dict[str, Any]]], key: str) -> dict[str, int]:
     return dict(total.most_common())
 
 
+def servers_out(out_dir: Path) -> list[dict[str, Any]]:
+    """Each time a server was taken out of rotation (or refused at a probe, for a new
+    reason): when, why, and when it came back (None: it did not, in that run)."""
+    spells: list[dict[str, Any]] = []
+    open_: dict[str, dict[str, Any]] = {}
+    for path in event_files(out_dir):
+        for rec in read_events(path):
+            server, event = rec.get("server"), rec.get("event")
+            if not isinstance(server, str):
+                continue
+            if event == "server_out":
+                if server in open_ and open_[server]["kind"] == rec.get("kind"):
+                    continue  # the same spell, refused again
+                spell = {
+                    "server": server,
+                    "kind": str(rec.get("kind", "")),
+                    "reason": str(rec.get("reason", "")),
+                    "out": _iso(float(rec["time"])),
+                    "back": None,
+                }
+                spells.append(spell)
+                open_[server] = spell
+            elif event == "server_back" and server in open_:
+                open_.pop(server)["back"] = _iso(float(rec["time"]))
+            elif event == "start":
+                open_.clear()  # a new run: every server is examined afresh
+    return spells
+
+
 def build_report(out_dir: Path) -> dict[str, Any]:
     """Every number of the report, from the files of ``out_dir``."""
     if not out_dir.is_dir():
@@ -222,6 +299,7 @@ def build_report(out_dir: Path) -> dict[str, Any]:
         "quarantine_reasons": dict(reasons.most_common()),
         "servers": _summed(runs, "servers"),
         "retries": _summed(runs, "retries"),
+        "servers_out": servers_out(out_dir),
     }
 
 

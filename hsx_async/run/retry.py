@@ -1,9 +1,31 @@
-"""Retry policy: which failures are retried and how long to wait. Pure."""
+"""Retry policy and the attempt bookkeeping of one sample: which failures it pays for. Pure.
+
+:class:`RetryPolicy` says how long to wait and how many charged failures a sample may
+have. :class:`Attempts` counts one sample's attempts by cause (:mod:`hsx_async.run.faults`):
+
+- a **sample** fault is charged at once (a permanent one ends the sample at once);
+- a **server** fault that never reached the server, or says nothing about the sample
+  (refused connection, no hook, another model, a 404), is never charged;
+- a server fault that the sample might have caused (a 5xx, a reset, a timeout, a broken
+  dump) is a :class:`Suspicion` against that server, settled by what the server does next
+  (:meth:`Suspicion.verdict`): it served another request since — the server works, so the
+  sample is charged; it was taken out of rotation and its first probe failed — the server
+  was broken, so the sample is forgiven. Until then the sample is retried uncharged.
+
+So a server that fails every request takes nothing from the input (its samples wait,
+uncharged, until it is fixed or the run exits 3), while a sample that fails on servers
+that work for everything else still ends in quarantine after ``max_attempts``.
+"""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hsx_async.dataset.quarantine import attempts_reason, refused_reason
+from hsx_async.run.faults import Fault
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,3 +52,104 @@ class RetryPolicy:
     def exhausted(self, attempt: int) -> bool:
         """True when ``attempt`` was the last one allowed."""
         return attempt >= self.max_attempts
+
+
+@dataclass(slots=True)
+class Eviction:
+    """One time a server left rotation: how many dumps it had served by then, and what its
+    first probe after it showed (None until probed)."""
+
+    served_before: int
+    verdict: bool | None = None
+
+
+class Witness(Protocol):
+    """What a server's record says about whether it works (``Server`` is one)."""
+
+    @property
+    def served(self) -> int: ...
+
+    @property
+    def evictions(self) -> Sequence[Eviction]: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Suspicion:
+    """A failure the sample might have caused, on ``server``, with the server's record at
+    the moment it happened."""
+
+    server: Witness
+    fault: Fault
+    served_at: int
+    evictions_at: int
+    was_down: bool  # the server was already out of rotation when the attempt failed
+
+    @classmethod
+    def against(cls, server: Witness, fault: Fault) -> Suspicion:
+        """Record before the server's record changes for this same fault."""
+        return cls(server, fault, server.served, len(server.evictions), not server.healthy)
+
+    def verdict(self) -> bool | None:
+        """True: the server worked for another request after it (the sample is to blame);
+        False: the server was broken (forgiven); None: not known yet."""
+        evictions = self.server.evictions
+        if self.was_down and self.evictions_at:
+            return evictions[self.evictions_at - 1].verdict
+        if len(evictions) == self.evictions_at:  # still in rotation since the failure
+            return True if self.server.served > self.served_at else None
+        later = evictions[self.evictions_at]  # the eviction that followed it
+        if later.served_before > self.served_at:
+            return True
+        return later.verdict
+
+
+@dataclass(slots=True)
+class Attempts:
+    """One sample's attempts so far. ``rids``: requests sent (each rid used once, also
+    when the writers hand a sample back); ``failed``: every failed attempt, whatever its
+    cause (for the backoff); ``charged``: the failures the sample pays for, which count
+    against ``workers.max_attempts``; ``suspicions``: failures not settled yet."""
+
+    rids: int = 0
+    failed: int = 0
+    charged: int = 0
+    last_charged: str = ""
+    suspicions: list[Suspicion] = field(default_factory=list)
+    permanent: bool = False  # a sample fault no retry can change
+
+    def record(self, fault: Fault, server: Witness | None) -> None:
+        """One failed attempt. Call before the server's record is updated for it."""
+        self.failed += 1
+        if fault.cause == "sample":
+            self.charge(fault.reason)
+            self.permanent = self.permanent or fault.permanent
+        elif fault.cause == "server" and fault.reached and server is not None:
+            self.suspicions.append(Suspicion.against(server, fault))
+
+    def charge(self, reason: str) -> None:
+        self.charged += 1
+        self.last_charged = reason
+
+    def settle(self) -> None:
+        """Charge the suspicions whose server has since been shown to work; forgive those
+        whose server was shown broken; keep the rest."""
+        open_ = []
+        for suspicion in self.suspicions:
+            verdict = suspicion.verdict()
+            if verdict is None:
+                open_.append(suspicion)
+            elif verdict:
+                self.charge(suspicion.fault.reason)
+        self.suspicions = open_
+
+    def exhausted(self, policy: RetryPolicy) -> bool:
+        """The sample is to be quarantined (after :meth:`settle`)."""
+        return self.permanent or (self.charged > 0 and policy.exhausted(self.charged))
+
+    def quarantine_reason(self) -> str:
+        if self.permanent:
+            return refused_reason(self.last_charged)
+        return attempts_reason(self.charged, self.last_charged)

@@ -55,7 +55,7 @@ class Stopper:
         """A task of the run: stop intake at the first signal, then end the drain at its
         deadline (:class:`DrainExpired`) or at a second signal (:class:`ForcedExit`)."""
         await self.stop_requested.wait()
-        pipeline.stop_intake()
+        await pipeline.stop()
         try:
             async with asyncio.timeout(self.drain_timeout()):
                 await self.force_requested.wait()

@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hsx_async.run.client import ServerPool
+from hsx_async.run.client import Server, ServerPool
 from hsx_async.run.guard import DiskGuard
 from hsx_async.run.metrics import Metrics
 from hsx_async.run.pool import Pipeline
@@ -23,10 +23,12 @@ from hsx_async.run.pool import Pipeline
 @dataclass(frozen=True, slots=True)
 class ServerStatus:
     url: str  # as logs show it: no password
-    healthy: bool
+    healthy: bool  # in rotation
     in_flight: int
     requests: int
     last_error: str
+    out_of_rotation: str  # why it is out (its fault kind and reason), '' while in
+    model: str  # what it was admitted as ('' before)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,11 +112,15 @@ def take_status(
         disk_reserve=guard.reserve,
         stopping=stopping,
         servers=tuple(
-            ServerStatus(s.display, s.healthy, s.in_flight, s.requests, s.last_error)
-            for s in (servers.servers if servers else [])
-            if not s.retired
+            server_status(s) for s in (servers.servers if servers else []) if not s.retired
         ),
     )
+
+
+def server_status(s: Server) -> ServerStatus:
+    out = "" if s.healthy else f"{s.out_kind}: {s.last_error}"
+    model = (s.identity.model or s.identity.served_as) if s.identity else ""
+    return ServerStatus(s.display, s.healthy, s.in_flight, s.requests, s.last_error, out, model)
 
 
 # name → help text, exactly as the run has always exported them (alert rules and the

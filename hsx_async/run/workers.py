@@ -29,7 +29,7 @@ from hsx_async.dataset.provenance import FinalStateGuard
 from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.errors import DumpError, RequestError
 from hsx_async.run.budget import ByteBudget
-from hsx_async.run.client import ServerPool, SGLangClient
+from hsx_async.run.client import PoolStopped, Server, ServerPool, SGLangClient
 from hsx_async.run.dump import (
     Dump,
     has_debris,
@@ -40,6 +40,7 @@ from hsx_async.run.dump import (
     validate_dump,
 )
 from hsx_async.run.dump import wait_for_meta as _wait_for_meta
+from hsx_async.run.faults import Fault, fault_of
 from hsx_async.run.guard import DiskGuard
 from hsx_async.run.handoff import (
     EOF,
@@ -52,8 +53,9 @@ from hsx_async.run.handoff import (
     Requeue,
     Sink,
 )
+from hsx_async.run.identity import check_dump
 from hsx_async.run.metrics import Metrics
-from hsx_async.run.retry import RetryPolicy
+from hsx_async.run.retry import Attempts, RetryPolicy
 from hsx_async.run.source import Sample
 from hsx_async.run.writer import WriteJob
 
@@ -66,21 +68,28 @@ class _Reserved:
     the rid and the bytes until the writers freed the dump."""
 
     sample: Sample
-    tries: Tries  # the attempts behind this dump, counting it
+    tries: Attempts  # the attempts behind this dump, counting it
+    server: Server  # where the dump came from
     ns: str
     rid: str
     need: int  # /dev/shm bytes
 
 
-@dataclass(slots=True)
-class Tries:
-    """Attempts of one sample so far. ``rids``: requests sent (each rid is used once, also
-    when the writer hands a sample back); ``failed``: the failures that count against
-    ``workers.max_attempts``, wherever they happened — a request, a dump, or a dump that
-    changed before its copy. A paused disk (ENOSPC) counts in ``rids`` only."""
+@dataclass(frozen=True, slots=True)
+class _Extracted:
+    """A valid dump, the server it came from and the attempts behind it."""
 
-    rids: int = 0
-    failed: int = 0
+    dump: Dump
+    server: Server
+    tries: Attempts
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """A failed attempt: its error, and the server it went to (None: none was leased)."""
+
+    error: RequestError | DumpError
+    server: Server | None
 
 
 def retry_policy(config: Config) -> RetryPolicy:
@@ -154,7 +163,7 @@ class Workers:
         self.budget = ByteBudget(config.dump.shm_budget)
         self.final_states = FinalStateGuard(config.output.dir)  # one kind per dataset
         self.intake = Intake(maxsize=2 * config.workers.start_concurrency)
-        self.tries: dict[int, Tries] = {}  # line → attempts, for handed-back samples only
+        self.tries: dict[int, Attempts] = {}  # line → attempts, for handed-back samples only
         self.retry = retry_policy(config)
         self.target_workers = config.workers.start_concurrency
         self.live_rids: dict[str, set[str]] = collections.defaultdict(set)  # ns → rids
@@ -241,7 +250,7 @@ class Workers:
         try:
             extracted = await self._extract(sample, ns, ns_dir)
             if extracted is not None:
-                await self._hand_off(sample, *extracted, ns, need)
+                await self._hand_off(sample, extracted, ns, need)
                 handed_off = True
         finally:
             if not handed_off:
@@ -256,62 +265,82 @@ class Workers:
         self.in_flight -= 1
         self.intake.wake()
 
-    async def _extract(self, sample: Sample, ns: str, ns_dir: Path) -> tuple[Dump, Tries] | None:
-        """Attempts until one yields a valid dump; None once the sample is quarantined.
-        A sample the writer handed back goes on from its earlier attempts."""
-        tries = self.tries.pop(sample.line, None) or Tries()
+    async def _extract(self, sample: Sample, ns: str, ns_dir: Path) -> _Extracted | None:
+        """Attempts until one yields a valid dump; None once the sample is quarantined
+        (or abandoned: the run stops while it waits for a server). A sample the writers
+        handed back goes on from its earlier attempts."""
+        tries = self.tries.pop(sample.line, None) or Attempts()
         while True:
+            tries.settle()  # a suspicion may have been settled while it waited
+            if tries.exhausted(self.retry):
+                await self._quarantine(sample, tries)
+                return None
             tries.rids += 1
             rid = f"{self.nonce}-{sample.line}-{tries.rids}"
             started = time.monotonic()
             # Every event of this attempt, here and in the modules it calls, names it.
             with structlog.contextvars.bound_contextvars(id=sample.id, rid=rid, attempt=tries.rids):
                 try:
-                    dump = await self._attempt(sample, rid, ns, ns_dir)
-                except (RequestError, DumpError) as exc:
-                    if await self._failed_attempt(sample, tries, ns, ns_dir, exc):
+                    result = await self._attempt(sample, rid, ns, ns_dir)
+                except PoolStopped:
+                    log.info("sample_abandoned", why="the run stopped while it waited for a server")
+                    return None
+                if isinstance(result, _Failure):
+                    if await self._failed_attempt(sample, tries, ns, ns_dir, result):
                         return None
                     continue
             self.metrics.request_latency.observe(time.monotonic() - started)
-            return dump, tries
+            return _Extracted(*result, tries)
 
     async def _failed_attempt(
-        self, sample: Sample, tries: Tries, ns: str, ns_dir: Path, exc: RequestError | DumpError
+        self, sample: Sample, tries: Attempts, ns: str, ns_dir: Path, failure: _Failure
     ) -> bool:
-        """Clean up after a failed attempt and back off; True once the sample is
-        quarantined (the last attempt failed)."""
+        """Clean up after a failed attempt, attribute it and back off; True once the
+        sample is quarantined."""
         # The failed dump goes, and any debris with it (late writes of abandoned
         # attempts): everything but the dumps the writers hold.
         await self.to_thread(sweep_namespace, ns_dir, set(self.live_rids[ns]))
-        kind = "request" if isinstance(exc, RequestError) else "dump"
-        self.metrics.attempt_failed(kind, reason_kind(str(exc)))
-        log.info("attempt_failed", error=str(exc))
-        if await self._count_failure(sample, tries, str(exc)):
+        fault = fault_of(failure.error)
+        log.info("attempt_failed", cause=fault.cause, kind=fault.kind, error=fault.reason)
+        if await self._count(sample, tries, fault, failure.server):
             return True
+        if fault.cause == "server" and not fault.reached:
+            return False  # the server is out of rotation: the next lease waits for one
         await asyncio.sleep(self.retry.delay(tries.failed))
         return False
 
-    async def _count_failure(self, sample: Sample, tries: Tries, error: str) -> bool:
-        """Count one failed attempt (here, or a dump that changed before its copy); True
-        once the sample is quarantined for it."""
-        tries.failed += 1
-        if self.retry.exhausted(tries.failed):
-            reason = f"{tries.failed} attempts failed; last: {error}"
-            await self.sink.quarantine(sample.line, sample.id, reason)
-            self.settled += 1
+    async def _count(
+        self, sample: Sample, tries: Attempts, fault: Fault, server: Server | None
+    ) -> bool:
+        """Record one failed attempt (here, or a dump that changed before its copy) by its
+        cause; True once the sample is quarantined for it."""
+        self.metrics.attempt_failed(fault.kind, fault.cause, reason_kind(fault.reason))
+        tries.record(fault, server)  # before the server's record changes for it
+        if server is not None:
+            await self.servers.fault(server, fault)
+        tries.settle()
+        if tries.exhausted(self.retry):
+            await self._quarantine(sample, tries)
             return True
         if tries.failed == 1:
             self.metrics.totals.samples_retried += 1
         return False
 
-    def _requeue(self, sample: Sample, tries: Tries) -> None:
+    async def _quarantine(self, sample: Sample, tries: Attempts) -> None:
+        await self.sink.quarantine(sample.line, sample.id, tries.quarantine_reason())
+        self.settled += 1
+
+    def _requeue(self, sample: Sample, tries: Attempts) -> None:
         """Put a sample back into the intake (ahead of new ones), with its attempts so far."""
         self.tries[sample.line] = tries
         self.intake.requeue(sample)
 
-    async def _attempt(self, sample: Sample, rid: str, ns: str, ns_dir: Path) -> Dump:
+    async def _attempt(
+        self, sample: Sample, rid: str, ns: str, ns_dir: Path
+    ) -> tuple[Dump, Server] | _Failure:
         cfg = self.config
-        async with self.servers.lease() as server:
+        # No deadline here: the admission task owns the wait for a server (exit 3).
+        async with self.servers.lease(timeout=None) as server:
             try:
                 await self.client.generate(
                     server,
@@ -321,30 +350,34 @@ class Workers:
                     timeout=cfg.server.request_timeout,
                     storage=cfg.storage,
                 )
-            except RequestError as exc:
-                await self.servers.failed(server, exc)
-                raise
-            self.servers.succeeded(server)
+            except (RequestError, DumpError) as exc:
+                return _Failure(exc, server)
         keep = {*self.live_rids[ns], rid}
-        return await collect_dump(
-            self.config,
-            sample,
-            ns_dir / rid,
-            keep,
-            on_tmpfs=bool(self.dump_on_tmpfs),
-            to_thread=self.to_thread,
-            final_states=self.final_states,
-        )
+        try:
+            dump = await collect_dump(
+                self.config,
+                sample,
+                ns_dir / rid,
+                keep,
+                on_tmpfs=bool(self.dump_on_tmpfs),
+                to_thread=self.to_thread,
+                final_states=self.final_states,
+            )
+            if server.identity is not None:  # every meta.json against its server's identity
+                check_dump(server.identity, dump.meta, server.display)
+        except DumpError as exc:
+            return _Failure(exc, server)
+        return dump, server
 
-    async def _hand_off(self, sample: Sample, dump: Dump, tries: Tries, ns: str, need: int) -> None:
+    async def _hand_off(self, sample: Sample, got: _Extracted, ns: str, need: int) -> None:
         """Queue the dump for the writers; its outcome comes back to :meth:`_settle`, and
         :meth:`_freed` releases what it holds once the writers deleted it."""
-        job = write_job(self.config, sample, dump, self.nonce)
+        job = write_job(self.config, sample, got.dump, self.nonce)
         loop = asyncio.get_running_loop()
         handoff = Handoff(job, loop.create_future(), loop.create_future())
         await self.sink.submit(handoff)
         # No await since the put: the writers cannot have answered yet.
-        reserved = _Reserved(sample, tries, ns, dump.path.name, need)
+        reserved = _Reserved(sample, got.tries, got.server, ns, got.dump.path.name, need)
         self.live_rids[ns].add(reserved.rid)
         handoff.outcome.add_done_callback(functools.partial(self._settle, reserved))
         handoff.freed.add_done_callback(functools.partial(self._freed, reserved))
@@ -358,6 +391,9 @@ class Workers:
             return
         if isinstance(outcome, Committed):
             self.settled += 1
+            # The evidence that a server works (hsx_async.run.retry): its dump became a
+            # sample — not merely passed validation (a dump may change before its copy).
+            self.servers.served(held.server)
         elif isinstance(outcome, Requeue):
             self._requeue(held.sample, held.tries)  # a full disk: uncharged
         self._landed()
@@ -382,10 +418,8 @@ class Workers:
     async def _copy_failed(self, held: _Reserved, outcome: Failed) -> None:
         """A dump that failed its copy: a failed attempt like any other."""
         try:
-            error = str(outcome.error)
-            kind = reason_kind(error)
-            self.metrics.attempt_failed("dump", kind)
-            if not await self._count_failure(held.sample, held.tries, error):
+            fault = fault_of(outcome.error)
+            if not await self._count(held.sample, held.tries, fault, held.server):
                 self._requeue(held.sample, held.tries)
         finally:
             self._landed()
@@ -397,6 +431,11 @@ def namespace_base(config: Config) -> str:
     digits), so one lock per base (:func:`~hsx_async.run.dump.namespace_lock`) covers them."""
     prefix, shard = config.dump.namespace_prefix, config.shard
     return f"{prefix}-s{shard.index}-w" if shard.count > 1 else f"{prefix}-w"
+
+
+def probe_namespace(config: Config) -> str:
+    """Where the admission's probes dump (covered by the run's namespace lock)."""
+    return f"{namespace_base(config)}probe"
 
 
 def namespace(config: Config, index: int) -> str:

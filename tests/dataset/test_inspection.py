@@ -75,7 +75,7 @@ def test_no_server_exits_3(
         daemon={"log_level": "error"},
     )
     assert main(["run", "--config", str(write_config(tmp_path, raw))]) == 3
-    assert "no server answered" in capsys.readouterr().err
+    assert "no server in rotation" in capsys.readouterr().err
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,6 +31,7 @@ from tests.crash_driver import (
     fake_options,
     kill_state,
     make_bed,
+    pause_at_request,
     reference_run,
     requests_seen,
     run_child,
@@ -166,8 +167,9 @@ async def test_random_kills_and_a_drained_stop_then_resume(
 
 async def _stuck_bed(bed: CrashBed, kills: list[Kill]) -> tuple[int, float]:
     """Run with every request stuck in the server's queue; (exit code, seconds from the
-    first signal to the exit)."""
-    bed.fake.pause_passes()
+    first signal to the exit). The server stops forming passes at the run's second
+    request: its first is the probe that admits the server."""
+    pause_at_request(bed.fake, bed.fake.stats.hsx_requests + 2)
     run = await run_child(bed.config, kills=kills)
     await bed.barrier()  # drops the queued requests: nothing stale is written later
     bed.fake.resume_passes()
@@ -184,11 +186,11 @@ async def test_stop_past_the_drain_deadline_and_forced_exit_then_resume(
     samples, reference = crash_input
     async with running_fake_server(fake_options(shm_root)) as fake:
         bed = make_bed(tmp_path, shm_root, samples, fake, daemon={"drain_timeout": 1.0})
-        stuck = requests_seen(fake.stats, 4)  # every worker has a request in the server
+        stuck = requests_seen(fake.stats, 1 + 4)  # the probe, then every worker's request
         code, seconds = await _stuck_bed(bed, [Kill(sig=signal.SIGTERM, when=stuck)])
         assert code == 0
         assert 1.0 <= seconds < 8.0
-        stuck = requests_seen(fake.stats, fake.stats.hsx_requests + 4)
+        stuck = requests_seen(fake.stats, fake.stats.hsx_requests + 1 + 4)
         kills = [
             Kill(sig=signal.SIGTERM, when=stuck),
             Kill(event="stop_requested", sig=signal.SIGTERM),

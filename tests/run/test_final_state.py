@@ -5,16 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 
-from hsx_async.dataset.manifest import read_manifest
+from hsx_async.dataset.manifest import read_manifest, read_quarantine
 from hsx_async.dataset.provenance import PROVENANCE, read_provenance
 from hsx_async.dataset.reader import read_header
+from hsx_async.errors import DatasetError
 from hsx_async.run.daemon import Daemon
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
 from tests.e2e import make_config, write_samples
 
 
-async def test_the_first_dump_sets_the_kind_and_other_kinds_are_quarantined(
+async def test_the_first_dump_sets_the_kind_and_a_server_of_the_other_kind_stops_the_job(
     tmp_path: Path, shm_root: Path
 ) -> None:
     samples = write_samples(tmp_path / "in.jsonl", 4, max_len=12, seed=1)
@@ -30,17 +32,15 @@ async def test_the_first_dump_sets_the_kind_and_other_kinds_are_quarantined(
         for entry in read_manifest(out):
             assert read_header(out / entry.path).metadata["final_state"] == "post_norm"
         # The same dataset said to hold pre-norm states (as if another hook had made it):
-        # every post-norm dump now fails its attempts and is quarantined, never written.
+        # the server's first dump shows post-norm, so the job stops before any sample is
+        # sent (issue 24) — one dataset holds one kind, whatever --allow-provenance-change.
         prov["final_state"] = "pre_norm"
         (out / PROVENANCE).write_bytes(orjson.dumps(prov))
         more = write_samples(tmp_path / "in.jsonl", 6, max_len=12, seed=1)
         assert more.path == samples.path
-        second = await Daemon(config, allow_provenance_change=True).run()
+        with pytest.raises(DatasetError, match=r"final state is post_norm, not pre_norm"):
+            await Daemon(config, allow_provenance_change=True).run()
     assert first.done == 4
-    assert (second.done, second.quarantined) == (0, 2)
-    lines = (out / "quarantine.jsonl").read_bytes().splitlines()
-    reasons = [orjson.loads(line)["reason"] for line in lines]
-    assert all(
-        "holds the post_norm final state but this dataset holds pre_norm" in r for r in reasons
-    )
+    assert read_quarantine(out) == []  # nothing charged, nothing quarantined
+    assert len(read_manifest(out)) == 4
     assert read_provenance(out)["final_state"] == "pre_norm"  # type: ignore[index]

@@ -105,8 +105,9 @@ async def test_fp8_run_writes_the_servers_fp8_at_the_predicted_bytes(
     config, counts = await run_once(tmp_path, shm_root, samples, f"fp8-{quantize}", output)
     storage = config.storage
     assert storage.quantized == (tuple(range(L)) if quantize == "all" else tuple(range(L - 1)))
-    # The server quantized every request (each was sent once: no faults, no retries).
-    assert counts == (len(samples.good), 0)
+    # The server quantized every request (each was sent once: no faults, no retries),
+    # and the probe that admitted it.
+    assert counts == (len(samples.good) + 1, 0)
     check_fp8_files(config, samples, storage)
 
     # Bytes: measured from the files, against what the storage predicts per token.
@@ -128,7 +129,7 @@ async def test_a_server_that_dumps_bf16_gets_the_same_dataset_from_the_clients_w
     samples = write_samples(tmp_path / "in.jsonl", 12, max_len=200, seed=23)
     output = {"dtype": FP8, "quantize": "aux"}
     hook, counts = await run_once(tmp_path, shm_root, samples, "hook", output)
-    assert counts == (len(samples.good), 0)
+    assert counts == (len(samples.good) + 1, 0)  # and the admission's probe
     client, counts = await run_once(
         tmp_path, shm_root, samples, "client", output, honour_storage=False
     )

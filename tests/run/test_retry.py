@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsx_async.run.retry import RetryPolicy
+from hsx_async.dataset.quarantine import attempts_reason, refused_reason
+from hsx_async.run.faults import Fault
+from hsx_async.run.retry import Attempts, Eviction, RetryPolicy
 
 FAST = settings(max_examples=200, deadline=None)
 
@@ -92,3 +95,100 @@ def test_exhausted() -> None:
     policy = RetryPolicy(max_attempts=3, base=1.0, cap=2.0)
     assert [policy.exhausted(n) for n in (1, 2, 3, 4)] == [False, False, True, True]
     assert RetryPolicy(max_attempts=1, base=1.0, cap=2.0).exhausted(1)
+
+
+# -- which failures a sample pays for (issue 24) -------------------------------------------
+
+
+@dataclass
+class _Server:
+    """A server's record, as :class:`~hsx_async.run.retry.Witness` reads it."""
+
+    served: int = 0
+    evictions: list[Eviction] = field(default_factory=list)
+    healthy: bool = True
+
+    def evict(self) -> None:
+        self.healthy = False
+        self.evictions.append(Eviction(self.served))
+
+    def probe(self, ok: bool) -> None:
+        self.evictions[-1].verdict = ok
+        self.healthy = ok
+
+
+POLICY = RetryPolicy(3, 0.1, 1.0)
+SOFT = Fault("server", "http_5xx", "HTTP 500", reached=True)
+
+
+def test_a_sample_fault_is_charged_and_a_refusal_ends_the_sample_at_once() -> None:
+    tries = Attempts()
+    tries.record(Fault("sample", "rejected", "HTTP 400: bad id", permanent=True), None)
+    assert tries.charged == 1 and tries.exhausted(POLICY)
+    assert tries.quarantine_reason() == refused_reason("HTTP 400: bad id")
+
+
+def test_a_fault_that_never_reached_the_server_is_never_charged() -> None:
+    tries, server = Attempts(), _Server()
+    for _ in range(10):
+        tries.record(Fault("server", "unreachable", "refused", evict=True), server)
+        server.served += 1  # even while the server works for others
+        tries.settle()
+    assert (tries.failed, tries.charged, tries.suspicions) == (10, 0, [])
+
+
+def test_a_suspicion_is_charged_once_the_server_works_for_another_request() -> None:
+    tries, server = Attempts(), _Server()
+    tries.record(SOFT, server)
+    tries.settle()
+    assert tries.charged == 0 and len(tries.suspicions) == 1  # not known yet
+    server.served += 1
+    tries.settle()
+    assert tries.charged == 1 and tries.suspicions == []
+
+
+def test_a_suspicion_is_forgiven_when_the_server_is_out_and_its_probe_fails() -> None:
+    tries, server = Attempts(), _Server()
+    tries.record(SOFT, server)
+    server.evict()
+    tries.settle()
+    assert tries.suspicions  # the probe has not spoken
+    server.probe(ok=False)
+    server.served += 5  # fixed later: the failure stays the server's
+    tries.settle()
+    assert (tries.charged, tries.suspicions) == (0, [])
+
+
+def test_a_suspicion_is_charged_when_the_first_probe_after_it_passes() -> None:
+    """One worker, a sample that crashes the server: the server leaves rotation, passes
+    its probe (it works for another request) — so the failures were the sample's."""
+    tries, server = Attempts(), _Server()
+    for _ in range(3):
+        tries.record(SOFT, server)
+    server.evict()
+    server.probe(ok=True)
+    tries.settle()
+    assert tries.charged == 3 and tries.exhausted(POLICY)
+    assert tries.quarantine_reason() == attempts_reason(3, "HTTP 500")
+
+
+def test_a_failure_on_a_server_already_out_waits_for_that_spells_probe() -> None:
+    tries, server = Attempts(), _Server()
+    server.evict()
+    tries.record(SOFT, server)  # an attempt in flight when the server left
+    server.served += 1  # (in-flight success elsewhere does not count: it is out)
+    tries.settle()
+    assert tries.suspicions
+    server.probe(ok=False)
+    tries.settle()
+    assert (tries.charged, tries.suspicions) == (0, [])
+
+
+def test_a_server_that_served_before_it_left_rotation_charges_the_sample() -> None:
+    tries, server = Attempts(), _Server()
+    tries.record(SOFT, server)
+    server.served += 1
+    server.evict()
+    server.probe(ok=False)
+    tries.settle()
+    assert tries.charged == 1

@@ -60,9 +60,10 @@ async def test_gauges_and_status_read_one_snapshot(tmp_path: Path) -> None:
     as_json = status.as_dict()
     assert list(as_json) == STATUS_KEYS
     assert as_json["servers"] == [
-        {"url": "http://a:1", "healthy": True, "in_flight": 0, "requests": 0, "last_error": ""},
+        {"url": "http://a:1", "healthy": True, "in_flight": 0, "requests": 0, "last_error": "",
+         "out_of_rotation": "", "model": ""},
         {"url": "http://user:***@b:2", "healthy": False, "in_flight": 0, "requests": 0,
-         "last_error": ""},
+         "last_error": "refused", "out_of_rotation": "unreachable: refused", "model": ""},
     ]  # fmt: skip
     assert (status.total_samples, status.remaining_tokens) == (12, 900)
     assert status.remaining_samples == 12 - 1 - 2

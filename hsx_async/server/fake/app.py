@@ -134,7 +134,12 @@ async def _generate(request: web.Request) -> web.Response:
     except BadRequestError as exc:
         state.stats.bad_requests += 1
         return _error(400, str(exc))
-    if req.ns is None:
+    vocab = state.options.vocab_size
+    if vocab and req.input_ids.size and int(req.input_ids.max()) >= vocab:
+        state.stats.bad_requests += 1
+        bad = int(req.input_ids.max())
+        return _error(400, f"token id {bad} is out of vocabulary (vocab_size {vocab})")
+    if req.ns is None or not state.options.hook:
         return _json(
             response_body(req.rid or f"fake-{state.stats.requests}", req.prompt_tokens, None)
         )

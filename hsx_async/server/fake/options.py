@@ -64,6 +64,12 @@ class FakeOptions:
     # False: behave as a hook older than protocol version 3, which ignores hsx_dtype and
     # dumps bfloat16 (the client then quantizes): the fallback path, end to end.
     honour_storage: bool = True
+    # False: an SGLang started without the hsx hook: a marked request is served as an
+    # ordinary one (200, no dump).
+    hook: bool = True
+    # >0: a token id at or past it is refused with a 400, as an engine refuses an id past
+    # its vocabulary (a fault of the sample's content).
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         positive: dict[str, float] = {

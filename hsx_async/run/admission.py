@@ -1,0 +1,470 @@
+"""Which servers serve this job: the first contact with each, the probe that brings one
+back into rotation, and the wait while none is in rotation (issue 24).
+
+No server takes a sample before it is *admitted*: its info endpoints are read (model
+path, revision, version, and the shape and dump root where it reports them) and one tiny
+request goes through the whole dump path, its ``meta.json`` checked against the config.
+What it showed is its :class:`~hsx_async.run.identity.Identity`; the first server
+admitted pins the job's (unless the dataset's ``provenance.json`` already does), and a
+server whose identity differs is refused — with the reason, in the log, ``/status``,
+the metrics and the job report — and never mixed in. Each admitted server's identity is
+recorded in ``provenance.json`` (``servers``).
+
+What a contact can show, and what it means:
+
+- the server cannot serve (unreachable, no hook, a 404, broken dumps, another model):
+  a **server** cause. It stays out of rotation and is examined again every
+  ``server.health_interval``; it comes back only when such a probe passes. The first
+  probe after it left rotation also settles the failures that led there
+  (:mod:`hsx_async.run.retry`).
+- the server and the *config* disagree (layers, hidden size, dump root, engine): a
+  **job** cause when nothing stands with the config — no server of this run was admitted
+  and the dataset holds no sample made with it. The run stops before any sample is sent
+  (:class:`~hsx_async.errors.ConfigError`, exit 2, naming the key and what the server
+  reported). With something on the config's side, it is that server's fault instead.
+- the servers serve another model than the dataset was made with: a job cause too
+  (:class:`~hsx_async.errors.DatasetError`), unless ``--allow-provenance-change``.
+
+While no server is in rotation the run waits, saying every ``WAIT_NOTICE_S`` seconds
+what it waits for (each server's reason) and how long it has left; after
+``server.unreachable_timeout`` it stops with :class:`~hsx_async.errors.NoServerError`
+(exit 3). Nothing is charged meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import structlog
+
+from hsx_async.config import Config
+from hsx_async.dataset.provenance import FinalStateGuard, parse_final_norm
+from hsx_async.engines import ENGINES, EngineName
+from hsx_async.errors import (
+    ConfigError,
+    DatasetError,
+    DumpError,
+    DumpMissingError,
+    HsxError,
+    IdentityError,
+    NoServerError,
+    RequestError,
+)
+from hsx_async.protocol import DumpMeta, parse_meta
+from hsx_async.run.client import Server, ServerPool, SGLangClient
+from hsx_async.run.dump import prepare_namespace, remove_tree, validate_dump, wait_for_meta
+from hsx_async.run.faults import Fault, fault_of
+from hsx_async.run.identity import Identity, JobRecord
+from hsx_async.run.notify import Notifier
+
+log = structlog.get_logger("hsx.admission")
+
+PROBE_IDS = np.array([1, 2, 3, 4], dtype=np.int64)  # in every vocabulary
+WAIT_NOTICE_S = 30.0  # at most this long between two "waiting_for_server" lines
+
+Record = Callable[[Server, Identity, dict[str, Any] | None], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class _Examined:
+    identity: Identity
+    final_norm: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class _Refused:
+    fault: Fault
+    answered: bool  # the server answered (it is up, but not usable)
+
+
+@dataclass(frozen=True)
+class _Disagrees:
+    """The server and the config disagree on ``key``: the job's fault or the server's."""
+
+    key: str
+    message: str
+
+
+_Result = _Examined | _Refused | _Disagrees
+
+
+class Admission:
+    """The admission task of one run (a long-lived task of the daemon's task group)."""
+
+    def __init__(
+        self,
+        config: Config,
+        client: SGLangClient,
+        *,
+        nonce: str,
+        namespace: str,
+        record: Record,
+        job: JobRecord,
+        final_states: FinalStateGuard,
+        notifier: Notifier,
+        stop_requested: asyncio.Event,
+        allow_provenance_change: bool = False,
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.pool: ServerPool = client.pool
+        self.nonce = nonce
+        self.namespace = namespace
+        self._record = record
+        self.dataset = job
+        self.job: Identity | None = None if allow_provenance_change else job.identity
+        self._dataset_model = "" if allow_provenance_change else job.model
+        self.final_states = final_states
+        self.notifier = notifier
+        self.stop_requested = stop_requested
+        self.ever_admitted = False
+        self._probes = 0
+        self._ns_dir: Path | None = None
+        self._said_at = -WAIT_NOTICE_S
+
+    def apply(self, config: Config) -> None:
+        """A reloaded config (timeouts, intervals; the shape cannot change live)."""
+        self.config = config
+
+    # -- the task ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._ns_dir = await asyncio.to_thread(
+            prepare_namespace, self.config.dump.root, self.namespace
+        )
+        up_since = time.monotonic()
+        try:
+            while True:
+                await self.round()
+                now = time.monotonic()
+                if self.pool.healthy():
+                    up_since = now
+                else:
+                    self._waiting(now - up_since)
+                await self._pause()
+        finally:
+            await asyncio.to_thread(remove_tree, self._ns_dir)
+
+    async def _pause(self) -> None:
+        await asyncio.sleep(self.config.server.health_interval)
+
+    async def round(self) -> None:
+        """Examine every server out of rotation; admit, refuse, or stop the job."""
+        out = [s for s in self.pool.servers if not s.healthy and not s.retired]
+        if not out:
+            return
+        results = await asyncio.gather(*(self._examine(s) for s in out))
+        with_config: list[_Disagrees] = []  # disagree with the config
+        with_dataset: list[str] = []  # serve another model than the dataset's
+        answered = 0
+        for server, result in zip(out, results, strict=True):
+            admitted, other_model = await self._conclude(server, result)
+            if server.evictions and server.evictions[-1].verdict is None:
+                server.evictions[-1].verdict = admitted  # settles the failures behind it
+            if isinstance(result, _Disagrees):
+                with_config.append(result)
+            if other_model:
+                with_dataset.append(other_model)
+            answered += not (isinstance(result, _Refused) and not result.answered)
+        if self.ever_admitted or not answered:
+            return
+        if with_config and len(with_config) == answered and not self.dataset.has_samples:
+            # Every server that answered disagrees with the config, and nothing stands
+            # with the config (no server admitted, no sample made with it): the job is
+            # wrong, not the servers.
+            raise ConfigError(with_config[0].key, with_config[0].message)
+        if with_dataset and len(with_dataset) == answered:
+            # Its samples were made by servers of another identity than every server that
+            # answered: the output.dir is not this job's (or the servers are not).
+            raise DatasetError(
+                f"{self.config.output.dir} holds samples of another server identity: "
+                f"{with_dataset[0]}. Serve the dataset's model as it was made, use a new "
+                "output.dir, or (for another model) pass --allow-provenance-change if "
+                "this is intended"
+            )
+
+    async def _conclude(self, server: Server, result: _Result) -> tuple[bool, str]:
+        """Act on one examination: (now in rotation, why it is refused when that is
+        because it is not the dataset's model)."""
+        if isinstance(result, _Refused):
+            await self.pool.refuse(server, result.fault.reason, result.fault.kind)
+            return False, ""
+        if isinstance(result, _Disagrees):
+            await self.pool.refuse(
+                server, f"config key {result.key!r} {result.message}", "identity"
+            )
+            return False, ""
+        differences, of_dataset = self._differences(result.identity)
+        if differences:
+            reason = f"{server.display} is not this job's server: " + "; ".join(differences)
+            await self.pool.refuse(server, reason, "identity")
+            return False, reason if of_dataset else ""
+        await self._admit(server, result)
+        return True, ""
+
+    def _differences(self, identity: Identity) -> tuple[list[str], bool]:
+        """How ``identity`` differs from the job's, and whether the job's is the dataset's
+        (no server admitted in this run yet)."""
+        of_dataset = not self.ever_admitted and self.dataset.has_samples
+        if self.job is not None:
+            source = "the dataset's (provenance.json)" if of_dataset else "the job's"
+            return [f"{d} ({source})" for d in self.job.differences(identity)], of_dataset
+        found = []
+        if self._dataset_model and identity.model and identity.model != self._dataset_model:
+            found.append(
+                f"model is {identity.model!r}, not {self._dataset_model!r} (provenance.json)"
+            )
+        kind = self.final_states.kind
+        if kind is not None and identity.final_state != kind and self.dataset.has_samples:
+            found.append(
+                f"final state is {identity.final_state}, not {kind} (provenance.json): "
+                "one dataset holds one kind"
+            )
+        return found, of_dataset
+
+    async def _admit(self, server: Server, examined: _Examined) -> None:
+        identity = examined.identity
+        self.final_states.accept(identity.final_state)  # records a new dataset's kind
+        server.identity = identity
+        if self.job is None:
+            self.job = identity
+            log.info("job_identity_pinned", by=server.display, identity=identity.to_record())
+        self.ever_admitted = True
+        await self._record(server, identity, examined.final_norm)
+        await self.pool.restore(server)
+        log.info(
+            "server_admitted",
+            server=server.display,
+            model=identity.model or identity.served_as,
+            engine=identity.engine,
+        )
+
+    # -- the wait ----------------------------------------------------------------------
+
+    def _waiting(self, waited: float) -> None:
+        timeout = self.config.server.unreachable_timeout
+        reasons = {
+            s.display: s.last_error or "no answer" for s in self.pool.servers if not s.retired
+        }
+        if self.stop_requested.is_set():
+            return  # the pool said so (ServerPool.stop_waiting); the run is ending
+        said = [why if why.startswith(url) else f"{url}: {why}" for url, why in reasons.items()]
+        if waited >= timeout:
+            detail = "; ".join(said)
+            raise NoServerError(
+                f"no server in rotation for {timeout:g} s (server.unreachable_timeout) — "
+                f"{detail}. Start or fix the servers, or check [server].urls"
+            )
+        now = time.monotonic()
+        every = min(WAIT_NOTICE_S, max(1.0, self.config.daemon.progress_interval))
+        if now - self._said_at < every:
+            return
+        self._said_at = now
+        left = timeout - waited
+        log.warning(
+            "waiting_for_server", waited_s=round(waited), exit_in_s=round(left), servers=reasons
+        )
+        self.notifier.status(
+            f"waiting for a server ({waited:.0f} s; exit 3 in {left:.0f} s): " + "; ".join(said)
+        )
+
+    # -- one examination ---------------------------------------------------------------
+
+    async def _examine(self, server: Server) -> _Result:
+        error = await self.client.health(server.url)
+        if error:
+            return _Refused(Fault("server", "unreachable", f"{server.display}: {error}"), False)
+        info = await self._info(server)
+        claim = self._claims(server, info)
+        if claim is not None:
+            return claim
+        try:
+            meta = await self._probe(server, info)
+        except _Outcome as outcome:
+            return outcome.result
+        identity = Identity.of(server.engine_name, meta, info)
+        name = self.config.model.name
+        if name and name not in (identity.model, identity.served_as):
+            return _Disagrees(
+                "model.name",
+                f"is {name!r}, but {server.display} serves "
+                f"{identity.model or identity.served_as!r}; set [model].name to the model "
+                "this job is for, or point [server].urls at servers of it",
+            )
+        return _Examined(identity, parse_final_norm(info.get("final_norm")))
+
+    async def _info(self, server: Server) -> dict[str, Any]:
+        """What the server says about itself; whatever it does not say stays out."""
+        found: dict[str, Any] = {}
+        engine = server.engine
+        raw = await self._get(server, engine.model_info_path)
+        if isinstance(raw, Mapping):
+            found["model"] = engine.model_of(raw)
+            for key, ours in (("hidden_size", "hidden_size"), ("hsx_aux_layers", "aux_layers"),
+                              ("hsx_final_norm", "final_norm"), ("weight_version", "revision"),
+                              ("hsx_dump_root", "dump_root")):  # fmt: skip
+                if key in raw:
+                    found[ours] = raw[key]
+        raw = await self._get(server, engine.version_path)
+        if isinstance(raw, Mapping):
+            found["version"] = str(raw.get("version", ""))
+            for key, ours in (("revision", "revision"), ("hsx_dump_root", "dump_root")):
+                if raw.get(key):
+                    found[ours] = raw[key]
+        found = {k: v for k, v in found.items() if v not in ("", None)}
+        if "revision" in found:
+            found["revision"] = str(found["revision"])
+        return found
+
+    async def _get(self, server: Server, path: str) -> object:
+        with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
+            return await self.client.get_json(server.url, path)
+        return None
+
+    def _claims(self, server: Server, info: dict[str, Any]) -> _Disagrees | None:
+        """What the server reports about its shape, against the config (conclusive: it
+        is the server's own word)."""
+        model = self.config.model
+        hidden, layers = info.get("hidden_size"), info.get("aux_layers")
+        if type(hidden) is int and hidden != model.hidden_size:
+            return _Disagrees(
+                "model.hidden_size",
+                f"is {model.hidden_size}, but {server.display} reports hidden size {hidden} "
+                f"(its info endpoint); set [model].hidden_size = {hidden}, or point "
+                "[server].urls at the job's model",
+            )
+        if isinstance(layers, list) and layers != list(model.aux_layers):
+            return self._layers_disagree(server, layers, "its info endpoint")
+        return None
+
+    def _layers_disagree(self, server: Server, layers: object, where: str) -> _Disagrees:
+        ours = list(self.config.model.aux_layers)
+        shown = list(layers) if isinstance(layers, list | tuple) else layers
+        return _Disagrees(
+            "model.aux_layers",
+            f"is {ours}, but {server.display} captures {shown} ({where}); set "
+            f"[model].aux_layers = {shown}, or start the server with "
+            f"HSX_AUX_LAYERS={','.join(map(str, ours))}",
+        )
+
+    async def _probe(self, server: Server, info: dict[str, Any]) -> DumpMeta:
+        """One tiny request through the dump path (twice after a prefix-cache hit: the
+        second must not hit the cache either); its meta.json, or :class:`_Outcome`."""
+        meta = await self._probe_once(server, info)
+        if server.out_kind == "cache_hit":
+            meta = await self._probe_once(server, info)
+        return meta
+
+    async def _probe_once(
+        self, server: Server, info: dict[str, Any], again: bool = True
+    ) -> DumpMeta:
+        assert self._ns_dir is not None, "run() first"
+        cfg = self.config
+        self._probes += 1
+        rid = f"{self.nonce}-probe-{self._probes}"
+        rid_dir = self._ns_dir / rid
+        try:
+            await self.client.generate(
+                server, rid=rid, ns=self.namespace, input_ids=PROBE_IDS,
+                timeout=cfg.server.request_timeout, storage=cfg.storage,
+            )  # fmt: skip
+            raw = await wait_for_meta(rid_dir, cfg.dump.timeout)
+            meta = parse_meta(raw)
+            validate_dump(
+                rid_dir, raw, rid=rid, num_tokens=len(PROBE_IDS),
+                hidden_size=cfg.model.hidden_size, aux_layers=cfg.model.aux_layers,
+                storage=cfg.storage,
+            )  # fmt: skip
+        except IdentityError as exc:
+            raise _Outcome(await self._shape_mismatch(server, info, exc, again)) from None
+        except (RequestError, DumpError) as exc:
+            raise _Outcome(await self._failed_probe(server, info, exc)) from None
+        else:
+            return meta
+        finally:
+            await asyncio.to_thread(remove_tree, rid_dir)
+
+    async def _shape_mismatch(
+        self, server: Server, info: dict[str, Any], exc: IdentityError, again: bool
+    ) -> _Result:
+        """The probe's dump has another shape than the config: the server's own report
+        decides whether that is the server (a broken dump) or the config; without one,
+        a second probe must agree."""
+        claimed = (
+            info.get("aux_layers") if exc.key == "model.aux_layers" else info.get("hidden_size")
+        )
+        if claimed is not None:
+            return _Refused(fault_of(DumpError(f"{server.display}: {exc}")), True)
+        if again:
+            try:
+                await self._probe_once(server, info, again=False)
+            except _Outcome as outcome:
+                return outcome.result
+            return _Refused(fault_of(DumpError(f"{server.display}: {exc} (once)")), True)
+        return _Disagrees(exc.key, f"{server.display}'s dump says: {exc}")
+
+    async def _failed_probe(
+        self, server: Server, info: dict[str, Any], exc: RequestError | DumpError
+    ) -> _Result:
+        fault = fault_of(exc)
+        if fault.kind == "not_found":
+            other = await self._other_engine(server)
+            if other:
+                return _Disagrees(
+                    "server.engine",
+                    f"says {server.engine_name!r} for {server.display}, but it answers 404 at "
+                    f"{server.engine.generate_path} and serves {other}'s "
+                    f"{ENGINES[other].model_info_path}: set [server].engine (or engines) "
+                    f"to {other!r}",
+                )
+        if isinstance(exc, DumpMissingError):
+            return self._dump_missing(server, info, exc)
+        reason = str(exc) if str(exc).startswith(server.display) else f"{server.display}: {exc}"
+        return _Refused(Fault(fault.cause, fault.kind, reason, fault.evict, fault.reached), True)
+
+    async def _other_engine(self, server: Server) -> EngineName | None:
+        for name, engine in ENGINES.items():
+            if name != server.engine_name and await self._get(server, engine.model_info_path):
+                return name
+        return None
+
+    def _dump_missing(self, server: Server, info: dict[str, Any], exc: DumpError) -> _Result:
+        root = self.config.dump.root
+        theirs = info.get("dump_root")
+        if theirs and Path(str(theirs)) != root:
+            return _Disagrees(
+                "dump.root",
+                f"is {root}, but {server.display} dumps under {theirs} (HSX_DUMP_ROOT, "
+                "its info endpoint) and nothing appeared here: set dump.root to the "
+                "servers' HSX_DUMP_ROOT",
+            )
+        if server.engine_name == "vllm":
+            return _Disagrees(
+                "dump.root",
+                f"is {root}, but no dump of {server.display} appeared there although its "
+                "hsx connector took the request: set dump.root to the server's "
+                "HSX_DUMP_ROOT",
+            )
+        del exc  # its rid and path change with every probe: the reason says it plainly
+        reason = (
+            f"{server.display} took the request but no meta.json appeared under dump.root "
+            f"({root}) within dump.timeout ({self.config.dump.timeout:g} s): is the hsx hook "
+            "loaded (deploy/sglang), and HSX_DUMP_ROOT the same path?"
+        )
+        return _Refused(Fault("server", "dump_missing", reason, reached=True), True)
+
+
+class _Outcome(Exception):
+    """A probe that ended in a verdict other than a valid dump."""
+
+    def __init__(self, result: _Result) -> None:
+        self.result = result
+        super().__init__(repr(result))
