@@ -6,6 +6,8 @@
 read the whole input, with the number of input lines that belong to the shard. Every line
 of the input ends in the manifest or the quarantine, so ``hsx status`` knows what remains
 from that count even after ``verify --repair`` dropped entries, and for every shard.
+Between them, ``server_out`` and ``server_back`` lines say when a server left rotation,
+why, and when it came back (the job report lists them).
 """
 
 from __future__ import annotations
@@ -63,12 +65,17 @@ def _is_time(value: object) -> bool:
     return 0.0 <= value <= _LAST_TIME
 
 
+# A server left rotation (or was refused again, for a new kind of reason) / came back:
+# ``server`` (its URL as displayed), ``kind`` (a fault kind), ``reason``.
+SERVER_EVENTS = ("server_out", "server_back")
+
+
 def shape_problem(rec: object) -> str:
     """'' for an events record of a known shape, else what is wrong with it."""
     if not isinstance(rec, dict):
         return "not a JSON object"
     event = rec.get("event")
-    if event not in ("start", "tick", "end", "input"):
+    if event not in ("start", "tick", "end", "input", *SERVER_EVENTS):
         return f"unknown event {event!r}"
     if not _is_time(rec.get("time")):
         return f"time {rec.get('time')!r} is not an epoch in seconds"
@@ -77,6 +84,10 @@ def shape_problem(rec: object) -> str:
         return f"shard {shard!r} is not INDEX/COUNT"
     if event == "input":
         return "" if _is_count(rec.get("lines")) else f"lines {rec.get('lines')!r} is not a count"
+    if event in SERVER_EVENTS:
+        texts = ("server", "kind", "reason")
+        bad = [k for k in texts if not isinstance(rec.get(k, ""), str)]
+        return f"{bad[0]} {rec.get(bad[0])!r} is not a string" if bad else ""
     for key in _COUNTS:
         if not _is_count(rec.get(key)):
             return f"{key} {rec.get(key)!r} is not a count"

@@ -191,6 +191,20 @@ def _header(fig: Figure, report: dict[str, Any]) -> None:
         fig.text(x, 0.845, label, fontsize=8, color=_MUTED)
 
 
+def _servers_out(fig: Figure, spells: list[dict[str, Any]]) -> None:
+    """A footer: each server taken out of rotation, why, and whether it came back."""
+    if not spells:
+        return
+    shown = [
+        f"{s['server']}: {s['kind']} at {s['out'][11:19]}, "
+        + (f"back at {s['back'][11:19]}" if s["back"] else "not back")
+        for s in spells[-4:]
+    ]
+    more = f" (and {len(spells) - 4} earlier)" if len(spells) > 4 else ""
+    fig.text(0.04, 0.012, "Servers out of rotation" + more + ": " + "; ".join(shown),
+             fontsize=7, color=_WARN)  # fmt: skip
+
+
 def render(report: dict[str, Any], path: Path) -> None:
     """One A4-landscape-ish page: headline numbers, rate, and three breakdowns."""
     fig = Figure(figsize=(12, 8), dpi=110, facecolor="white")
@@ -205,6 +219,7 @@ def render(report: dict[str, Any], path: Path) -> None:
           "no requests recorded", share=True)  # fmt: skip
     _bars(fig.add_subplot(grid[1, 2]), "Failed attempts (retried)", report["retries"], _WARN,
           "no failed attempts")  # fmt: skip
+    _servers_out(fig, report.get("servers_out", []))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     fig.savefig(tmp, format="png")
