@@ -62,7 +62,7 @@ def test_retry_puts_the_pipelines_lines_back_and_keeps_the_history(tmp_path: Pat
 
 def test_retry_by_kind_or_everything(tmp_path: Path) -> None:
     _quarantine(tmp_path)
-    assert retry(tmp_path, kinds=["HTTP N"]).lines == 2  # the two 503s (a substring)
+    assert retry(tmp_path, kinds=["HTTP 503"]).lines == 2  # the two 503s (a substring)
     assert len(read_quarantine(tmp_path)) == 3
     assert retry(tmp_path, everything=True).lines == 3
     assert read_quarantine(tmp_path) == []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -190,9 +191,10 @@ async def test_a_sample_that_fails_where_others_succeed_is_still_quarantined(
         summary = await Daemon(config).run()
     assert (summary.done, summary.quarantined) == (7, 1)
     (q,) = read_quarantine(config.output.dir)
-    assert (
-        q.line == 2 and q.reason.startswith("3 attempts failed; last: ") and "HTTP 500" in q.reason
-    )
+    # Charged as the evidence comes (the server served another sample, or passed its probe
+    # after the failures took it out): settled in batches, so up to two past the third.
+    assert q.line == 2 and re.match(r"[3-5] attempts failed; last: ", q.reason), q.reason
+    assert "HTTP 500" in q.reason
 
 
 # -- a sample's fault: quarantined at once, not retried -----------------------------------
