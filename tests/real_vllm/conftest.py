@@ -47,7 +47,7 @@ class VllmServer:
     log: Path
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -87,7 +87,7 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                                 start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, proc, log)
+        wait_ready(url, proc, log)
         yield VllmServer(url, root, tiny_model, log)
     finally:
         with contextlib.suppress(ProcessLookupError):

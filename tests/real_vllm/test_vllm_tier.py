@@ -6,12 +6,16 @@ prefill, with ordinary requests in the same batches left alone."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +36,8 @@ from hsx_async.server.reference.model import (
     bf16_mismatch,
     load_model,
 )
-from tests.e2e import config_raw, write_config
-from tests.real_vllm.conftest import CHUNK, VllmServer, vllm_python
+from tests.e2e import config_raw, free_port, write_config
+from tests.real_vllm.conftest import CHUNK, VllmServer, vllm_python, wait_ready
 
 # A vLLM start takes 30-90 s (more on a busy machine); the module shares one server.
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
@@ -330,3 +334,68 @@ def test_vllm_names_the_connector_relies_on_still_exist() -> None:
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "ok", out.stdout
+
+
+# -- issue 24, case 1: vLLM restarted without --kv-transfer-config -------------------------
+# It serves every marked request as an ordinary one (no hsx_rid in the answer, no dump):
+# the server's fault. It is refused at its first contact with the reason, no sample is
+# charged or quarantined, and hsx run exits 3 (it used to quarantine every sample in
+# seconds and exit 0, and a rerun skipped them all). With the connector back (the
+# module's server, started as deploy/vllm/launch.sh starts it) the rerun writes them all.
+
+
+@pytest.fixture(scope="module")
+def plain_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """vLLM on the tiny model, as an operator might restart it: no hsx connector."""
+    python = vllm_python()
+    port = free_port()
+    log = tmp_path_factory.mktemp("plain-vllm") / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+            str(tiny_model), "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
+            "512", "--no-enable-prefix-caching", "--dtype", "float32"]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, log)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def _run(config: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "hsx_async", "run", "--config", str(config), "--no-report"]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+
+
+def test_vllm_without_the_connector_is_refused_and_burns_nothing(
+    plain_vllm: str, vllm_server: VllmServer, tmp_path: Path
+) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 12)
+    raw = config_raw(tmp_path, tmp_path / "in.jsonl", [plain_vllm], vllm_server.dump_root,
+                     hidden_size=TINY_HIDDEN, aux_layers=TINY_AUX_LAYERS,
+                     server={"engine": "vllm", "request_timeout": 120.0,
+                             "unreachable_timeout": 5.0},
+                     dump={"timeout": 60.0})  # fmt: skip
+    config = write_config(tmp_path, raw)
+    result = _run(config)
+    assert result.returncode == 3, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "no server in rotation" in last and "hsx connector" in last, last
+    out = tmp_path / "out"
+    assert read_manifest(out) == [] and read_quarantine(out) == []
+    # The connector back (the module's server): the same output, run again, does all.
+    raw["server"]["urls"] = [vllm_server.url]
+    write_config(tmp_path, raw)
+    result = _run(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(str(e.id) for e in read_manifest(out)) == sorted(samples)
+    assert read_quarantine(out) == []

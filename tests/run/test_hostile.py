@@ -590,5 +590,9 @@ async def test_a_hook_writing_impossible_fp8_scales_fails_the_attempt(
     assert sorted(str(e.id) for e in read_manifest(out)) == sorted(samples.good)
     (q,) = read_quarantine(out)
     assert q.id == "negative"
-    assert re.search(r"^2 attempts failed; last: part-\S+: 12 FP8 scales are negative", q.reason)
+    # Charged as the server shows it works for others: settled in batches, so it may pass
+    # max_attempts by up to two (issue 24).
+    assert re.search(
+        r"^[2-4] attempts failed; last: part-\S+: 12 FP8 scales are negative", q.reason
+    )
     assert shm_leftovers(shm_root) == []
