@@ -39,8 +39,8 @@ from hsx_async.dataset.manifest import (
     shard_index_of,
 )
 from hsx_async.dataset.provenance import PROVENANCE, dataset_storage, read_provenance, shard_lock
-from hsx_async.dataset.running import Running, running_runs
 from hsx_async.dataset.quarantine import after_attempts, retried_before
+from hsx_async.dataset.running import Running, running_runs
 from hsx_async.errors import DatasetError, DumpError
 from hsx_async.logs import configure_logging
 from hsx_async.protocol import HIDDEN, SCALES, UNQUANTIZED, Storage, storage_from_metadata
