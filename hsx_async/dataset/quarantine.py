@@ -167,7 +167,11 @@ def _put_back(out_dir: Path, path: Path, back: list[Any], stay: list[Any]) -> No
 
 
 def quarantine_command(args: argparse.Namespace) -> int:
+    # inspection (hsx status) imports this module for its counts: its rule, imported here.
+    from hsx_async.dataset.inspection import require_dataset  # noqa: PLC0415 - see above
+
     out = Path(args.out)
+    require_dataset(out)
     if args.retry or args.kind or args.all:
         done = retry(out, kinds=args.kind or (), everything=args.all)
         for kind, count in done.by_kind.items():
@@ -177,8 +181,6 @@ def quarantine_command(args: argparse.Namespace) -> int:
             "quarantined" + ("; run `hsx run` again to extract them" if done.lines else "")
         )
         return 0
-    if not out.is_dir():
-        raise DatasetError(f"{out} is not a directory; give an output directory ([output].dir)")
     found = kinds(out)
     for k in found:
         print(f"{k.count:>8,}  {'retriable' if k.retriable else 'input    '}  {k.kind}")

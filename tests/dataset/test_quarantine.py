@@ -111,3 +111,20 @@ def test_a_crash_between_history_and_rewrite_loses_no_line(
 def test_not_a_directory_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="not a directory"):
         retry(tmp_path / "nope")
+
+
+def test_the_command_lists_retries_and_refuses_what_is_not_a_dataset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hsx_async.cli import main
+
+    _quarantine(tmp_path / "out")
+    assert main(["quarantine", str(tmp_path / "out")]) == 0
+    listed = capsys.readouterr().out
+    assert "5 quarantined, 4 after failed attempts" in listed and "retriable" in listed
+    assert main(["quarantine", str(tmp_path / "out"), "--kind", "refused"]) == 0
+    assert "1 lines put back" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    for path in (tmp_path / "empty", tmp_path / "missing"):
+        assert main(["quarantine", str(path), "--retry"]) == 2
+        assert capsys.readouterr().err.count("\n") == 1  # one line, no traceback

@@ -59,6 +59,26 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     raise AssertionError(f"vLLM not ready after {START_TIMEOUT:g} s:\n{log.read_text()[-3000:]}")
 
 
+@contextlib.contextmanager
+def serving(args: list[str], env: dict[str, str], url: str, log: Path) -> Iterator[None]:
+    """Run a vLLM server (its own process group, output to ``log``) until ready, then for
+    the block; stopped (SIGTERM, then SIGKILL) at the end."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    try:
+        wait_ready(url, proc, log)
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_default_model(tmp_path_factory.mktemp("model") / "tiny-llama")
@@ -82,19 +102,9 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     args = ["bash", str(LAUNCH), str(tiny_model), "--max-model-len", "512",
             "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", "8",
             "--dtype", "float32"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, proc, log)
-        yield VllmServer(url, root, tiny_model, log)
+        with serving(args, env, url, log):
+            yield VllmServer(url, root, tiny_model, log)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
         shutil.rmtree(root, ignore_errors=True)

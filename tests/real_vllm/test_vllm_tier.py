@@ -6,12 +6,10 @@ prefill, with ordinary requests in the same batches left alone."""
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -37,7 +35,7 @@ from hsx_async.server.reference.model import (
     load_model,
 )
 from tests.e2e import config_raw, free_port, write_config
-from tests.real_vllm.conftest import CHUNK, VllmServer, vllm_python, wait_ready
+from tests.real_vllm.conftest import CHUNK, VllmServer, serving, vllm_python
 
 # A vLLM start takes 30-90 s (more on a busy machine); the module shares one server.
 pytestmark = [pytest.mark.real_vllm, pytest.mark.timeout(600)]
@@ -354,21 +352,9 @@ def plain_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
             str(tiny_model), "--host", "127.0.0.1", "--port", str(port), "--max-model-len",
             "512", "--no-enable-prefix-caching", "--dtype", "float32"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc, log)
+    with serving(args, env, url, log):
         yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
 
 
 def _run(config: Path) -> subprocess.CompletedProcess[str]:

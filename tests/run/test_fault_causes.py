@@ -32,8 +32,8 @@ from hsx_async.run.notify import Notifier
 from hsx_async.run.report import build_report
 from hsx_async.server.fake import app as fake_app
 from hsx_async.server.fake import options as fake_options_module
-from hsx_async.server.fake.server import FakeOptions, FakeServerHandle, running_fake_server
-from tests.crash_driver import requests_seen
+from hsx_async.server.fake.server import FakeServerHandle, running_fake_server
+from tests.crash_driver import AUX, H, L, fake_options, requests_seen
 from tests.e2e import (
     check_dataset,
     config_raw,
@@ -43,13 +43,6 @@ from tests.e2e import (
     write_config,
     write_samples,
 )
-
-H, AUX = 64, (1, 3, 5)
-L = len(AUX) + 1
-
-
-def fake(root: Path, **kw: Any) -> FakeOptions:
-    return FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=root, **kw)
 
 
 def _config(tmp: Path, samples: Path, urls: list[str], root: Path, **over: Any) -> Config:
@@ -114,7 +107,7 @@ async def test_a_server_without_the_hook_burns_nothing_and_exits_3(
     """SGLang started without the hook: every marked request is answered 200 with no
     dump. Today: every sample quarantined at dump.timeout pace, exit 0, a rerun skips all."""
     samples = write_samples(tmp_path / "in.jsonl", 12, max_len=16)
-    async with running_fake_server(fake(shm_root, hook=False)) as srv:
+    async with running_fake_server(fake_options(shm_root, hook=False)) as srv:
         config = _config(tmp_path, samples.path, [srv.url], shm_root, dump={"timeout": 0.2})
         daemon = Daemon(config)
         with pytest.raises(NoServerError, match="hsx hook"):
@@ -130,7 +123,7 @@ async def test_a_server_without_the_hook_burns_nothing_and_exits_3(
     # The job report names the server taken out and why.
     out = build_report(config.output.dir)["servers_out"]
     assert out and out[0]["server"] == srv.url and out[0]["kind"] == "dump_missing"
-    async with running_fake_server(fake(shm_root), port=int(srv.url.rsplit(":", 1)[1])):
+    async with running_fake_server(fake_options(shm_root), port=int(srv.url.rsplit(":", 1)[1])):
         summary = await Daemon(config).run()  # the server fixed: the rerun does everything
     assert summary.done == len(samples.good) and summary.quarantined == 0
     check_dataset(config.output.dir, samples, hidden_size=H, num_layers=L)
@@ -144,7 +137,7 @@ async def test_a_server_failing_every_request_is_out_until_a_probe_shows_it_fixe
     the samples wait uncharged; once it heals, a probe brings it back and every sample is
     written once. Today: each sample burns its attempts and is quarantined."""
     samples = write_samples(tmp_path / "in.jsonl", 40, max_len=16)
-    async with running_fake_server(fake(shm_root)) as srv:
+    async with running_fake_server(fake_options(shm_root)) as srv:
         config = _config(
             tmp_path,
             samples.path,
@@ -180,7 +173,7 @@ async def test_a_sample_that_fails_where_others_succeed_is_still_quarantined(
 
     monkeypatch.setattr(fake_app, "draw_fault", one_sample_fails)
     samples = write_samples(tmp_path / "in.jsonl", 8, max_len=16)
-    async with running_fake_server(fake(shm_root)) as srv:
+    async with running_fake_server(fake_options(shm_root)) as srv:
         config = _config(
             tmp_path,
             samples.path,
@@ -206,7 +199,7 @@ async def test_a_refusal_of_the_content_is_quarantined_without_retries(
     """A token id past the vocabulary: 400, deterministic. Today it is retried
     max_attempts times; now once, then quarantined with the server's words (issue 26)."""
     samples = write_samples(tmp_path / "in.jsonl", 10, max_len=16)  # ids < 50,000
-    async with running_fake_server(fake(shm_root, vocab_size=40_000)) as srv:
+    async with running_fake_server(fake_options(shm_root, vocab_size=40_000)) as srv:
         config = _config(tmp_path, samples.path, [srv.url], shm_root, workers={"max_attempts": 5})
         summary = await Daemon(config).run()
         refused = srv.stats.bad_requests
@@ -230,7 +223,7 @@ async def test_config_and_server_disagree_stops_the_job_at_once(
     tmp_path: Path, shm_root: Path, key: str, wrong: dict[str, Any]
 ) -> None:
     samples = write_samples(tmp_path / "in.jsonl", 20, max_len=16)
-    async with running_fake_server(fake(shm_root)) as srv:
+    async with running_fake_server(fake_options(shm_root)) as srv:
         bad = _config(tmp_path, samples.path, [srv.url], shm_root, **wrong)
         with pytest.raises(ConfigError) as err:
             await Daemon(bad).run()
@@ -254,7 +247,7 @@ async def test_a_dump_root_that_is_not_the_servers_stops_the_job(
     samples = write_samples(tmp_path / "in.jsonl", 10, max_len=16)
     elsewhere = shm_root / "elsewhere"
     elsewhere.mkdir()
-    async with running_fake_server(fake(elsewhere)) as srv:
+    async with running_fake_server(fake_options(elsewhere)) as srv:
         bad = _config(tmp_path, samples.path, [srv.url], shm_root, dump={"timeout": 0.3})
         with pytest.raises(ConfigError) as err:
             await Daemon(bad).run()
@@ -268,7 +261,7 @@ async def test_a_reload_to_the_wrong_engine_takes_the_server_out_not_the_samples
     """SIGHUP with server.engines = ["vllm"] on an SGLang server: every request would be
     a 404. Today: accepted, never out of rotation, samples quarantined in seconds."""
     samples = write_samples(tmp_path / "in.jsonl", 60, max_len=16)
-    async with running_fake_server(fake(shm_root, latency_base_ms=5)) as srv:
+    async with running_fake_server(fake_options(shm_root, latency_base_ms=5)) as srv:
         raw = config_raw(
             tmp_path,
             samples.path,
@@ -307,8 +300,8 @@ async def test_two_servers_two_models_never_mix(tmp_path: Path, shm_root: Path) 
     from the other model, exit 0, verify OK, and only the first model is recorded."""
     samples = write_samples(tmp_path / "in.jsonl", 40, max_len=16)
     async with (
-        running_fake_server(fake(shm_root, model="/models/base")) as base,
-        running_fake_server(fake(shm_root, model="/models/instruct")) as other,
+        running_fake_server(fake_options(shm_root, model="/models/base")) as base,
+        running_fake_server(fake_options(shm_root, model="/models/instruct")) as other,
     ):
         config = _config(tmp_path, samples.path, [base.url, other.url], shm_root)
         asked_other = _rids_of(other)
@@ -331,7 +324,7 @@ async def test_a_server_restarted_with_another_model_is_refused_until_it_is_back
     """Mid-run the server comes back serving another checkpoint: it is refused (never
     mixed in) until it serves the job's model again."""
     samples = write_samples(tmp_path / "in.jsonl", 60, max_len=16)
-    options = fake(shm_root, model="/models/base", latency_base_ms=5)
+    options = fake_options(shm_root, model="/models/base", latency_base_ms=5)
     async with running_fake_server(options) as srv:
         config = _config(
             tmp_path,
@@ -375,7 +368,7 @@ async def test_a_full_disk_under_the_events_log_does_not_stop_the_run(
 
     monkeypatch.setattr(AppendLog, "append", full)
     samples = write_samples(tmp_path / "in.jsonl", 30, max_len=16)
-    async with running_fake_server(fake(shm_root, latency_base_ms=20)) as srv:
+    async with running_fake_server(fake_options(shm_root, latency_base_ms=20)) as srv:
         config = _config(tmp_path, samples.path, [srv.url], shm_root)
         with capture_logs() as logs:
             summary = await Daemon(config).run()
@@ -390,7 +383,7 @@ async def test_a_full_disk_under_the_events_log_does_not_stop_the_run(
 async def test_a_finished_dataset_needs_no_server(tmp_path: Path, shm_root: Path) -> None:
     """Issue 26: "run it again, it exits at once" waited for the stopped server, then 3."""
     samples = write_samples(tmp_path / "in.jsonl", 10, max_len=16, bad_every=4)
-    async with running_fake_server(fake(shm_root)) as srv:
+    async with running_fake_server(fake_options(shm_root)) as srv:
         config = _config(
             tmp_path, samples.path, [srv.url], shm_root, server={"unreachable_timeout": 60.0}
         )

@@ -17,6 +17,7 @@ from hsx_async.dataset.provenance import read_provenance
 from hsx_async.run.client import Server
 from hsx_async.run.daemon import Daemon
 from hsx_async.server.fake.server import FakeOptions, FakeServerHandle, running_fake_server
+from tests.crash_driver import AUX, H, L, fake_options
 from tests.e2e import (
     check_dataset,
     config_raw,
@@ -26,8 +27,6 @@ from tests.e2e import (
     write_samples,
 )
 
-H, AUX = 64, (1, 3, 5)
-L = len(AUX) + 1
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -42,10 +41,6 @@ async def _hsx(*args: str) -> tuple[int, str, str]:
         out, err = await proc.communicate()
     lines = err.decode().strip().splitlines()
     return proc.returncode or 0, out.decode(), lines[-1] if lines else ""
-
-
-def _fake(root: Path, **kw: Any) -> FakeOptions:
-    return FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=root, **kw)
 
 
 @dataclasses.dataclass
@@ -143,10 +138,10 @@ async def test_a_job_through_every_mistake_ends_with_every_sample_once(
     samples = write_samples(tmp_path / "in.jsonl", 60, max_len=24, seed=11)
     elsewhere = shm_root / "elsewhere"
     elsewhere.mkdir()
-    base = _fake(shm_root, model="/models/base", vocab_size=45_000, latency_base_ms=3)
+    base = fake_options(shm_root, model="/models/base", vocab_size=45_000, latency_base_ms=3)
     async with (
         running_fake_server(dataclasses.replace(base, hook=False)) as main,
-        running_fake_server(_fake(shm_root, model="/models/instruct")) as other,
+        running_fake_server(fake_options(shm_root, model="/models/instruct")) as other,
     ):
         raw = config_raw(tmp_path, samples.path, [main.url, other.url], shm_root,
                          aux_layers=(2, 4, 6), server={"unreachable_timeout": 2.0},
