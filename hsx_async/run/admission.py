@@ -415,12 +415,16 @@ class Admission:
         self, server: Server, info: dict[str, Any], exc: RequestError | DumpError
     ) -> _Result:
         fault = fault_of(exc)
-        if fault.kind == "not_found":
+        # A 404 at the engine's path, or an answer no hsx hook took (an SGLang server also
+        # serves /v1/completions): if the other engine's info endpoint answers, the config
+        # names the wrong engine.
+        if fault.kind in ("not_found", "no_hook"):
             other = await self._other_engine(server)
             if other:
+                what = "answers 404 at" if fault.kind == "not_found" else "takes no hsx mark at"
                 return _Disagrees(
                     "server.engine",
-                    f"says {server.engine_name!r} for {server.display}, but it answers 404 at "
+                    f"says {server.engine_name!r} for {server.display}, but it {what} "
                     f"{server.engine.generate_path} and serves {other}'s "
                     f"{ENGINES[other].model_info_path}: set [server].engine (or engines) "
                     f"to {other!r}",
