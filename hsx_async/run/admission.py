@@ -69,6 +69,7 @@ log = structlog.get_logger("hsx.admission")
 
 PROBE_IDS = np.array([1, 2, 3, 4], dtype=np.int64)  # in every vocabulary
 WAIT_NOTICE_S = 30.0  # at most this long between two "waiting_for_server" lines
+PROBE_SETTLE_S = 10.0  # how long the end of a run waits for a probe still at a server
 
 Record = Callable[[Server, Identity, dict[str, Any] | None], Awaitable[None]]
 
@@ -127,6 +128,7 @@ class Admission:
         self.stop_requested = stop_requested
         self.ever_admitted = False
         self._probes = 0
+        self._in_flight: set[asyncio.Future[None]] = set()  # probe requests at a server
         self._ns_dir: Path | None = None
         self._said_at = -WAIT_NOTICE_S
 
@@ -137,6 +139,9 @@ class Admission:
     # -- the task ---------------------------------------------------------------------
 
     async def run(self) -> None:
+        # Nothing is asked of a server before a sample needs one: a run with nothing left
+        # to send (a finished dataset) never contacts any.
+        await self.pool.wanted.wait()
         self._ns_dir = await asyncio.to_thread(
             prepare_namespace, self.config.dump.root, self.namespace
         )
@@ -151,7 +156,20 @@ class Admission:
                     self._waiting(now - up_since)
                 await self._pause()
         finally:
+            await self._settle_probes()
             await asyncio.to_thread(remove_tree, self._ns_dir)
+
+    def _forget(self, request: asyncio.Future[None]) -> None:
+        self._in_flight.discard(request)
+        if not request.cancelled():
+            request.exception()  # retrieved: a probe abandoned at the run's end may fail
+
+    async def _settle_probes(self) -> None:
+        """At the end of the run, let a probe still at a server finish (bounded), so its
+        dump is written before the namespace goes, not after it (a server writes a dump
+        before it answers). What a hung server writes later is debris for the next run."""
+        if self._in_flight:
+            await asyncio.wait(self._in_flight, timeout=PROBE_SETTLE_S)
 
     async def _pause(self) -> None:
         await asyncio.sleep(self.config.server.health_interval)
@@ -371,11 +389,21 @@ class Admission:
         self._probes += 1
         rid = f"{self.nonce}-probe-{self._probes}"
         rid_dir = self._ns_dir / rid
+        request = asyncio.ensure_future(
+            self.client.generate(
+                server,
+                rid=rid,
+                ns=self.namespace,
+                input_ids=PROBE_IDS,
+                timeout=cfg.server.request_timeout,
+                storage=cfg.storage,
+            )
+        )
+        self._in_flight.add(request)
+        request.add_done_callback(self._forget)
         try:
-            await self.client.generate(
-                server, rid=rid, ns=self.namespace, input_ids=PROBE_IDS,
-                timeout=cfg.server.request_timeout, storage=cfg.storage,
-            )  # fmt: skip
+            # Shielded: a run that ends meanwhile waits for the answer (_settle_probes).
+            await asyncio.shield(request)
             raw = await wait_for_meta(rid_dir, cfg.dump.timeout)
             meta = parse_meta(raw)
             validate_dump(

@@ -113,6 +113,8 @@ class ServerPool:
         self._changed = asyncio.Condition()
         self._rr = 0
         self._stopped = False
+        # Set once someone waited for a server: admission starts then (hsx run).
+        self.wanted = asyncio.Event()
         # Called with (server, in_rotation) at each change: the events log, the metrics.
         self.on_change: list[Callable[[Server, bool], None]] = []
 
@@ -152,6 +154,7 @@ class ServerPool:
         :meth:`stop_waiting` was called."""
         if self.healthy():
             return
+        self.wanted.set()
         limit = self.unreachable_timeout if timeout == -1.0 else timeout
         try:
             async with asyncio.timeout(limit), self._changed:

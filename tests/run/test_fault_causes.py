@@ -381,16 +381,22 @@ async def test_a_full_disk_under_the_events_log_does_not_stop_the_run(
 
 
 async def test_a_finished_dataset_needs_no_server(tmp_path: Path, shm_root: Path) -> None:
-    """Issue 26: "run it again, it exits at once" waited for the stopped server, then 3."""
+    """Issue 26: "run it again, it exits at once" waited for the stopped server, then 3.
+    With nothing left to send, no server is even asked."""
     samples = write_samples(tmp_path / "in.jsonl", 10, max_len=16, bad_every=4)
     async with running_fake_server(fake_options(shm_root)) as srv:
         config = _config(
             tmp_path, samples.path, [srv.url], shm_root, server={"unreachable_timeout": 60.0}
         )
         await Daemon(config).run()
-    async with asyncio.timeout(10):  # the server is gone: at once, not after 60 s
+        asked = srv.stats.requests
         again = await Daemon(config).run()
+        assert srv.stats.requests == asked  # nothing sent, not even a probe
     assert again.skipped == len(samples.good) and again.done == 0 and again.unfinished == 0
+    async with asyncio.timeout(10):  # the server is gone: at once, not after 60 s
+        gone = await Daemon(config).run()
+    assert gone.skipped == len(samples.good) and gone.unfinished == 0
+    assert shm_leftovers(shm_root) == []
 
 
 async def test_waiting_for_a_server_says_so_periodically_and_stops_on_a_signal(
