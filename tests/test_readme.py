@@ -199,8 +199,10 @@ def test_readme_dataloader_example_runs(tmp_path: Path) -> None:
     code = code.replace('"/tmp/hsx-small/out"', repr(str(out)))
     code = code.replace("num_workers=2", "num_workers=0")  # the same loop, in this process
     code = code.replace("...  # the drafter", "seen.append(batch)  # the drafter")
-    exec(compile(code, "README.md", "exec"), {"seen": seen})
+    scope: dict[str, object] = {"seen": seen}
+    exec(compile(code, "README.md", "exec"), scope)
     assert seen, "the loop saw no batch"
+    assert getattr(scope["train"], "final_state", None) == "post_norm"  # the comment's name
     first = seen[0]
     final, aux = first["hidden_states"], first["aux_hidden_states"]
     assert final.dtype == torch.bfloat16 and final.shape[-1] == 64
@@ -214,3 +216,21 @@ def test_quickstart_puts_hsx_on_path_before_using_it() -> None:
     line = fenced_block("## Quickstart").strip().splitlines()[0]
     assert ". .venv/bin/activate" in line, line
     assert line.index(". .venv/bin/activate") < line.index("hsx demo"), line
+
+
+def test_readme_says_what_the_final_slot_holds_per_engine() -> None:
+    """Issue 26: the README said the final state is always post-norm; a vLLM dataset's is
+    pre-norm. The conversion it shows is the reader's own signature."""
+    import inspect
+
+    from hsx_async.dataset.reader import FINAL_STATES, HiddenStateDataset
+
+    text = " ".join(README.read_text().split())
+    assert "always post-norm" not in text and "final (post-norm) layer" not in text
+    assert "post-norm from SGLang" in text and "pre-norm from vLLM" in text
+    assert '`"post_norm"` for an SGLang-made dataset' in text
+    assert '`"pre_norm"` for a vLLM-made one' in text
+    shown = re.search(r"HiddenStateDataset\(\.\.\., final_state=\"(\w+)\", model=", text)
+    assert shown is not None and shown[1] in FINAL_STATES
+    params = inspect.signature(HiddenStateDataset).parameters
+    assert {"final_state", "model"} <= set(params)

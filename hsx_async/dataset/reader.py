@@ -5,7 +5,9 @@ which maps the file copy-on-write (``MAP_PRIVATE``) and hands out tensors that *
 mapping: nothing is read until a tensor's pages are touched, so asking for ``input_ids``
 alone never reads ``hidden_states``, and an in-place edit by a trainer can never reach the
 file. From the stored ``hidden_states`` ``[T, L, H]`` (aux layers in capture order, then the
-final post-norm state) a sample yields, as views of the mapping:
+final state: post-norm from SGLang, pre-norm from vLLM, as ``provenance.json`` and each file's
+``final_state`` say; :attr:`HiddenStateDataset.final_state`, and ``final_state=`` to convert)
+a sample yields, as views of the mapping:
 
 - ``hidden_states`` ``[T, H]``: the final layer, ``hs[:, L-1, :]`` (rows strided by ``L·H``);
 - ``aux_hidden_states`` ``[T, k·H]``: the ``k = L-1`` aux layers concatenated in capture
@@ -54,14 +56,18 @@ from torch.utils.data import Dataset, Sampler
 
 from hsx_async.dataset.layout import SampleId, canonical_id, expected_tensors
 from hsx_async.dataset.manifest import ManifestEntry, read_manifest
-from hsx_async.dataset.provenance import dataset_storage, read_provenance
+from hsx_async.dataset.provenance import dataset_final_state, dataset_storage, read_provenance
+from hsx_async.dataset.target import convert_final, final_norm_weight, norm_gain, read_target
 from hsx_async.errors import DatasetError, DumpError
 from hsx_async.protocol import (
     BF16_STORAGE,
     HIDDEN,
+    POST_NORM,
+    PRE_NORM,
     SCALES,
     UNQUANTIZED,
     Storage,
+    parse_final_state,
     storage_from_metadata,
 )
 from hsx_async.quantize import FP8_DTYPE, assemble
@@ -69,6 +75,8 @@ from hsx_async.quantize import FP8_DTYPE, assemble
 Sample = dict[str, torch.Tensor]
 Split = Literal["all", "train", "val"]
 HiddenMode = Literal["bf16", "raw"]
+FinalState = Literal["as_stored", "post_norm", "pre_norm"]
+FINAL_STATES: tuple[str, ...] = ("as_stored", POST_NORM, PRE_NORM)
 HIDDEN_MODES: tuple[str, ...] = ("bf16", "raw")
 
 INPUT_IDS = "input_ids"
@@ -414,6 +422,14 @@ class HiddenStateDataset(Dataset[Sample]):
     stored sections (e4m3fn values, float32 scales, kept bf16 slots) for trainers that take
     FP8; :attr:`storage` (a :class:`~hsx_async.protocol.Storage`) names the quantized and
     kept slots. Every file must hold the dataset's storage (``provenance.json``).
+
+    ``final_state``: what ``hidden_states`` (the last slot) holds. ``"as_stored"``
+    (default): the dataset's own kind, :attr:`final_state` — post-norm from SGLang (the LM
+    head's input), pre-norm from vLLM (the last decoder layer's output). ``"post_norm"`` or
+    ``"pre_norm"``: converted to that kind when the dataset holds the other, with the final
+    norm of ``model`` (the target's local Hugging Face directory) — the conversion
+    ``hsx export`` makes (:func:`hsx_async.dataset.target.convert_final`). Needs
+    ``storage="bf16"``.
     """
 
     def __init__(
@@ -426,6 +442,8 @@ class HiddenStateDataset(Dataset[Sample]):
         val_fraction: float = 0.0,
         seed: int = 0,
         storage: HiddenMode = "bf16",
+        final_state: FinalState = "as_stored",
+        model: Path | str | None = None,
     ) -> None:
         self.out_dir = Path(out_dir)
         unknown = set(fields) - set(FIELDS)
@@ -443,6 +461,20 @@ class HiddenStateDataset(Dataset[Sample]):
             )
         )
         self._expect = _recorded_storage(self.out_dir)
+        self._stored_final = _stored_final_state(self.out_dir, self.entries)
+        self._convert = _final_conversion(self._stored_final, final_state, model, storage)
+        if self._convert is not None and self.entries:
+            size = read_header(self.path(0), num_tokens=self.entries[0].num_tokens).hidden_size
+            if self._convert[1].shape[0] != size:
+                raise DatasetError(
+                    f"model {model} has hidden size {self._convert[1].shape[0]}, the dataset "
+                    f"{size}: give the model the dataset was made from"
+                )
+
+    @property
+    def final_state(self) -> str:
+        """What ``hidden_states`` yields: ``"post_norm"`` or ``"pre_norm"``."""
+        return self._convert[0] if self._convert is not None else self._stored_final
 
     @property
     def storage(self) -> Storage:
@@ -459,13 +491,19 @@ class HiddenStateDataset(Dataset[Sample]):
 
     def __getitem__(self, index: int) -> Sample:
         entry = self.entries[index]
-        return read_sample(
+        sample = read_sample(
             self.path(index),
             self.fields,
             num_tokens=entry.num_tokens,
             storage=self.mode,
             expect=self._expect,
         )
+        if self._convert is not None and HIDDEN_STATES in sample:
+            want, gain, eps = self._convert
+            sample[HIDDEN_STATES] = convert_final(
+                sample[HIDDEN_STATES], self._stored_final, want, gain, eps
+            )
+        return sample
 
     def path(self, index: int) -> Path:
         return self.out_dir / self.entries[index].path
@@ -478,6 +516,40 @@ class HiddenStateDataset(Dataset[Sample]):
     @property
     def ids(self) -> list[SampleId]:
         return [e.id for e in self.entries]
+
+
+def _stored_final_state(out_dir: Path, entries: Sequence[ManifestEntry]) -> str:
+    """The kind the dataset's last slot holds: provenance.json's record, else the first
+    file's (a merged dataset may have no provenance); post-norm for an empty one."""
+    kind = dataset_final_state(read_provenance(out_dir))
+    if kind is None and entries:
+        meta = read_header(out_dir / entries[0].path, num_tokens=entries[0].num_tokens).metadata
+        try:
+            kind = parse_final_state(meta.get("final_state"), "final_state")
+        except DumpError as exc:
+            raise DatasetError(f"{out_dir / entries[0].path}: {exc}") from None
+    return kind or POST_NORM
+
+
+def _final_conversion(
+    stored: str, want: FinalState, model: Path | str | None, mode: HiddenMode
+) -> tuple[str, torch.Tensor, float] | None:
+    """(kind, the final norm's gain, eps) to convert each sample's final state with, or
+    None when it is yielded as stored."""
+    if want not in FINAL_STATES:
+        raise ValueError(f"final_state={want!r}; expected one of {list(FINAL_STATES)}")
+    if want in ("as_stored", stored):
+        return None
+    if mode != "bf16":
+        raise ValueError(f'final_state={want!r} converts bfloat16 values: use storage="bf16"')
+    if model is None:
+        raise DatasetError(
+            f"the dataset holds the {stored} final state; converting it to {want} needs the "
+            "target's final norm: give model=PATH (its local Hugging Face directory)"
+        )
+    target = read_target(Path(model))
+    weight = final_norm_weight(target)
+    return want, norm_gain(weight, target.norm_kind), target.norm_eps
 
 
 def _recorded_storage(out_dir: Path) -> Storage | None:
@@ -649,6 +721,7 @@ def padded_fraction(lengths: Sequence[int], batches: Sequence[Sequence[int]]) ->
 __all__ = [
     "AUX_HIDDEN_STATES",
     "FIELDS",
+    "FINAL_STATES",
     "HIDDEN_MODES",
     "HIDDEN_STATES",
     "HIDDEN_STATES_SCALES",
@@ -657,6 +730,7 @@ __all__ = [
     "LOSS_MASK",
     "SECTIONS",
     "STORED",
+    "FinalState",
     "HiddenMode",
     "HiddenStateDataset",
     "LengthGroupedBatchSampler",
