@@ -461,8 +461,11 @@ class HiddenStateDataset(Dataset[Sample]):
             )
         )
         self._expect = _recorded_storage(self.out_dir)
-        self._stored_final = _stored_final_state(self.out_dir, self.entries)
-        self._convert = _final_conversion(self._stored_final, final_state, model, storage)
+        # From provenance.json; a dataset without one: its first file, when first needed.
+        self._stored_final = dataset_final_state(read_provenance(self.out_dir))
+        self._convert = None
+        if final_state != "as_stored":
+            self._convert = _final_conversion(self.stored_final_state, final_state, model, storage)
         if self._convert is not None and self.entries:
             size = read_header(self.path(0), num_tokens=self.entries[0].num_tokens).hidden_size
             if self._convert[1].shape[0] != size:
@@ -472,9 +475,16 @@ class HiddenStateDataset(Dataset[Sample]):
                 )
 
     @property
+    def stored_final_state(self) -> str:
+        """What the dataset's last slot holds: ``"post_norm"`` or ``"pre_norm"``."""
+        if self._stored_final is None:
+            self._stored_final = _first_file_final_state(self.out_dir, self.entries)
+        return self._stored_final
+
+    @property
     def final_state(self) -> str:
         """What ``hidden_states`` yields: ``"post_norm"`` or ``"pre_norm"``."""
-        return self._convert[0] if self._convert is not None else self._stored_final
+        return self._convert[0] if self._convert is not None else self.stored_final_state
 
     @property
     def storage(self) -> Storage:
@@ -501,7 +511,7 @@ class HiddenStateDataset(Dataset[Sample]):
         if self._convert is not None and HIDDEN_STATES in sample:
             want, gain, eps = self._convert
             sample[HIDDEN_STATES] = convert_final(
-                sample[HIDDEN_STATES], self._stored_final, want, gain, eps
+                sample[HIDDEN_STATES], self.stored_final_state, want, gain, eps
             )
         return sample
 
@@ -518,11 +528,11 @@ class HiddenStateDataset(Dataset[Sample]):
         return [e.id for e in self.entries]
 
 
-def _stored_final_state(out_dir: Path, entries: Sequence[ManifestEntry]) -> str:
-    """The kind the dataset's last slot holds: provenance.json's record, else the first
-    file's (a merged dataset may have no provenance); post-norm for an empty one."""
-    kind = dataset_final_state(read_provenance(out_dir))
-    if kind is None and entries:
+def _first_file_final_state(out_dir: Path, entries: Sequence[ManifestEntry]) -> str:
+    """The kind the first file's last slot holds (a dataset without provenance.json, e.g.
+    merged from parts); post-norm for an empty one."""
+    kind = None
+    if entries:
         meta = read_header(out_dir / entries[0].path, num_tokens=entries[0].num_tokens).metadata
         try:
             kind = parse_final_state(meta.get("final_state"), "final_state")
