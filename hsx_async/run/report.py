@@ -14,7 +14,7 @@ Where the numbers come from, all of it durable in the output directory:
 
 ``hsx report OUT`` rebuilds both files at any time, also while a run is going and for
 shards written into one directory. The PNG needs matplotlib (``pip install
-'hsx_async[plot]'``); without it only the JSON is written and a hint says so.
+-e '.[plot]'`` in the clone); without it only the JSON is written and a hint says so.
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ log = structlog.get_logger("hsx.report")
 _RUN_EVENTS = ("start", "tick", "end")  # the lines with the run's counts
 REPORT_JSON = "report.json"
 REPORT_PNG = "report.png"
+# hsx is installed from a clone (README quickstart: pip install -e .), so is its extra.
+PLOT_HINT = "for report.png install matplotlib: pip install -e '.[plot]' in the hsx clone"
 _FAST_TICKS_S = 60.0  # tick every second this long, then every _SLOW_TICK_S
 _SLOW_TICK_S = 10.0
 
@@ -315,7 +317,7 @@ def write_report(out_dir: Path, *, png: bool = True) -> tuple[Path, Path | None,
     try:
         from hsx_async.run.report_plot import render  # noqa: PLC0415 - matplotlib is optional
     except ImportError:
-        return json_path, None, "install matplotlib (pip install 'hsx_async[plot]') for report.png"
+        return json_path, None, PLOT_HINT
     png_path = out_dir / REPORT_PNG
     render(report, png_path)
     return json_path, png_path, ""

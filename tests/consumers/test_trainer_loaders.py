@@ -395,3 +395,41 @@ def test_speculators_reads_a_post_norm_fp8_dataset_exported_as_fp8(
 
 if __name__ == "__main__":  # pragma: no cover - run by pytest
     sys.exit(pytest.main([__file__]))
+
+
+def test_the_readme_specforge_training_command_is_specforges_own(
+    exports: dict[str, Any], tmp_path: Path
+) -> None:
+    """Issue 26: the README gave no SpecForge training command. Its block, run as written
+    in a scratch directory (the paths and ids replaced with this export's, `--plan` added:
+    SpecForge 0.2.0's own config schema (unknown keys refused) and launch planner)."""
+    text = (ROOT / "README.md").read_text()
+    at = text.index("specforge train --config sf-run.yaml")
+    start = text.rindex("```bash\n", 0, at) + len("```bash\n")
+    block = text[start : text.index("```", at)]
+    snippet = orjson.loads((exports["tmp"] / "specforge" / DRAFT_CONFIG).read_bytes())
+    ids = snippet["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    for old, new in [
+        ("/models/Llama-3.1-8B", str(exports["model"])),
+        ("/nvme/sf-data", str(exports["tmp"] / "specforge")),
+        ("/nvme/sf-draft", str(tmp_path / "sf-draft")),
+        ("[1, 15, 28]", json.dumps(ids)),
+        ("specforge train --config sf-run.yaml", "specforge train --config sf-run.yaml --plan"),
+    ]:
+        assert old in block, old
+        block = block.replace(old, new)
+    env = {**os.environ, "PATH": f"{consumers_python().parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = json.loads(done.stdout)
+    assert (plan["kind"], plan["role"]) == ("worker", "all")
+    bad = (tmp_path / "sf-run.yaml").read_text().replace("hidden_states_path", "hidden_states_dir")
+    (tmp_path / "bad.yaml").write_text(bad)
+    refused = subprocess.run(
+        ["specforge", "train", "--config", "bad.yaml", "--plan"], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "hidden_states_dir" in refused.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import tomllib
 from pathlib import Path
 
 import orjson
@@ -13,10 +14,11 @@ from hsx_async.dataset.events import event_files
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
 from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.run.daemon import Daemon
-from hsx_async.run.report import REPORT_JSON, REPORT_PNG, build_report, write_report
+from hsx_async.run.report import PLOT_HINT, REPORT_JSON, REPORT_PNG, build_report, write_report
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
 from tests.e2e import make_config, write_samples
 
+ROOT = Path(__file__).resolve().parents[2]
 H, AUX = 64, (1, 3, 5)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -95,7 +97,13 @@ async def test_without_matplotlib_json_only_with_a_hint(
     out, _ = await _run_twice(tmp_path, shm_root)
     monkeypatch.setitem(sys.modules, "hsx_async.run.report_plot", None)  # import fails
     json_path, png_path, hint = write_report(out)
-    assert png_path is None and "hsx_async[plot]" in hint
+    assert png_path is None and hint == PLOT_HINT
+    # a clone's install line (issue 26: 'hsx_async[plot]' is no name pip finds for a clone)
+    assert "pip install -e '.[plot]'" in hint
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert any(r.startswith("matplotlib") for r in extras["plot"])
     assert json_path.is_file() and not (out / REPORT_PNG).exists()
 
 

@@ -187,7 +187,7 @@ def write_hf_dataset(dest: Path) -> None:
     except ImportError:
         raise DatasetError(
             "--format speculators writes a Hugging Face datasets directory: install the "
-            "extra with pip install 'hsx_async[speculators]'"
+            "extra: pip install -e '.[speculators]' in the hsx clone"
         ) from None
     datasets.disable_progress_bars()  # hsx export reports its own progress
     features = datasets.Features(
