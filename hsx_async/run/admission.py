@@ -139,14 +139,15 @@ class Admission:
     # -- the task ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        # Nothing is asked of a server before a sample needs one: a run with nothing left
-        # to send (a finished dataset) never contacts any.
-        await self.pool.wanted.wait()
-        self._ns_dir = await asyncio.to_thread(
-            prepare_namespace, self.config.dump.root, self.namespace
-        )
-        up_since = time.monotonic()
+        ns_dir = self.config.dump.root / self.namespace
         try:
+            # Nothing is asked of a server before a sample needs one: a run with nothing
+            # left to send (a finished dataset) never contacts any.
+            await self.pool.wanted.wait()
+            self._ns_dir = await asyncio.to_thread(
+                prepare_namespace, self.config.dump.root, self.namespace
+            )
+            up_since = time.monotonic()
             while True:
                 await self.round()
                 now = time.monotonic()
@@ -156,8 +157,9 @@ class Admission:
                     self._waiting(now - up_since)
                 await self._pause()
         finally:
+            # Also what a killed run left, when this one asked no server anything.
             await self._settle_probes()
-            await asyncio.to_thread(remove_tree, self._ns_dir)
+            await asyncio.to_thread(remove_tree, ns_dir)
 
     def _forget(self, request: asyncio.Future[None]) -> None:
         self._in_flight.discard(request)

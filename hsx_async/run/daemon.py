@@ -205,6 +205,9 @@ class Daemon:
                 guard=self.guard,
             )
             self.pipeline = pipeline
+            # The probes' namespace goes with the workers' when the run ends, whatever the
+            # admission task got to do (also what a killed run left in it).
+            pipeline.workers.namespaces.add(cfg.dump.root / probe_namespace(cfg))
             # Servers are admitted while the run goes: a finished dataset needs none, and
             # a job fault stops the run before any sample is sent.
             self.admission = Admission(

@@ -393,6 +393,9 @@ async def test_a_finished_dataset_needs_no_server(tmp_path: Path, shm_root: Path
         again = await Daemon(config).run()
         assert srv.stats.requests == asked  # nothing sent, not even a probe
     assert again.skipped == len(samples.good) and again.done == 0 and again.unfinished == 0
+    stale = shm_root / "hsx-wprobe" / "stale-probe"  # what a killed run's probe left
+    stale.mkdir(parents=True)
+    (stale / "meta.json").write_bytes(b"{}")
     async with asyncio.timeout(10):  # the server is gone: at once, not after 60 s
         gone = await Daemon(config).run()
     assert gone.skipped == len(samples.good) and gone.unfinished == 0
