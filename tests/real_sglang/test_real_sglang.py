@@ -15,11 +15,8 @@ import random
 import re
 import shutil
 import subprocess
-import sys
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +53,13 @@ from tests.real_sglang.conftest import (
     running,
     wait_ready,
 )
+from tests.real_sglang.traffic import (
+    Plain,
+    generate_plain,
+    greedy,
+    hsx_command,
+    run_hsx_beside_plain_traffic,
+)
 from tests.server.fp8 import check_fp8_dump, read_bf16_rows
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(600)]
@@ -75,15 +79,6 @@ def sample_ids(seed: int) -> dict[str, list[int]]:
 
 
 PLAIN_PROMPTS = [[5 + 7 * i + j for j in range(20 + 9 * i)] for i in range(3)]
-
-
-@dataclass
-class Plain:
-    """A plain (unmarked) request: greedy, a few new tokens, no custom_params."""
-
-    input_ids: list[int]
-    alone: dict[str, Any] = field(default_factory=dict)  # sent to an idle server
-    beside: list[dict[str, Any]] = field(default_factory=list)  # sent during `hsx run`
 
 
 @dataclass
@@ -114,56 +109,6 @@ class Fp8Run:
     probe_fp8: Path
 
 
-def generate_plain(server: Server, ids: list[int]) -> dict[str, Any]:
-    body = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": PLAIN_NEW_TOKENS, "temperature": 0},
-    }
-    answer: dict[str, Any] = server.post("/generate", body)
-    return answer
-
-
-def hsx_command() -> list[str]:
-    """The dev environment's ``hsx`` (the one pytest runs in), not the SGLang venv's."""
-    exe = shutil.which("hsx", path=str(Path(sys.executable).parent))
-    assert exe is not None, f"no hsx next to {sys.executable}: pip install -e ."
-    return [exe]
-
-
-def run_hsx_beside_plain_traffic(server: Server, config: Path, plain: list[Plain]) -> Any:
-    """``hsx run`` in a subprocess while plain requests keep arriving, so both kinds are
-    scheduled into the same prefill batches; bounded by HSX_TIMEOUT."""
-    proc = subprocess.Popen(
-        [*hsx_command(), "run", "--config", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    done = threading.Event()
-
-    def plain_traffic() -> None:
-        # Rounds of all plain prompts at once until hsx is done (at most 3 rounds).
-        with ThreadPoolExecutor(len(plain)) as pool:
-            for _ in range(3):
-                answers = list(pool.map(lambda p: generate_plain(server, p.input_ids), plain))
-                for p, answer in zip(plain, answers, strict=True):
-                    p.beside.append(answer)
-                if done.is_set():
-                    return
-
-    with ThreadPoolExecutor(1) as traffic:
-        sent = traffic.submit(plain_traffic)
-        try:
-            output, _ = proc.communicate(timeout=HSX_TIMEOUT)
-        finally:
-            done.set()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        sent.result(timeout=120)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, output, None)
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def run(
     request: pytest.FixtureRequest,
@@ -192,8 +137,8 @@ def run(
         config = write_config(tmp, raw)
         plain = [Plain(ids) for ids in PLAIN_PROMPTS]
         for p in plain:
-            p.alone = generate_plain(server, p.input_ids)
-        hsx = run_hsx_beside_plain_traffic(server, config, plain)
+            p.alone = generate_plain(server, p.input_ids, PLAIN_NEW_TOKENS)
+        hsx = run_hsx_beside_plain_traffic(server, config, plain, PLAIN_NEW_TOKENS, HSX_TIMEOUT)
         regen = run_regenerate(server, tmp, model_dir) if tp == 1 else None
         fp8 = run_fp8(server, tmp, raw) if tp == 1 else None
         info = server.get("/get_server_info")
@@ -294,15 +239,6 @@ def run_regenerate(server: Server, tmp: Path, model_dir: Path) -> Any:
     cmd = [*hsx_command(), "regenerate", str(tmp / "conversations.jsonl"),
            "--config", str(config), "--out", str(tmp / "regen.jsonl")]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=HSX_TIMEOUT, check=False)
-
-
-def greedy(hf_model: Any, ids: list[int], steps: int) -> list[int]:
-    out = list(ids)
-    with torch.inference_mode():
-        for _ in range(steps):
-            logits = hf_model(input_ids=torch.tensor([out]), use_cache=False).logits
-            out.append(int(logits[0, -1].argmax()))
-    return out[len(ids) :]
 
 
 def test_plain_requests_are_served_as_usual_and_dump_nothing(run: Run, hf_model: Any) -> None:
