@@ -36,6 +36,9 @@ REPO = Path(__file__).resolve().parents[2]
 ENV_PYTHON = "HSX_SGLANG_PYTHON"
 DEFAULT_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
 LAUNCH = REPO / "deploy" / "sglang" / "launch.sh"
+# PYTHONPATH entry of the servers that need the stand-ins for SGLang's CPU-only gaps
+# (standins/sglang_cpu_gaps/sitecustomize.py: the DeepSeek-V3 ones).
+CPU_GAPS = REPO / "tests" / "real_sglang" / "standins" / "sglang_cpu_gaps"
 SHM = Path("/dev/shm")
 # What serves on this CPU (shared/REAL-ENGINES.md): the native torch paths, a small KV
 # pool (--max-total-tokens caps it; the memory fraction is generous because SGLang measures
@@ -90,6 +93,32 @@ def hf_model(model_dir: Path) -> Any:
     return load_model(str(model_dir))
 
 
+@pytest.fixture(scope="session")
+def deepseek_dir(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
+    """The tiny DeepSeek-V3 (Kimi-K2.5's architecture) as a local Hugging Face directory,
+    built once per session, with the tiny Llama's tokenizer."""
+    from tests.real_sglang.tiny_deepseek import save_model
+
+    return save_model(tmp_path_factory.mktemp("model") / "tiny-deepseek-v3", model_dir)
+
+
+@pytest.fixture(scope="session")
+def deepseek_hf(deepseek_dir: Path) -> Any:
+    """Its saved weights through transformers, in float32 (the ground truth)."""
+    from tests.real_sglang.tiny_deepseek import load_reference
+
+    return load_reference(deepseek_dir)
+
+
+@pytest.fixture(scope="session")
+def layer_probe(sglang_py: Path) -> dict[str, Any]:
+    """The installed SGLang's own ``set_eagle3_layers_to_capture`` of every family on the
+    cases of ``layer_probe.py`` (one ``import sglang`` per session)."""
+    from tests.real_sglang.layer_probe import run_probe
+
+    return run_probe(sglang_py)
+
+
 @dataclass
 class Server:
     url: str
@@ -113,6 +142,8 @@ class Server:
 
 
 def launch_env(sglang_py: Path, dump_root: Path, port: int, **extra: str) -> dict[str, str]:
+    """launch.sh's environment: the CPU engine, aux layers 1, 3, 5 unless ``extra`` names
+    others (``HSX_AUX_LAYERS``), and whatever else ``extra`` sets."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HSX_")}
     env.update(
         HSX_PYTHON=str(sglang_py),
@@ -120,8 +151,8 @@ def launch_env(sglang_py: Path, dump_root: Path, port: int, **extra: str) -> dic
         HSX_DUMP_ROOT=str(dump_root),
         HSX_PORT=str(port),
         SGLANG_USE_CPU_ENGINE="1",
-        **extra,
     )
+    env.update(extra)
     return env
 
 
