@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -56,6 +58,33 @@ SHM_PREFIXES = (
     "sglang_", "sgl_shm_", "multi_tokenizer_args_", "nccl-", "sem.loky-", "torch_",
     *LEAKED_BY_KILLS,
 )  # fmt: skip
+
+
+# The HTTP port of a server under test is bound 30-120 s after it is chosen. A port of the
+# kernel's ephemeral range (32768-60999 here) can be taken meanwhile by any connect() or
+# bind(0) on the machine (it happened: "address already in use"), so the tier picks one
+# below it, and below SGLang's own range for such ports (22000-29999, its nccl port).
+# Under DP attention SGLang also binds the port + 233 .. + 240 (ZMQ_TCP_PORT_DELTA).
+SERVER_PORTS = range(12000, 21000)
+DP_ATTENTION_PORT_OFFSETS = range(233, 241)
+
+
+def server_port() -> int:
+    """A port for a server under test: free now, with the ports SGLang derives from it."""
+    pick = random.SystemRandom()  # not the test-seeded module RNG: sessions run side by side
+    for port in pick.sample(SERVER_PORTS, 64):
+        if all(_bindable(port + offset) for offset in (0, *DP_ATTENTION_PORT_OFFSETS)):
+            return port
+    raise RuntimeError(f"no free port in {SERVER_PORTS} after 64 tries")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def sglang_python() -> Path:

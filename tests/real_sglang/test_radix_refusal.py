@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import free_port
 from tests.real_sglang.conftest import (
     CPU_FLAGS,
     LAUNCH,
     launch_env,
     new_dump_root,
     running,
+    server_port,
     wait_exit,
 )
 
@@ -30,7 +30,7 @@ def test_server_without_disable_radix_cache_is_refused(
     assert script.count(RADIX_FLAG) == 1
     launch = tmp_path / "launch-with-radix-cache.sh"
     launch.write_text(script.replace(RADIX_FLAG, ""))
-    env = launch_env(sglang_py, new_dump_root(), free_port())
+    env = launch_env(sglang_py, new_dump_root(), server_port())
     command = ["bash", str(launch), str(model_dir), *CPU_FLAGS]
     with running(command, env, tmp_path / "sglang.log") as server:
         code = wait_exit(server)

@@ -44,7 +44,7 @@ from hsx_async.layer_ids import draft_ids
 from hsx_async.protocol import BF16_STORAGE, META_NAME, check_response, generate_body, parse_meta
 from hsx_async.run.dump import wait_for_meta
 from hsx_async.server.reference.model import TINY_VOCAB, bf16_mismatch, reference_hidden_states
-from tests.e2e import config_raw, free_port, write_config
+from tests.e2e import config_raw, write_config
 from tests.real_sglang.conftest import (
     CPU_GAPS,
     Server,
@@ -52,6 +52,7 @@ from tests.real_sglang.conftest import (
     launch_env,
     new_dump_root,
     running,
+    server_port,
     wait_ready,
 )
 from tests.real_sglang.layer_probe import captured_by
@@ -204,7 +205,7 @@ def ds_run(
         "PYTHONPATH": str(CPU_GAPS),  # the stand-ins for SGLang's CPU-only gaps
         **dict(layout.env),
     }
-    env = launch_env(sglang_py, new_dump_root(), free_port(), **extra)
+    env = launch_env(sglang_py, new_dump_root(), server_port(), **extra)
     samples = sample_ids(seed=len(layout.name))
     lines = [orjson.dumps({"id": sid, "input_ids": ids}) for sid, ids in samples.items()]
     (tmp / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")

@@ -43,7 +43,7 @@ from hsx_async.protocol import (
 from hsx_async.quantize import assemble
 from hsx_async.run.dump import wait_for_meta
 from hsx_async.server.reference.model import TINY_HIDDEN, bf16_mismatch, reference_hidden_states
-from tests.e2e import config_raw, free_port, write_config
+from tests.e2e import config_raw, write_config
 from tests.real_sglang.conftest import (
     REPO,
     Server,
@@ -51,6 +51,7 @@ from tests.real_sglang.conftest import (
     launch_env,
     new_dump_root,
     running,
+    server_port,
     wait_ready,
 )
 from tests.real_sglang.traffic import (
@@ -122,7 +123,7 @@ def run(
     extra = {"HSX_TP_SIZE": str(tp), "HSX_CHUNKED_PREFILL_SIZE": str(CHUNK)}
     if tp == 2:
         extra["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank
-    env = launch_env(sglang_py, new_dump_root(), free_port(), **extra)
+    env = launch_env(sglang_py, new_dump_root(), server_port(), **extra)
     samples = sample_ids(seed=tp)
     lines = [orjson.dumps({"id": sid, "input_ids": ids}) for sid, ids in samples.items()]
     (tmp / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
