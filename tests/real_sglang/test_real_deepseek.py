@@ -68,8 +68,9 @@ from tests.real_sglang.tiny_deepseek import (
 )
 from tests.real_sglang.traffic import (
     Plain,
+    check_plain_answers,
+    final_norm,
     generate_plain,
-    greedy,
     hsx_command,
     run_hsx_beside_plain_traffic,
 )
@@ -353,41 +354,23 @@ def test_slots_are_their_layers_not_neighbours_nor_a_misplaced_norm(
     ids = ds_run.samples[sid]
     entry = next(e for e in read_manifest(ds_run.out) if canonical_id(e.id) == sid)
     got = load_file(ds_run.out / entry.path)["hidden_states"]
-    seen: dict[str, torch.Tensor] = {}
-    hook = deepseek_hf.model.norm.register_forward_hook(
-        lambda _m, args, out: seen.update(pre=args[0][0], post=out[0])
-    )
-    try:
-        with torch.inference_mode():
-            out = deepseek_hf.model(
-                input_ids=torch.tensor([ids]), use_cache=False, output_hidden_states=True
-            )
-    finally:
-        hook.remove()
-    with torch.inference_mode():
-        twice = deepseek_hf.model.norm(seen["post"][None])[0]
-    layers = [h[0] for h in out.hidden_states[:LAYERS]] + [seen["pre"]]
+    norm = final_norm(deepseek_hf, ids)
+    layers = [*norm.hidden_states[:LAYERS], norm.pre]  # entering layer k; the last: the norm's
     errors = {}
     for slot, k in enumerate(AUX_LAYERS):
         for wrong in (k - 1, k + 1):
             errors[f"slot {slot} vs layer {wrong}"] = relative_error(got[:, slot], layers[wrong])
     final = got[:, -1]
-    errors["final vs the norm's input"] = relative_error(final, seen["pre"])
-    errors["final vs the norm applied twice"] = relative_error(final, twice)
+    errors["final vs the norm's input"] = relative_error(final, norm.pre)
+    errors["final vs the norm applied twice"] = relative_error(final, norm.twice)
     medians = {name: float(e.median()) for name, e in errors.items()}
     print(f"{ds_run.layout.name}: {medians}")
     assert min(medians.values()) > MIN_WRONG_ERROR, medians
-    assert float(relative_error(final, seen["post"]).max()) <= MAX_RELATIVE_ERROR
+    assert float(relative_error(final, norm.post).max()) <= MAX_RELATIVE_ERROR
 
 
 def test_plain_requests_get_hugging_faces_greedy_answer(ds_run: DsRun, deepseek_hf: Any) -> None:
-    for p in ds_run.plain:
-        assert p.beside, "no plain request was answered during the run"
-        want = greedy(deepseek_hf, p.input_ids, PLAIN_NEW_TOKENS)
-        assert p.alone["output_ids"] == want
-        for answer in p.beside:
-            assert answer["output_ids"] == want, "a plain request's answer changed"
-            assert "hidden_states" not in answer["meta_info"]
+    check_plain_answers(ds_run.plain, deepseek_hf, PLAIN_NEW_TOKENS)
     assert ds_run.dump_root_after == [], "a plain request left a dump"
 
 

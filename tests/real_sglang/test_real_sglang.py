@@ -56,6 +56,8 @@ from tests.real_sglang.conftest import (
 )
 from tests.real_sglang.traffic import (
     Plain,
+    check_plain_answers,
+    final_norm,
     generate_plain,
     greedy,
     hsx_command,
@@ -207,19 +209,10 @@ def test_final_slot_is_the_output_of_model_norm(run: Run, hf_model: Any) -> None
     ids = run.samples[longest]
     entry = next(e for e in read_manifest(run.out) if canonical_id(e.id) == longest)
     final = load_file(run.out / entry.path)["hidden_states"][:, -1]
-    seen: dict[str, torch.Tensor] = {}
-    hook = hf_model.model.norm.register_forward_hook(
-        lambda _m, args, out: seen.update(pre=args[0][0], post=out[0])
-    )
-    try:
-        with torch.inference_mode():
-            hf_model.model(input_ids=torch.tensor([ids]), use_cache=False)
-    finally:
-        hook.remove()
-    twice = hf_model.model.norm(seen["post"][None])[0]
-    assert bf16_mismatch(final, seen["post"].to(torch.bfloat16)) is None
-    assert bf16_mismatch(final, seen["pre"].to(torch.bfloat16)) is not None
-    assert bf16_mismatch(final, twice.to(torch.bfloat16)) is not None
+    norm = final_norm(hf_model, ids)
+    assert bf16_mismatch(final, norm.post.to(torch.bfloat16)) is None
+    assert bf16_mismatch(final, norm.pre.to(torch.bfloat16)) is not None
+    assert bf16_mismatch(final, norm.twice.to(torch.bfloat16)) is not None
 
 
 REGEN_CONVERSATIONS = 3
@@ -243,14 +236,7 @@ def run_regenerate(server: Server, tmp: Path, model_dir: Path) -> Any:
 
 
 def test_plain_requests_are_served_as_usual_and_dump_nothing(run: Run, hf_model: Any) -> None:
-    for p in run.plain:
-        assert p.beside, "no plain request was answered during the run"
-        want = greedy(hf_model, p.input_ids, PLAIN_NEW_TOKENS)
-        assert p.alone["output_ids"] == want
-        for answer in p.beside:
-            assert answer["output_ids"] == want, "a plain request's answer changed"
-            assert "hidden_states" not in answer["meta_info"]
-            assert answer["meta_info"]["prompt_tokens"] == len(p.input_ids)
+    check_plain_answers(run.plain, hf_model, PLAIN_NEW_TOKENS)
     # hsx removed each of its dumps once written; a plain request would have left one.
     assert run.dump_root_after == []
     assert "hsx: no dump for rid" not in run.server.log_text()

@@ -1,7 +1,8 @@
-"""What the real-SGLang tier sends a server: ``hsx run`` (the dev environment's ``hsx``, in
-a subprocess, bounded in time) while plain requests keep arriving, so that marked and
-ordinary requests share prefill batches; and the Hugging Face greedy decode those plain
-requests must equal."""
+"""What the real-SGLang tier sends a server and what it must get back: ``hsx run`` (the
+dev environment's ``hsx``, in a subprocess, bounded in time) while plain requests keep
+arriving, so that marked and ordinary requests share prefill batches; the Hugging Face
+greedy decode those plain requests must equal; and the Hugging Face final norm's input and
+output that the dumps' final slot is told apart by."""
 
 from __future__ import annotations
 
@@ -81,6 +82,49 @@ def run_hsx_beside_plain_traffic(
                 proc.wait()
         sent.result(timeout=120)
     return subprocess.CompletedProcess(proc.args, proc.returncode, output, None)
+
+
+def check_plain_answers(plain: list[Plain], hf_model: Any, new_tokens: int) -> None:
+    """Each plain request got Hugging Face's greedy answer, alone and during the run, with
+    no hidden states and its own prompt length."""
+    for p in plain:
+        assert p.beside, "no plain request was answered during the run"
+        want = greedy(hf_model, p.input_ids, new_tokens)
+        assert p.alone["output_ids"] == want
+        for answer in p.beside:
+            assert answer["output_ids"] == want, "a plain request's answer changed"
+            assert "hidden_states" not in answer["meta_info"]
+            assert answer["meta_info"]["prompt_tokens"] == len(p.input_ids)
+
+
+@dataclass(frozen=True)
+class FinalNorm:
+    """One forward of a prompt: what enters ``model.norm``, what leaves it (the final
+    slot), and the norm applied twice (what a post-norm state normed again gives), each
+    ``[T, H]`` float32; and every ``hidden_states[k]``."""
+
+    pre: torch.Tensor
+    post: torch.Tensor
+    twice: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...]
+
+
+def final_norm(hf_model: Any, ids: list[int]) -> FinalNorm:
+    seen: dict[str, torch.Tensor] = {}
+    hook = hf_model.model.norm.register_forward_hook(
+        lambda _m, args, out: seen.update(pre=args[0][0], post=out[0])
+    )
+    try:
+        with torch.inference_mode():
+            out = hf_model.model(
+                input_ids=torch.tensor([ids]), use_cache=False, output_hidden_states=True
+            )
+    finally:
+        hook.remove()
+    with torch.inference_mode():
+        twice = hf_model.model.norm(seen["post"][None])[0]
+    hidden = tuple(h[0] for h in out.hidden_states)
+    return FinalNorm(seen["pre"], seen["post"], twice, hidden)
 
 
 def greedy(hf_model: Any, ids: list[int], steps: int) -> list[int]:
