@@ -383,9 +383,10 @@ def test_each_dp_leader_writes_its_own_requests(ds_run: DsRun) -> None:
         pytest.skip("TP 2: the writing rank is checked by test_server_runs_the_layout")
     pattern = RANK + r"hsx: committed (\S+)"
     commits = [(rank_of(m), m[3]) for m in re.finditer(pattern, ds_run.server.log_text())]
-    # hsx run's rids are <nonce>-<line>-<attempt>; hsx check's and the probe's are not.
-    lines = [(rank, int(rid.split("-")[-2])) for rank, rid in commits
-             if not rid.startswith(("check-", "tiling-"))]  # fmt: skip
+    # A sample's rid is <nonce>-<line>-<attempt>; hsx check's, hsx run's admission probe's
+    # (<nonce>-probe-<n>) and the tiling probe's are not samples.
+    sample_rid = re.compile(r"[0-9a-f]+-(\d+)-\d+")
+    lines = [(rank, int(m[1])) for rank, rid in commits if (m := sample_rid.fullmatch(rid))]
     assert sorted(line for _, line in lines) == list(range(len(ds_run.samples)))
     by_rank = {rank: sum(1 for r, _ in lines if r == rank) for rank, _ in lines}
     assert set(by_rank) == {"DP0 TP0", "DP1 TP1"}, by_rank
