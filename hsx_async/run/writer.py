@@ -22,10 +22,11 @@ cost bench/README.md ("FP8") measures.
 Copy methods:
 
 - ``direct``: the file's bytes — header and ``input_ids``, the parts, ``loss_mask`` — pass
-  in order through a page-aligned buffer of ``CHUNK`` bytes, the parts read into it
+  in order through two page-aligned buffers of ``CHUNK`` bytes, the parts read into one
   (``preadv``) ``SUB`` bytes at a time, each piece hashed while it is still in the CPU
-  cache, and each full buffer is written with ``O_DIRECT`` at a ``CHUNK`` boundary of the
-  file: one memory copy, no page-cache pollution, the device sees whole aligned writes.
+  cache, while the other, full, is written with ``O_DIRECT`` at a ``CHUNK`` boundary of
+  the file by a flusher thread: one memory copy, no page-cache pollution, the device sees
+  whole aligned writes, and one stream keeps it busy while the next chunk is read.
   Needs every part to start on a 4 KiB boundary in the file, which holds when L × H × 2 is
   a multiple of 4096 (any real model); the layout pads the header so ``hidden_states``
   starts aligned.
@@ -76,6 +77,7 @@ if TYPE_CHECKING:
 CHUNK = 8 << 20  # bytes per O_DIRECT write: large enough to keep the device streaming
 SUB = 256 << 10  # bytes read then hashed at once: still in the L2 cache when hashed
 Hasher = xxhash.xxh3_64
+Flusher = futures.Executor
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
@@ -149,10 +151,14 @@ class FileWriter:
         self._lock = threading.Lock()
         # Threads syncing the directories of one publish side by side (started on first use).
         self._dir_sync_pool = futures.ThreadPoolExecutor(16, thread_name_prefix="hsx-dirsync")
+        # The O_DIRECT writes of the copies, one in flight per copy at a time (a thread is
+        # started per copy running at once, on first use).
+        self._flusher = futures.ThreadPoolExecutor(16, thread_name_prefix="hsx-flush")
 
     def close(self) -> None:
         """Stop the writer's threads (once no stage or publish runs)."""
         self._dir_sync_pool.shutdown(wait=True)
+        self._flusher.shutdown(wait=True)
 
     def stage(self, job: WriteJob) -> Staged:
         """Copy, hash and fsync the sample into a temp file next to its final name.
@@ -260,7 +266,7 @@ class FileWriter:
             fd = os.open(tmp, _NEW_FILE, 0o644)
         try:
             if self.direct:
-                _write_direct(fd, job, hasher)
+                _write_direct(fd, job, hasher, self._flusher)
             else:
                 _write_buffered(fd, job, hasher)
             size = os.fstat(fd).st_size
@@ -377,11 +383,22 @@ class _AlignedFile:
     in a plain copy of the parts. (Written after the header and ``input_ids``, the hidden
     states were shifted off those boundaries; on the virtio disk here that cost 5–7% of a
     raw copy's rate: bench/README.md.) XXH3 runs over the same bytes, in the same order,
-    from the buffer: what is hashed is what is written, even if the part changes."""
+    from the buffer: what is hashed is what is written, even if the part changes.
 
-    def __init__(self, fd: int, whole: memoryview, hasher: Hasher) -> None:
-        self.fd, self.whole, self.hasher = fd, whole, hasher
+    Two buffers: a full one goes to the flusher thread to be written while the other is
+    filled, so reading and hashing a chunk overlaps the device's write of the one before
+    (a lone stream — one large sample, the end of a run — was idle ~30% of its time).
+    Writes stay in file order, one in flight at a time; a buffer is reused only once its
+    write returned. Call :meth:`finish` to complete the file, :meth:`settle` always."""
+
+    def __init__(
+        self, fd: int, buffers: tuple[memoryview, memoryview], hasher: Hasher, flusher: Flusher
+    ) -> None:
+        self.fd, self.buffers, self.hasher, self.flusher = fd, buffers, hasher, flusher
+        self.current = 0
+        self.whole = buffers[0]
         self.fill = 0  # bytes in the buffer, not yet written
+        self.pending: futures.Future[None] | None = None  # the other buffer's write
 
     def put(self, data: bytes | memoryview) -> None:
         """Small pieces (the header and ids, the loss mask) go through the buffer."""
@@ -409,22 +426,51 @@ class _AlignedFile:
 
     def finish(self, total: int) -> None:
         """The last, partial block: O_DIRECT writes whole blocks, so it is written
-        zero-padded and the file cut back to ``total``."""
+        zero-padded and the file cut back to ``total``; returns once every write did."""
         filled = self.fill
-        if not filled:
-            return
         padded = -(-filled // ALIGN) * ALIGN
-        self.whole[filled:padded] = bytes(padded - filled)
-        self.fill = padded
-        self._write_buffer()
+        if filled:
+            self.whole[filled:padded] = bytes(padded - filled)
+            self.fill = padded
+            self._write_buffer()
+        self._wait()
         if padded != filled:
             os.ftruncate(self.fd, total)
 
+    def settle(self) -> None:
+        """Wait for a write still in flight (its error dropped: called when another one
+        is on its way up), so that neither the file nor the buffer goes while it runs."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            futures.wait([pending])
+
+    def _wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()  # the write's own error (ENOSPC, EIO) surfaces here
+
     def _write_buffer(self) -> None:
+        """Hand the full buffer to the flusher, and go on in the other one once the write
+        before (which used it) returned."""
         if self.fill:
-            with self.whole[: self.fill] as block:
-                _write_all(self.fd, block)
+            block = self.whole[: self.fill]
+            try:
+                self._wait()
+                self.pending = self.flusher.submit(_write_block, self.fd, block)
+            except BaseException:
+                block.release()
+                raise
+            self.current ^= 1
+            self.whole = self.buffers[self.current]
         self.fill = 0
+
+
+def _write_block(fd: int, block: memoryview) -> None:
+    """A flusher's job: one buffer's bytes, then its view released (see _write_all)."""
+    try:
+        _write_all(fd, block)
+    finally:
+        block.release()
 
 
 @dataclass(frozen=True, slots=True)
@@ -564,25 +610,32 @@ def _read_exact(part_fd: int, name: str, view: memoryview, offset: int) -> None:
         done += got
 
 
-def _write_direct(fd: int, job: WriteJob, hasher: Hasher) -> None:
-    with memoryview(_buffers.get(CHUNK)) as whole:
-        out = _AlignedFile(fd, whole, hasher)
-        out.put(_head(job))  # a multiple of ALIGN long, by construction of the layout
-        if _transcoded(job):
-            for data in _encoded(job):
-                out.put(data)
-        else:
-            for piece in _pieces(job):
-                part_fd = _open_part(piece.path, piece.part_bytes)
-                try:
-                    if piece.check is None:
-                        out.copy_part(part_fd, piece.path.name, piece.offset, piece.length)
-                    else:
-                        _copy_checked(part_fd, piece, out.put)
-                finally:
-                    os.close(part_fd)
-        out.put(_tail(job))
-        out.finish(job.layout.total_bytes)
+def _write_direct(fd: int, job: WriteJob, hasher: Hasher, flusher: Flusher) -> None:
+    with (
+        memoryview(_buffers.get(2 * CHUNK)) as both,
+        both[:CHUNK] as first,
+        both[CHUNK : 2 * CHUNK] as second,
+    ):
+        out = _AlignedFile(fd, (first, second), hasher, flusher)
+        try:
+            out.put(_head(job))  # a multiple of ALIGN long, by construction of the layout
+            if _transcoded(job):
+                for data in _encoded(job):
+                    out.put(data)
+            else:
+                for piece in _pieces(job):
+                    part_fd = _open_part(piece.path, piece.part_bytes)
+                    try:
+                        if piece.check is None:
+                            out.copy_part(part_fd, piece.path.name, piece.offset, piece.length)
+                        else:
+                            _copy_checked(part_fd, piece, out.put)
+                    finally:
+                        os.close(part_fd)
+            out.put(_tail(job))
+            out.finish(job.layout.total_bytes)
+        finally:
+            out.settle()
 
 
 def _send_piece(fd: int, piece: _Piece, hasher: Hasher) -> None:

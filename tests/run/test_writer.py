@@ -245,6 +245,36 @@ def test_direct_writes_whole_chunks_at_chunk_boundaries(
     assert last_at == 2 * chunk and last_size % 4096 == 0
 
 
+def test_direct_reads_the_next_chunk_while_the_last_one_is_written(
+    shm_root: Path, out: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One stream keeps the device busy: the O_DIRECT write of a chunk runs in a flusher
+    thread while the copy thread reads and hashes the next one (here the first write
+    waits until a read of the next chunk happened; a write in the copy thread would wait
+    for ever). Writes stay in order, and the file and its hash are the plain copy's."""
+    _direct_or_skip("auto", out)
+    case = make_case(shm_root, ALIGNED, parts=BIG_PARTS)
+    chunk = writer_module.CHUNK
+    next_chunk_read = threading.Event()
+    overlapped: list[bool] = []
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        if offset >= chunk:  # the part's bytes past the file's first chunk
+            next_chunk_read.set()
+        return os.preadv(fd, buffers, offset)
+
+    def write(fd: int, data: Any) -> int:
+        if not overlapped:
+            overlapped.append(next_chunk_read.wait(10))
+        return os.write(fd, data)
+
+    patch_os(monkeypatch, write=write, preadv=preadv)
+    fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row)
+    check_written(out, case, write_one(fw, case.job))
+    fw.close()
+    assert overlapped == [True]
+
+
 def test_direct_needs_an_aligned_row(out: Path) -> None:
     with pytest.raises(WriteError, match="multiple of 4096; use 'auto' or 'sendfile'"):
         FileWriter(out, method="direct", fsync=True, row_bytes=UNALIGNED.row)
