@@ -503,36 +503,24 @@ def _pieces(job: WriteJob) -> list[_Piece]:
     return pieces
 
 
-class _Scratch(threading.local):
-    """A small buffer per copy thread for the pieces that are checked on their way."""
-
-    buf: bytearray | None = None
-
-    def get(self) -> bytearray:
-        if self.buf is None or len(self.buf) < SUB:
-            self.buf = bytearray(SUB)
-        return self.buf
-
-
-_scratch = _Scratch()
-
-
-def _copy_checked(part_fd: int, piece: _Piece, emit: Callable[[memoryview], None]) -> None:
+def _copy_checked(
+    part_fd: int, piece: _Piece, scratch: memoryview, emit: Callable[[memoryview], None]
+) -> None:
     """A piece whose bytes must pass a check (the FP8 scales: a tiny share of the bytes),
-    read a block at a time into private memory, checked there and only then handed to
-    ``emit`` (hashed and written): what is checked is what is written, whatever the server
-    does to the part meanwhile. A block is a multiple of 4 bytes: whole float32 values."""
+    read a block at a time into ``scratch`` (the copy's own memory, SUB bytes), checked
+    there and only then handed to ``emit`` (hashed and written): what is checked is what is
+    written, whatever the server does to the part meanwhile. A block is a multiple of 4
+    bytes: whole float32 values."""
     assert piece.check is not None
-    with memoryview(_scratch.get()) as scratch:
-        pos, end = piece.offset, piece.offset + piece.length
-        while pos < end:
-            with scratch[: min(SUB, end - pos)] as block:
-                _read_exact(part_fd, piece.path.name, block, pos)
-                problem = piece.check(block)
-                if problem is not None:
-                    raise DumpError(f"{piece.path.name}: {problem}")
-                emit(block)
-                pos += block.nbytes
+    pos, end = piece.offset, piece.offset + piece.length
+    while pos < end:
+        with scratch[: min(SUB, end - pos)] as block:
+            _read_exact(part_fd, piece.path.name, block, pos)
+            problem = piece.check(block)
+            if problem is not None:
+                raise DumpError(f"{piece.path.name}: {problem}")
+            emit(block)
+            pos += block.nbytes
 
 
 def _transcoded(job: WriteJob) -> bool:
@@ -611,10 +599,12 @@ def _read_exact(part_fd: int, name: str, view: memoryview, offset: int) -> None:
 
 
 def _write_direct(fd: int, job: WriteJob, hasher: Hasher, flusher: Flusher) -> None:
+    # The thread's buffer: two CHUNKs to write from, and SUB bytes for checked pieces.
     with (
-        memoryview(_buffers.get(2 * CHUNK)) as both,
-        both[:CHUNK] as first,
-        both[CHUNK : 2 * CHUNK] as second,
+        memoryview(_buffers.get(2 * CHUNK + SUB)) as whole,
+        whole[:CHUNK] as first,
+        whole[CHUNK : 2 * CHUNK] as second,
+        whole[2 * CHUNK : 2 * CHUNK + SUB] as scratch,
     ):
         out = _AlignedFile(fd, (first, second), hasher, flusher)
         try:
@@ -629,7 +619,7 @@ def _write_direct(fd: int, job: WriteJob, hasher: Hasher, flusher: Flusher) -> N
                         if piece.check is None:
                             out.copy_part(part_fd, piece.path.name, piece.offset, piece.length)
                         else:
-                            _copy_checked(part_fd, piece, out.put)
+                            _copy_checked(part_fd, piece, scratch, out.put)
                     finally:
                         os.close(part_fd)
             out.put(_tail(job))
@@ -649,7 +639,8 @@ def _send_piece(fd: int, piece: _Piece, hasher: Hasher) -> None:
                 _write_all(fd, block)
                 hasher.update(block)
 
-            _copy_checked(part_fd, piece, emit)
+            with memoryview(_buffers.get(SUB)) as whole, whole[:SUB] as scratch:
+                _copy_checked(part_fd, piece, scratch, emit)
             return
         offset, end = piece.offset, piece.offset + piece.length
         while offset < end:
