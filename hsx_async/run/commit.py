@@ -195,6 +195,7 @@ class Writers:
             method=config.writer.method,
             fsync=config.writer.fsync,
             row_bytes=config.model.row_bytes,
+            copies=config.writer.threads,
         )
         self.committer = Committer(
             manifest, quarantine, executor, self.file_writer.publish, config.writer.fsync

@@ -100,42 +100,61 @@ class Staged:
     new_dirs: tuple[Path, ...]  # directories whose name publish must make durable first
 
 
-class _AlignedBuffers(threading.local):
-    """One page-aligned scratch buffer per I/O thread, grown rarely, never freed:
-    allocating large buffers on the hot path stalled the process (PERF-NOTES).
+class _BufferPool:
+    """The copies' page-aligned buffers (each: two CHUNKs to write from, SUB bytes for
+    checked pieces), made and touched when the writer starts, reused by every copy,
+    never freed while it runs: allocating large buffers on the hot path stalled the
+    process, and the first touch of fresh memory costs ~2.3 CPU-s/GB on this VM
+    (PERF-NOTES) — 16 MiB a copy, at the start of every run.
 
     Private memory backed by transparent huge pages where the kernel allows it (the
     ``madvise`` mode is the common default): an O_DIRECT write from 2 MiB pages pins 4
     pages per CHUNK instead of 2,048 and hands the device a few large segments. Measured
     here: ~25% less CPU per GB and twice the throughput on the virtio disk."""
 
-    buf: mmap.mmap | None = None
+    def __init__(self, count: int) -> None:
+        self._lock = threading.Lock()
+        self._free = [_huge_page_buffer(2 * CHUNK + SUB) for _ in range(count)]
 
-    def get(self, size: int) -> mmap.mmap:
-        size = max(-(-size // ALIGN) * ALIGN, CHUNK)
-        if self.buf is None or len(self.buf) < size:
-            if self.buf is not None:
-                self.buf.close()
-            self.buf = _huge_page_buffer(size)
-        return self.buf
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[mmap.mmap]:
+        """A buffer for one copy (a new one if more copies run than were planned for)."""
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None:
+            buf = _huge_page_buffer(2 * CHUNK + SUB)
+        try:
+            yield buf
+        finally:
+            with self._lock:
+                self._free.append(buf)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
 
 
 def _huge_page_buffer(size: int) -> mmap.mmap:
+    """``size`` bytes (rounded up to ALIGN) of private memory, each page touched now."""
+    size = -(-size // ALIGN) * ALIGN
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
         with contextlib.suppress(OSError):  # THP disabled: small pages work as well
             buf.madvise(advice)
+    for offset in range(0, size, mmap.PAGESIZE):
+        buf[offset] = 0
     return buf
-
-
-_buffers = _AlignedBuffers()
 
 
 class FileWriter:
     """Writes sample files under ``out_dir``; thread-safe, one instance per run."""
 
-    def __init__(self, out_dir: Path, *, method: str, fsync: bool, row_bytes: int) -> None:
+    def __init__(
+        self, out_dir: Path, *, method: str, fsync: bool, row_bytes: int, copies: int = 1
+    ) -> None:
+        """``copies``: how many :meth:`stage` calls run at once (the writer threads);
+        their buffers are made here, before the run."""
         self.out_dir = out_dir
         self.fsync = fsync
         self.direct = method == "direct" or (method == "auto" and row_bytes % ALIGN == 0)
@@ -154,11 +173,14 @@ class FileWriter:
         # The O_DIRECT writes of the copies, one in flight per copy at a time (a thread is
         # started per copy running at once, on first use).
         self._flusher = futures.ThreadPoolExecutor(16, thread_name_prefix="hsx-flush")
+        self._buffers = _BufferPool(copies)
 
     def close(self) -> None:
-        """Stop the writer's threads (once no stage or publish runs)."""
+        """Stop the writer's threads and free its buffers (once no stage or publish
+        runs)."""
         self._dir_sync_pool.shutdown(wait=True)
         self._flusher.shutdown(wait=True)
+        self._buffers.clear()
 
     def stage(self, job: WriteJob) -> Staged:
         """Copy, hash and fsync the sample into a temp file next to its final name.
@@ -265,10 +287,11 @@ class FileWriter:
         if not self.direct:
             fd = os.open(tmp, _NEW_FILE, 0o644)
         try:
-            if self.direct:
-                _write_direct(fd, job, hasher, self._flusher)
-            else:
-                _write_buffered(fd, job, hasher)
+            with self._buffers.lease() as buf, memoryview(buf) as whole:
+                if self.direct:
+                    _write_direct(fd, job, hasher, self._flusher, whole)
+                else:
+                    _write_buffered(fd, job, hasher, whole[:SUB])
             size = os.fstat(fd).st_size
             if size != job.layout.total_bytes:
                 raise WriteError(f"{tmp}: wrote {size} bytes, expected {job.layout.total_bytes}")
@@ -368,13 +391,6 @@ def _read_hashed(part_fd: int, name: str, view: memoryview, offset: int, hasher:
             with piece[:got] as filled:
                 hasher.update(filled)
         done += got
-
-
-def _hash_part(part_fd: int, name: str, start: int, length: int, hasher: Hasher) -> None:
-    with memoryview(_buffers.get(SUB)) as whole:
-        for offset in range(start, start + length, SUB):
-            with whole[: min(SUB, start + length - offset)] as view:
-                _read_hashed(part_fd, name, view, offset, hasher)
 
 
 class _AlignedFile:
@@ -598,10 +614,11 @@ def _read_exact(part_fd: int, name: str, view: memoryview, offset: int) -> None:
         done += got
 
 
-def _write_direct(fd: int, job: WriteJob, hasher: Hasher, flusher: Flusher) -> None:
-    # The thread's buffer: two CHUNKs to write from, and SUB bytes for checked pieces.
+def _write_direct(
+    fd: int, job: WriteJob, hasher: Hasher, flusher: Flusher, whole: memoryview
+) -> None:
+    # The copy's buffer: two CHUNKs to write from, and SUB bytes for checked pieces.
     with (
-        memoryview(_buffers.get(2 * CHUNK + SUB)) as whole,
         whole[:CHUNK] as first,
         whole[CHUNK : 2 * CHUNK] as second,
         whole[2 * CHUNK : 2 * CHUNK + SUB] as scratch,
@@ -628,9 +645,17 @@ def _write_direct(fd: int, job: WriteJob, hasher: Hasher, flusher: Flusher) -> N
             out.settle()
 
 
-def _send_piece(fd: int, piece: _Piece, hasher: Hasher) -> None:
-    """A piece of a part through the kernel (``sendfile``), then hashed from the tmpfs; a
-    piece to check goes through private memory instead (:func:`_copy_checked`)."""
+def _hash_piece(part_fd: int, piece: _Piece, hasher: Hasher, scratch: memoryview) -> None:
+    end = piece.offset + piece.length
+    for offset in range(piece.offset, end, SUB):
+        with scratch[: min(SUB, end - offset)] as view:
+            _read_hashed(part_fd, piece.path.name, view, offset, hasher)
+
+
+def _send_piece(fd: int, piece: _Piece, hasher: Hasher, scratch: memoryview) -> None:
+    """A piece of a part through the kernel (``sendfile``), then hashed from the tmpfs
+    through ``scratch``; a piece to check goes through ``scratch`` instead
+    (:func:`_copy_checked`)."""
     part_fd = _open_part(piece.path, piece.part_bytes)
     try:
         if piece.check is not None:
@@ -639,8 +664,7 @@ def _send_piece(fd: int, piece: _Piece, hasher: Hasher) -> None:
                 _write_all(fd, block)
                 hasher.update(block)
 
-            with memoryview(_buffers.get(SUB)) as whole, whole[:SUB] as scratch:
-                _copy_checked(part_fd, piece, scratch, emit)
+            _copy_checked(part_fd, piece, scratch, emit)
             return
         offset, end = piece.offset, piece.offset + piece.length
         while offset < end:
@@ -649,12 +673,12 @@ def _send_piece(fd: int, piece: _Piece, hasher: Hasher) -> None:
                 raise DumpError(f"{piece.path.name} shrank while it was copied")
             offset += sent
         # Hash from the tmpfs copy: RAM-speed, and no read back from the disk.
-        _hash_part(part_fd, piece.path.name, piece.offset, piece.length, hasher)
+        _hash_piece(part_fd, piece, hasher, scratch)
     finally:
         os.close(part_fd)
 
 
-def _write_buffered(fd: int, job: WriteJob, hasher: Hasher) -> None:
+def _write_buffered(fd: int, job: WriteJob, hasher: Hasher, scratch: memoryview) -> None:
     head = _head(job)
     _write_all(fd, head)
     hasher.update(head)
@@ -664,7 +688,7 @@ def _write_buffered(fd: int, job: WriteJob, hasher: Hasher) -> None:
             hasher.update(data)
     else:
         for piece in _pieces(job):
-            _send_piece(fd, piece, hasher)
+            _send_piece(fd, piece, hasher, scratch)
     tail = _tail(job)
     _write_all(fd, tail)
     hasher.update(tail)
