@@ -204,10 +204,10 @@ class SampleReader:
             return TOO_LONG
         return raw.rstrip(b"\r\n") if raw.endswith(b"\n") else raw
 
-    def _batch(self, fh: IO[bytes], start: int) -> list[Item]:
+    def _batch(self, fh: IO[bytes], start: int, lines: int = _BATCH_LINES) -> list[Item]:
         items: list[Item] = []
         size, line = 0, start
-        while len(items) < _BATCH_LINES and size < _BATCH_BYTES:
+        while len(items) < lines and size < _BATCH_BYTES:
             raw = self._read_line(fh)
             if raw is None:
                 break
@@ -234,9 +234,12 @@ class SampleReader:
     async def items(self) -> AsyncIterator[Item]:
         fh = await asyncio.to_thread(self._open)
         try:
-            line = 0
-            while batch := await asyncio.to_thread(self._batch, fh, line):
+            # The first batches are small, so the first samples reach the workers after
+            # one line's parse, not 512 lines' (the start of every run waited for it).
+            line, lines = 0, 1
+            while batch := await asyncio.to_thread(self._batch, fh, line, lines):
                 line += len(batch)
+                lines = min(2 * lines, _BATCH_LINES)
                 for item in batch:
                     yield item
         finally:

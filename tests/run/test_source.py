@@ -357,6 +357,29 @@ async def test_async_items_equal_iter_sync_across_batches(tmp_path: Path) -> Non
     assert sum(isinstance(i, BadLine) for i in got) == 260
 
 
+async def test_the_first_sample_comes_after_one_lines_parse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first batches grow from one line: a run's first request need not wait for 512
+    lines (up to 4 MiB of JSON) to be parsed."""
+    from hsx_async.run import source as source_module
+
+    path = _write(tmp_path / "in.jsonl", [_line(input_ids=[i + 1]) for i in range(600)])
+    parsed: list[int] = []
+    real = source_module.parse_line
+
+    def counted(raw: bytes, line: int, max_tokens: int) -> Item:
+        parsed.append(line)
+        return real(raw, line, max_tokens)
+
+    monkeypatch.setattr(source_module, "parse_line", counted)
+    items = SampleReader(path, 8).items()
+    first = await anext(items)
+    assert _good(first).line == 0 and parsed == [0]
+    rest = [item async for item in items]
+    assert [i.line for i in rest] == list(range(1, 600))
+
+
 @pytest.mark.parametrize("newline", [b"\n", b"\r\n"])
 @pytest.mark.parametrize("final", [True, False])
 def test_line_endings_and_last_line_without_newline(
