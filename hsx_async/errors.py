@@ -8,7 +8,8 @@
     ├── DumpError              one attempt's dump or response breaks PROTOCOL §2–3 (retried)
     │   ├── ResponseError      the response breaks PROTOCOL §2 (ids, token counts)
     │   │   ├── CacheHitError  the response reports a prefix-cache hit (rows skipped)
-    │   │   └── HookMissingError  served without the hsx hook/connector taking it
+    │   │   ├── HookMissingError  served without the hsx hook/connector taking it
+    │   │   └── AnswerError    a regenerate answer the request cannot have had (ids)
     │   ├── DumpMissingError   no meta.json appeared after the response
     │   └── IdentityError      the server is not the job's (shape, model, final state, ...)
     ├── RequestError           one attempt's HTTP call failed (retried)
@@ -62,6 +63,12 @@ class CacheHitError(ResponseError):
 class HookMissingError(ResponseError):
     """The server answered a marked request without the hsx hook or connector taking it
     (vLLM without ``--kv-transfer-config``): a server fault, never the sample's."""
+
+
+class AnswerError(ResponseError):
+    """A decode answer (``hsx regenerate``) breaks its request: not the engine's answer
+    form, a token id outside the tokenizer's vocabulary, more ids than ``max_new_tokens``.
+    The server's fault: the answer is never written."""
 
 
 class DumpMissingError(DumpError):
@@ -125,3 +132,13 @@ class DiskFullError(WriteError):
 
 class ForcedExit(HsxError):
     """A second SIGTERM/SIGINT: leave now. The dataset stays resumable."""
+
+
+def first_error(group: BaseExceptionGroup[HsxError]) -> HsxError:
+    """The first error of a task group's exception group: the one the operator must act
+    on (what ``hsx run`` and ``hsx regenerate`` raise when their group fails)."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    assert isinstance(exc, HsxError)
+    return exc

@@ -11,7 +11,8 @@ import pytest
 
 from hsx_async.config import config_from_dict
 from hsx_async.engines import ENGINES, Decoded, Decoding, check_vllm_response, vllm_body
-from hsx_async.errors import ConfigError, DumpError, RequestError
+from hsx_async.errors import AnswerError, ConfigError, DumpError
+from hsx_async.run.faults import fault_of
 
 
 def reply(**over: Any) -> dict[str, Any]:
@@ -144,6 +145,6 @@ def test_decode_answers_are_parsed_per_engine() -> None:
     ],
 )
 def test_a_malformed_decode_answer_is_the_servers_fault(name: str, body: Any, match: str) -> None:
-    with pytest.raises(RequestError, match=match) as info:
+    with pytest.raises(AnswerError, match=match):
         ENGINES[name].parse_decode(body, "r", 3)  # type: ignore[index]
-    assert info.value.server_fault
+    assert fault_of(AnswerError("x")).cause == "server"

@@ -20,4 +20,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--out", type=Path, required=True, help="regenerated conversations JSONL")
     p.add_argument("--tokenizer", type=Path, default=None, help="default: regenerate.tokenizer")
     p.add_argument("--chat-template", type=Path, default=None, help="a Jinja template file")
+    p.add_argument(
+        "--json", action="store_true", help="print the summary as one JSON object instead"
+    )
     p.set_defaults(handler="hsx_async.prepare.regenerate:regenerate_command")

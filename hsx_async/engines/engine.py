@@ -4,7 +4,7 @@ Two requests cross the wire. The *prefill* (``hsx run``): one marked prompt whos
 states the engine's hsx hook dumps (PROTOCOL §2); its response is checked, the rows are in
 the dump. The *decode* (``hsx regenerate``): an ordinary sampled completion of token ids,
 no dump; the answer's wire form is parsed here, its values are checked by the caller
-against the tokenizer and the request (:mod:`hsx_async.prepare.answer`).
+against the tokenizer and the request (:mod:`hsx_async.prepare.regenerate.answer`).
 
 Pure: no sockets.
 """
@@ -55,7 +55,7 @@ class Engine:
     # Where a prefix-cache hit would be reported, and the flag that prevents it.
     no_cache_flag: str
     # hsx regenerate: a sampled completion of (rid, prompt ids, decoding), and its answer
-    # (body, rid, prompt length) → Decoded, or RequestError naming what is wrong.
+    # (body, rid, prompt length) → Decoded, or AnswerError naming what is wrong.
     decode_path: str
     decode_body: Callable[[str, Sequence[int], Decoding], dict[str, Any]]
     parse_decode: Callable[[object, str, int], Decoded]

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hsx_async.engines.engine import Decoded, Decoding, Engine, is_count
-from hsx_async.errors import RequestError
+from hsx_async.errors import AnswerError
 from hsx_async.protocol import check_response, generate_body
 
 
@@ -42,8 +42,8 @@ def decode_body(rid: str, input_ids: Sequence[int], decoding: Decoding) -> dict[
 def parse_decode(body: object, rid: str, prompt_tokens: int) -> Decoded:
     """``output_ids`` and the finish reason of SGLang's answer to :func:`decode_body`."""
 
-    def bad(why: str) -> RequestError:
-        return RequestError(f"answer to {rid}: {why}")
+    def bad(why: str) -> AnswerError:
+        return AnswerError(f"answer to {rid}: {why}")
 
     meta = body.get("meta_info") if isinstance(body, Mapping) else None
     if not isinstance(body, Mapping) or not isinstance(meta, Mapping):

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hsx_async.engines.engine import Decoded, Decoding, Engine, is_count
-from hsx_async.errors import CacheHitError, DumpError, HookMissingError, RequestError
+from hsx_async.errors import AnswerError, CacheHitError, DumpError, HookMissingError
 from hsx_async.protocol import BF16_STORAGE, CUSTOM_PARAM_NS, Storage, storage_params
 
 VLLM_PARAM_RID = "hsx_rid"
@@ -92,8 +92,8 @@ def parse_decode(body: object, rid: str, prompt_tokens: int) -> Decoded:
     """``choices[0].token_ids`` and its finish reason, of vLLM's answer to
     :func:`decode_body`."""
 
-    def bad(why: str) -> RequestError:
-        return RequestError(f"answer to {rid}: {why}")
+    def bad(why: str) -> AnswerError:
+        return AnswerError(f"answer to {rid}: {why}")
 
     choices = body.get("choices") if isinstance(body, Mapping) else None
     if not isinstance(body, Mapping) or not isinstance(choices, list) or len(choices) != 1:

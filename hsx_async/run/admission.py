@@ -130,7 +130,6 @@ class Admission:
         self._probes = 0
         self._in_flight: set[asyncio.Future[None]] = set()  # probe requests at a server
         self._ns_dir: Path | None = None
-        self._said_at = -WAIT_NOTICE_S
 
     def apply(self, config: Config) -> None:
         """A reloaded config (timeouts, intervals; the shape cannot change live)."""
@@ -147,14 +146,10 @@ class Admission:
             self._ns_dir = await asyncio.to_thread(
                 prepare_namespace, self.config.dump.root, self.namespace
             )
-            up_since = time.monotonic()
+            wait = ServerWait(self.pool, self.notifier, self.stop_requested)
             while True:
                 await self.round()
-                now = time.monotonic()
-                if self.pool.healthy():
-                    up_since = now
-                else:
-                    self._waiting(now - up_since)
+                wait.check(self.config)
                 await self._pause()
         finally:
             # Also what a killed run left, when this one asked no server anything.
@@ -178,7 +173,7 @@ class Admission:
 
     async def round(self) -> None:
         """Examine every server out of rotation; admit, refuse, or stop the job."""
-        out = [s for s in self.pool.servers if not s.healthy and not s.retired]
+        out = self.pool.out_of_rotation()
         if not out:
             return
         results = await asyncio.gather(*(self._examine(s) for s in out))
@@ -187,8 +182,7 @@ class Admission:
         answered = 0
         for server, result in zip(out, results, strict=True):
             admitted, other_model = await self._conclude(server, result)
-            if server.evictions and server.evictions[-1].verdict is None:
-                server.evictions[-1].verdict = admitted  # settles the failures behind it
+            settle_eviction(server, admitted)
             if isinstance(result, _Disagrees):
                 with_config.append(result)
             if other_model:
@@ -269,33 +263,6 @@ class Admission:
 
     # -- the wait ----------------------------------------------------------------------
 
-    def _waiting(self, waited: float) -> None:
-        timeout = self.config.server.unreachable_timeout
-        reasons = {
-            s.display: s.last_error or "no answer" for s in self.pool.servers if not s.retired
-        }
-        if self.stop_requested.is_set():
-            return  # the pool said so (ServerPool.stop_waiting); the run is ending
-        said = [why if why.startswith(url) else f"{url}: {why}" for url, why in reasons.items()]
-        if waited >= timeout:
-            detail = "; ".join(said)
-            raise NoServerError(
-                f"no server in rotation for {timeout:g} s (server.unreachable_timeout) — "
-                f"{detail}. Start or fix the servers, or check [server].urls"
-            )
-        now = time.monotonic()
-        every = min(WAIT_NOTICE_S, max(1.0, self.config.daemon.progress_interval))
-        if now - self._said_at < every:
-            return
-        self._said_at = now
-        left = timeout - waited
-        log.warning(
-            "waiting_for_server", waited_s=round(waited), exit_in_s=round(left), servers=reasons
-        )
-        self.notifier.status(
-            f"waiting for a server ({waited:.0f} s; exit 3 in {left:.0f} s): " + "; ".join(said)
-        )
-
     # -- one examination ---------------------------------------------------------------
 
     async def _examine(self, server: Server) -> _Result:
@@ -325,7 +292,7 @@ class Admission:
         """What the server says about itself; whatever it does not say stays out."""
         found: dict[str, Any] = {}
         engine = server.engine
-        raw = await self._get(server, engine.model_info_path)
+        raw = await info_of(self.client, server, engine.model_info_path)
         if isinstance(raw, Mapping):
             found["model"] = engine.model_of(raw)
             for key, ours in (("hidden_size", "hidden_size"), ("hsx_aux_layers", "aux_layers"),
@@ -333,7 +300,7 @@ class Admission:
                               ("hsx_dump_root", "dump_root")):  # fmt: skip
                 if key in raw:
                     found[ours] = raw[key]
-        raw = await self._get(server, engine.version_path)
+        raw = await info_of(self.client, server, engine.version_path)
         if isinstance(raw, Mapping):
             found["version"] = str(raw.get("version", ""))
             for key, ours in (("revision", "revision"), ("hsx_dump_root", "dump_root")):
@@ -343,11 +310,6 @@ class Admission:
         if "revision" in found:
             found["revision"] = str(found["revision"])
         return found
-
-    async def _get(self, server: Server, path: str) -> object:
-        with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
-            return await self.client.get_json(server.url, path)
-        return None
 
     def _claims(self, server: Server, info: dict[str, Any]) -> _Disagrees | None:
         """What the server reports about its shape, against the config (conclusive: it
@@ -449,7 +411,7 @@ class Admission:
         # serves /v1/completions): if the other engine's info endpoint answers, the config
         # names the wrong engine.
         if fault.kind in ("not_found", "no_hook"):
-            other = await self._other_engine(server)
+            other = await other_engine(self.client, server)
             if other:
                 what = "answers 404 at" if fault.kind == "not_found" else "takes no hsx mark at"
                 return _Disagrees(
@@ -463,12 +425,6 @@ class Admission:
             return self._dump_missing(server, info, exc)
         reason = str(exc) if str(exc).startswith(server.display) else f"{server.display}: {exc}"
         return _Refused(Fault(fault.cause, fault.kind, reason, fault.evict, fault.reached), True)
-
-    async def _other_engine(self, server: Server) -> EngineName | None:
-        for name, engine in ENGINES.items():
-            if name != server.engine_name and await self._get(server, engine.model_info_path):
-                return name
-        return None
 
     def _dump_missing(self, server: Server, info: dict[str, Any], exc: DumpError) -> _Result:
         root = self.config.dump.root
@@ -494,6 +450,79 @@ class Admission:
             "loaded (deploy/sglang), and HSX_DUMP_ROOT the same path?"
         )
         return _Refused(Fault("server", "dump_missing", reason, reached=True), True)
+
+
+def settle_eviction(server: Server, admitted: bool) -> None:
+    """The first examination after a server left rotation settles the failures that led
+    there (:class:`~hsx_async.run.retry.Suspicion`): admitted, it worked, and they were the
+    samples'; refused, it was broken, and they are forgiven."""
+    if server.evictions and server.evictions[-1].verdict is None:
+        server.evictions[-1].verdict = admitted
+
+
+async def info_of(client: SGLangClient, server: Server, path: str) -> object:
+    """One of the server's info endpoints as JSON; None when it does not answer one."""
+    with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
+        return await client.get_json(server.url, path)
+    return None
+
+
+async def other_engine(client: SGLangClient, server: Server) -> EngineName | None:
+    """The engine whose info endpoint ``server`` answers, when it is not its configured
+    one (a 404 at the configured engine's endpoint: ``[server].engine`` is wrong)."""
+    for name, engine in ENGINES.items():
+        if name != server.engine_name and await info_of(client, server, engine.model_info_path):
+            return name
+    return None
+
+
+class ServerWait:
+    """The wait while no server is in rotation, for an admission task (``hsx run``'s and
+    ``hsx regenerate``'s): a line every ``WAIT_NOTICE_S`` (or ``daemon.progress_interval``)
+    saying what it waits for and how long it has left, and :class:`NoServerError` after
+    ``server.unreachable_timeout``. Nothing is charged meanwhile."""
+
+    def __init__(self, pool: ServerPool, notifier: Notifier, stop_requested: asyncio.Event) -> None:
+        self.pool = pool
+        self.notifier = notifier
+        self.stop_requested = stop_requested
+        self._up_since = time.monotonic()
+        self._said_at = -WAIT_NOTICE_S
+
+    def check(self, config: Config) -> None:
+        """After each round of examinations."""
+        now = time.monotonic()
+        if self.pool.healthy():
+            self._up_since = now
+            return
+        self._waiting(now - self._up_since, config)
+
+    def _waiting(self, waited: float, config: Config) -> None:
+        timeout = config.server.unreachable_timeout
+        reasons = {
+            s.display: s.last_error or "no answer" for s in self.pool.servers if not s.retired
+        }
+        if self.stop_requested.is_set():
+            return  # the pool said so (ServerPool.stop_waiting); the run is ending
+        said = [why if why.startswith(url) else f"{url}: {why}" for url, why in reasons.items()]
+        if waited >= timeout:
+            detail = "; ".join(said)
+            raise NoServerError(
+                f"no server in rotation for {timeout:g} s (server.unreachable_timeout) — "
+                f"{detail}. Start or fix the servers, or check [server].urls"
+            )
+        now = time.monotonic()
+        every = min(WAIT_NOTICE_S, max(1.0, config.daemon.progress_interval))
+        if now - self._said_at < every:
+            return
+        self._said_at = now
+        left = timeout - waited
+        log.warning(
+            "waiting_for_server", waited_s=round(waited), exit_in_s=round(left), servers=reasons
+        )
+        self.notifier.status(
+            f"waiting for a server ({waited:.0f} s; exit 3 in {left:.0f} s): " + "; ".join(said)
+        )
 
 
 class _Outcome(Exception):

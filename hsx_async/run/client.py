@@ -9,10 +9,10 @@ each time it left rotation, what its first probe after showed), from which
 :mod:`hsx_async.run.retry` decides whether a failure was the sample's. Workers wait for a
 server in rotation instead of burning attempts while every server is out.
 
-``hsx run`` brings servers into rotation through :mod:`hsx_async.run.admission` (a real
-request through the dump path, the server's identity checked against the job's); the
-``/health`` probes here (:meth:`SGLangClient.probe_forever`) serve ``hsx regenerate``,
-which needs no dump.
+A server comes into rotation only through an admission: ``hsx run``'s
+(:mod:`hsx_async.run.admission`: a real request through the dump path, the server's
+identity checked against the job's) or ``hsx regenerate``'s
+(:mod:`hsx_async.prepare.regenerate.serving`: a one-token decode, its answer checked).
 """
 
 from __future__ import annotations
@@ -88,6 +88,10 @@ class Server:
         """Parsed once: a string would be parsed again for every request."""
         return yarl.URL(f"{self.url}{self.engine.generate_path}")
 
+    @functools.cached_property
+    def decode_url(self) -> yarl.URL:
+        return yarl.URL(f"{self.url}{self.engine.decode_path}")
+
     @property
     def display(self) -> str:
         """The URL as logs, errors, metrics and /status show it (no password)."""
@@ -132,6 +136,10 @@ class ServerPool:
 
     def healthy(self) -> list[Server]:
         return [s for s in self.servers if s.healthy and not s.retired]
+
+    def out_of_rotation(self) -> list[Server]:
+        """The servers an admission examines (not retired by a reload)."""
+        return [s for s in self.servers if not s.healthy and not s.retired]
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -309,12 +317,20 @@ class SGLangClient:
             raise ResponseError(f"{server.display}: {exc}") from None
 
     async def post_generate(self, server: Server, request: object, timeout: float) -> object:
-        """POST any body to the server's generate endpoint (``hsx regenerate`` decodes
-        through SGLang's ``/generate``); the parsed JSON answer, or RequestError."""
+        """POST a body to the server's prefill endpoint; the parsed JSON answer, or
+        RequestError."""
+        return await self._post(server, server.generate_url, request, timeout)
+
+    async def post_decode(self, server: Server, request: object, timeout: float) -> object:
+        """POST a body to the server's decode endpoint (``hsx regenerate``); the parsed
+        JSON answer, or RequestError."""
+        return await self._post(server, server.decode_url, request, timeout)
+
+    async def _post(self, server: Server, url: yarl.URL, request: object, timeout: float) -> object:
         body = orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)
         try:
             async with self.session.post(
-                server.generate_url,
+                url,
                 data=body,
                 headers=_HEADERS,
                 timeout=_timeout(timeout),
@@ -370,26 +386,6 @@ class SGLangClient:
             payload = await read_body(resp, redact_url(url))
             _raise_for_status(redact_url(url), resp.status, payload)
             return orjson.loads(payload)
-
-    async def probe_forever(self) -> None:
-        """Bring evicted servers back once ``/health`` answers 200 (a long-lived task)."""
-        while True:
-            down = [s for s in self.pool.servers if not s.healthy and not s.retired]
-            results = await asyncio.gather(*(self.health(s.url) for s in down))
-            for server, error in zip(down, results, strict=True):
-                if error:
-                    server.last_error = error
-                else:
-                    await self.pool.restore(server)
-            await asyncio.sleep(self.pool.health_interval)
-
-    async def probe_all(self) -> None:
-        """At start: put every server that answers into rotation, evict the others."""
-        results = await asyncio.gather(*(self.health(s.url) for s in self.pool.servers))
-        for server, error in zip(self.pool.servers, results, strict=True):
-            if error:
-                server.last_error = error
-                await self.pool.evict(server, error)
 
 
 async def read_body(resp: aiohttp.ClientResponse, where: str, limit: int = MAX_BODY) -> bytes:

@@ -33,7 +33,7 @@ from hsx_async.config import Config, load_config
 from hsx_async.dataset.manifest import AppendLog
 from hsx_async.dataset.provenance import record_server, shard_lock
 from hsx_async.dataset.running import announce, withdraw
-from hsx_async.errors import ConfigError, HsxError
+from hsx_async.errors import ConfigError, HsxError, first_error
 from hsx_async.logs import configure_logging
 from hsx_async.run.admission import Admission
 from hsx_async.run.autotune import ConcurrencyController, Reading, TuneSettings, shm_ceiling
@@ -260,7 +260,7 @@ class Daemon:
                 in_flight=pipeline.in_flight,
             )
         except* HsxError as group:
-            raise _first(group) from None
+            raise first_error(group) from None
         finally:
             self.settled = pipeline.settled
             self.stopper.remove()
@@ -467,15 +467,6 @@ class Daemon:
     def request_stop(self) -> None:
         """Programmatic SIGTERM (tests, embedding)."""
         self.stopper.on_signal(signal.SIGTERM)
-
-
-def _first(group: BaseExceptionGroup[HsxError]) -> HsxError:
-    """The first error of a group: the one the operator must act on."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    assert isinstance(exc, HsxError)
-    return exc
 
 
 # -- CLI -----------------------------------------------------------------------------------

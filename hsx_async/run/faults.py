@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hsx_async.errors import (
+    AnswerError,
     CacheHitError,
     DumpError,
     DumpMissingError,
@@ -63,6 +64,7 @@ KINDS = (
     "dump_missing",  # no meta.json after the response
     "bad_dump",  # a dump that breaks PROTOCOL §3 (tiling, sizes, links, changed)
     "cache_hit",  # a prefix-cache hit: the server runs with its prefix cache on
+    "bad_answer",  # a decode answer no honest server gives (ids out of range, too many)
     "identity",  # the server is not the job's (shape, model, final state, hook)
 )
 
@@ -103,6 +105,9 @@ def fault_of(error: HsxError) -> Fault:
         return Fault("server", "identity", reason, evict=True)
     if isinstance(error, HookMissingError):
         return Fault("server", "no_hook", reason, evict=True)
+    if isinstance(error, AnswerError):
+        # No prompt makes an honest engine answer that: nothing it says is about the sample.
+        return Fault("server", "bad_answer", reason, evict=True)
     if isinstance(error, CacheHitError):
         # The server's prefix cache skips rows: its configuration, whatever the sample.
         return Fault("server", "cache_hit", reason, evict=True)

@@ -91,6 +91,13 @@ class RunRecorder:
         self._pending: list[dict[str, Any]] = []  # events not yet appended
         self._failing = False
 
+    @classmethod
+    def at(cls, path: Path, snapshot: Callable[[], Tick]) -> RunRecorder:
+        """A recorder appending to ``path`` (``hsx regenerate``'s log beside its output)."""
+        recorder = cls(path.parent, 0, 1, snapshot)
+        recorder.path = path
+        return recorder
+
     def _append(self, records: list[dict[str, Any]]) -> bool:
         """Append ``records`` (blocking); False, and logged once, when the disk refuses."""
         try:

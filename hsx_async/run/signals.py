@@ -7,15 +7,22 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Callable
+from typing import Protocol
 
 import structlog
 
 from hsx_async.errors import ForcedExit
 from hsx_async.run.notify import Notifier
-from hsx_async.run.pool import Pipeline
 
 log = structlog.get_logger("hsx.signals")
 _STOP = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stoppable(Protocol):
+    """What a stop signal stops (a run's pipeline, a regenerate)."""
+
+    async def stop(self) -> None:
+        """Stop intake; what is in flight finishes."""
 
 
 class DrainExpired(Exception):
@@ -51,7 +58,7 @@ class Stopper:
             log.error("forced_exit", signal=sig.name)
             self.force_requested.set()
 
-    async def watch(self, pipeline: Pipeline) -> None:
+    async def watch(self, pipeline: Stoppable) -> None:
         """A task of the run: stop intake at the first signal, then end the drain at its
         deadline (:class:`DrainExpired`) or at a second signal (:class:`ForcedExit`)."""
         await self.stop_requested.wait()

@@ -15,14 +15,8 @@ import pytest
 import tomli_w
 
 from hsx_async.config import Config, config_from_dict
-from hsx_async.errors import ConfigError, RequestError
-from hsx_async.prepare.regenerate import (
-    RegenPaths,
-    generation_body,
-    parse_answer,
-    regenerate,
-    turn_seed,
-)
+from hsx_async.errors import ConfigError
+from hsx_async.prepare.regenerate import RegenPaths, regenerate
 from hsx_async.prepare.template import ChatEncoder, load_tokenizer
 from hsx_async.server.reference.server import (
     ReferenceOptions,
@@ -31,8 +25,9 @@ from hsx_async.server.reference.server import (
 )
 from tests.e2e import config_raw
 from tests.prepare.conftest import TINY_SEED, WriteLines, tiny_conversation
+from tests.prepare.regenerate.decode_servers import vllm_front
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHILD_TIMEOUT_S = 90
 
 
@@ -69,47 +64,6 @@ async def _greedy(url: str, ids: list[int], n: int) -> list[int]:
         answer = await resp.json()
     output: list[int] = answer["output_ids"]
     return output
-
-
-def test_turn_seed_is_stable_and_distinct() -> None:
-    assert turn_seed(1, "a", 2) == turn_seed(1, "a", 2)
-    assert len({turn_seed(1, "a", 2), turn_seed(1, "a", 4), turn_seed(1, "b", 2),
-                turn_seed(2, "a", 2)}) == 4  # fmt: skip
-    assert 0 <= turn_seed(0, 7, 1) < 2**63
-
-
-def test_parse_answer() -> None:
-    meta: dict[str, Any] = {
-        "id": "r",
-        "prompt_tokens": 3,
-        "finish_reason": {"type": "stop", "matched": 1},
-    }
-    answer = parse_answer({"output_ids": [5, 6, 1], "meta_info": meta}, "r", 3, {1})
-    assert answer.output_ids == [5, 6] and not answer.length_capped
-    capped = {**meta, "finish_reason": {"type": "length", "length": 2}}
-    assert parse_answer({"output_ids": [5, 6], "meta_info": capped}, "r", 3, {1}).length_capped
-    bodies: list[Any] = [
-        {"output_ids": [5], "meta_info": {**meta, "id": "other"}},
-        {"output_ids": [5], "meta_info": {**meta, "prompt_tokens": 4}},
-        {"output_ids": ["5"], "meta_info": meta},
-        {"output_ids": [5], "meta_info": {**meta, "finish_reason": {"type": "abort"}}},
-        [],
-    ]
-    for body in bodies:
-        with pytest.raises(RequestError):
-            parse_answer(body, "r", 3, {1})
-
-
-def test_generation_body_carries_the_sampling_settings(tmp_path: Path) -> None:
-    raw = config_raw(tmp_path, tmp_path / "c.jsonl", ["http://127.0.0.1:1"], tmp_path)
-    raw["regenerate"] = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 12}
-    settings = config_from_dict(raw, base=tmp_path).regenerate
-    body = generation_body("rid-1", [1, 2], settings, [1], 42)
-    assert body["sampling_params"] == {
-        "max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9,
-        "sampling_seed": 42, "stop_token_ids": [1],
-    }  # fmt: skip
-    assert "custom_params" not in body["sampling_params"]  # never a dump request
 
 
 def test_bad_regenerate_settings_name_the_key(tmp_path: Path) -> None:
@@ -207,9 +161,11 @@ async def test_resume_with_other_settings_is_refused(
 
 
 def _requests(server: ReferenceServer) -> list[str]:
-    """The rid nonce of every distinct request the server has run a pass of."""
+    """The per-process nonce (``hsx-regen-XXXXXXXX``, the start of every rid) of every
+    distinct turn request the server has run a pass of; the admission probes (one per run
+    and server, ``<nonce>-probe-N``) are not turns."""
     rids = {rid for passes in server.stats.pass_log for rid, _, _ in passes}
-    return [rid.rsplit("-", 1)[0] for rid in rids]
+    return ["-".join(rid.split("-")[:3]) for rid in rids if "-probe-" not in rid]
 
 
 def _nonces(server: ReferenceServer) -> set[str]:
@@ -283,26 +239,37 @@ async def test_sigterm_finishes_the_conversations_in_flight_and_exits_0(
 ) -> None:
     convs = [tiny_conversation(i, turns=2) for i in range(10)]
     src = write_jsonl(tmp_path / "conversations.jsonl", convs)
-    async with running_reference_server(ReferenceOptions(dump_root=shm_root)) as server:
+    async with (
+        running_reference_server(ReferenceOptions(dump_root=shm_root)) as server,
+        # The turns wait at the front's gate; the admission probe (one token) does not.
+        vllm_front(server.url, hold_turns=True) as front,
+    ):
         raw = _raw(tmp_path, server, tiny_model_dir)
+        raw["server"].update(urls=[front.url], engine="vllm")
         config = tmp_path / "job.toml"
         config.write_text(tomli_w.dumps(raw))
         out = tmp_path / "regen.jsonl"
-        server.scheduler.pause()
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "hsx_async", "regenerate", str(src),
             "--config", str(config), "--out", str(out),
             cwd=REPO, env=_child_env(None), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
-        async with asyncio.timeout(CHILD_TIMEOUT_S):
-            await server.scheduler.wait_queued(3)  # every worker has a first turn out
-            proc.send_signal(signal.SIGTERM)
-            server.scheduler.resume()
-            output, _ = await proc.communicate()
-        assert proc.returncode == 0, output.decode(errors="replace")[-3000:]
+        try:
+            async with asyncio.timeout(CHILD_TIMEOUT_S):
+                await front.wait_held(3)  # every worker has a first turn out
+                proc.send_signal(signal.SIGTERM)
+                front.release()
+                output, _ = await proc.communicate()
+        finally:
+            if proc.returncode is None:  # the test failed: leave no process behind
+                proc.kill()
+                await proc.wait()
+        text = output.decode(errors="replace")
+        assert proc.returncode == 0, text[-3000:]
         first = _records(out)
         assert len(first) == 3  # the three in flight, both turns each; nothing else begun
+        assert "3 conversations regenerated" in text and "run the same command again" in text
         code, log = await _child(config, src, out, None)
         assert code == 0, log
     assert len(_records(out)) == len(convs)

@@ -1,0 +1,323 @@
+"""One ``hsx regenerate`` from start to end: the output lock and resume, the servers and
+their admission, one task group for the reader, the workers, the group commit, the events
+log and the signals, and the summary at the end. The CLI's handler."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import aiohttp
+import orjson
+import structlog
+import uvloop
+import xxhash
+
+from hsx_async.config import Config, load_config
+from hsx_async.dataset.durable import write_atomic
+from hsx_async.dataset.manifest import AppendLog
+from hsx_async.errors import ArgumentError, ConfigError, HsxError, first_error
+from hsx_async.logs import configure_logging
+from hsx_async.prepare.regenerate.files import RegenPaths, check_meta, logged, output_lock
+from hsx_async.prepare.regenerate.serving import DecodeAdmission
+from hsx_async.prepare.regenerate.summary import RegenStats, RegenSummary, ServerSpells
+from hsx_async.prepare.regenerate.turns import Done, Logs, Turns
+from hsx_async.prepare.template import ChatEncoder, load_tokenizer, read_template
+from hsx_async.run.admission import PROBE_IDS
+from hsx_async.run.client import Server, ServerPool, SGLangClient
+from hsx_async.run.commit import Committer
+from hsx_async.run.notify import Notifier
+from hsx_async.run.report import RunRecorder, Tick
+from hsx_async.run.signals import DrainExpired, Stopper
+
+log = structlog.get_logger("hsx.regenerate")
+
+
+class _Finished(Exception):
+    """Every conversation of the input is written, quarantined or left for a resume."""
+
+
+class Regenerator:
+    def __init__(
+        self,
+        config: Config,
+        encoder: ChatEncoder,
+        paths: RegenPaths,
+        input_path: Path,
+        model: str,
+        *,
+        tokenizer_dir: Path | None = None,
+        notifier: Notifier | None = None,
+    ) -> None:
+        self.config = config
+        self.encoder = encoder
+        self.paths = paths
+        self.input_path = input_path
+        self.tokenizer_dir = tokenizer_dir or Path(model)
+        tok, settings = encoder.tokenizer, config.regenerate
+        stops = set(settings.stop_token_ids)
+        if tok.eos_token_id is not None:
+            stops.add(int(tok.eos_token_id))
+        self.stop_ids = tuple(sorted(stops))
+        self.meta = {
+            "model": model,
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
+            "max_new_tokens": settings.max_new_tokens,
+            "seed": settings.seed,
+            "stop_token_ids": list(self.stop_ids),
+            "chat_template_xxh3_64": xxhash.xxh3_64_hexdigest(encoder.template.encode()),
+        }
+        self.nonce = f"hsx-regen-{secrets.token_hex(4)}"
+        self.notifier = notifier or Notifier.from_env()
+        self.stopper = Stopper(self.notifier, lambda: self.config.daemon.drain_timeout)
+        self.stats = RegenStats()
+        self.spells = ServerSpells()
+        self.pool: ServerPool | None = None
+        self.turns: Turns | None = None
+        self._started = time.monotonic()
+
+    @property
+    def stop_requested(self) -> asyncio.Event:
+        return self.stopper.stop_requested
+
+    def request_stop(self) -> None:
+        """Programmatic SIGTERM (tests, embedding)."""
+        self.stopper.on_signal(signal.SIGTERM)
+
+    async def stop(self) -> None:
+        """Stop intake (what is queued stays for the next run) and stop waiting for a
+        server; the conversations in flight finish (:class:`Stopper`)."""
+        if self.turns is not None:
+            self.turns.stopping = True
+        if self.pool is not None:
+            await self.pool.stop_waiting()
+
+    async def run(self, *, handle_signals: bool = False) -> RegenSummary:
+        paths = self.paths
+        self._started = time.monotonic()
+        with output_lock(paths):
+            await asyncio.to_thread(check_meta, paths.meta, self.meta)
+            out_ids, _ = await asyncio.to_thread(logged, paths.out)
+            q_ids, q_lines = await asyncio.to_thread(logged, paths.quarantine)
+            done = Done(out_ids | q_ids, q_lines)
+            out = await asyncio.to_thread(AppendLog, paths.out)
+            quarantine = await asyncio.to_thread(AppendLog, paths.quarantine)
+            recorder = RunRecorder.at(paths.events, self._tick)
+            try:
+                await recorder.start()
+                await self._connect_and_serve(done, out, quarantine, recorder, handle_signals)
+            finally:
+                out.close()
+                quarantine.close()
+                summary = await self._finish(recorder)
+        return summary
+
+    async def _finish(self, recorder: RunRecorder) -> RegenSummary:
+        stopped = self.stop_requested.is_set()
+        await asyncio.to_thread(recorder.finish, stopped=stopped, unfinished=self._unfinished())
+        summary = self.summary()
+        data = orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2) + b"\n"
+        await asyncio.to_thread(write_atomic, self.paths.summary, data)
+        return summary
+
+    def summary(self) -> RegenSummary:
+        s, p = self.stats, self.paths
+        return RegenSummary(
+            done=s.done,
+            skipped=s.skipped,
+            quarantined=s.quarantined,
+            turns=s.turns,
+            length_capped=s.length_capped,
+            tokens=s.tokens,
+            seconds=time.monotonic() - self._started,
+            stopped=self.stop_requested.is_set(),
+            unfinished=self._unfinished(),
+            input_done=self.turns is not None and self.turns.input_done,
+            quarantine_reasons=dict(s.reasons.most_common()),
+            failed_attempts=dict(s.failed.most_common()),
+            servers=self._requests(),
+            servers_out=list(self.spells.spells),
+            files={
+                "output": str(p.out),
+                "quarantine": str(p.quarantine),
+                "meta": str(p.meta),
+                "events": str(p.events),
+                "summary": str(p.summary),
+            },
+            next_step=f"hsx prepare {p.out} --tokenizer {self.tokenizer_dir} --out samples.jsonl",
+        )
+
+    def _unfinished(self) -> int:
+        s = self.stats
+        return s.read - s.done - s.quarantined - s.skipped
+
+    def _requests(self) -> dict[str, int]:
+        return {x.display: x.requests for x in self.pool.servers} if self.pool else {}
+
+    def _tick(self) -> Tick:
+        s = self.stats
+        return Tick(s.done, s.tokens, s.bytes, s.quarantined, dict(s.failed), self._requests())
+
+    # -- the servers and the task group ---------------------------------------------------
+
+    def _pool(self, recorder: RunRecorder) -> ServerPool:
+        cfg = self.config.server
+        pool = ServerPool(
+            cfg.urls,
+            health_interval=cfg.health_interval,
+            unreachable_timeout=cfg.unreachable_timeout,
+            engines=[cfg.engine_of(u) for u in cfg.urls],
+            admission=True,  # no server takes a turn before a decode probe passed
+        )
+
+        def changed(server: Server, back: bool) -> None:
+            self.spells.changed(server, back)
+            reason = "" if back else server.last_error
+            kind = server.out_kind
+            event = "server_back" if back else "server_out"
+            recorder.note(event, server=server.display, kind=kind, reason=reason)
+
+        pool.on_change.append(changed)
+        return pool
+
+    async def _connect_and_serve(
+        self,
+        done: Done,
+        out: AppendLog,
+        quarantine: AppendLog,
+        recorder: RunRecorder,
+        signals: bool,
+    ) -> None:
+        self.pool = self._pool(recorder)
+        executor = ThreadPoolExecutor(2, thread_name_prefix="hsx-regen-io")
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        try:
+            async with aiohttp.ClientSession(connector=connector) as session:
+                client = SGLangClient(session, self.pool)
+                logs = Logs(out, quarantine, Committer(out, quarantine, executor, _no_files))
+                self.turns = Turns(
+                    self.config, self.encoder, client, logs,
+                    input_path=self.input_path, done=done, stop_ids=self.stop_ids,
+                    nonce=self.nonce, stats=self.stats,
+                )  # fmt: skip
+                vocab = len(self.encoder.tokenizer)
+                admission = DecodeAdmission(
+                    self.config, client,
+                    probe=[int(t) for t in PROBE_IDS if t < vocab], vocab_size=vocab,
+                    nonce=self.nonce, notifier=self.notifier, stop_requested=self.stop_requested,
+                )  # fmt: skip
+                await self._serve(self.turns, logs.committer, admission, recorder, signals)
+        finally:
+            executor.shutdown(wait=True)  # no commit thread writes once the logs close
+            self.notifier.close()
+
+    async def _serve(
+        self,
+        turns: Turns,
+        committer: Committer,
+        admission: DecodeAdmission,
+        recorder: RunRecorder,
+        signals: bool,
+    ) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                if signals:
+                    self.stopper.install(_no_reload)
+                tg.create_task(committer.run(), name="hsx-committer")
+                tg.create_task(admission.run(), name="hsx-admission")
+                tg.create_task(recorder.run(), name="hsx-events")
+                turns.start(tg)
+                tg.create_task(self._drained(turns), name="hsx-finish")
+                tg.create_task(self.stopper.watch(self), name="hsx-signals")
+                self.notifier.ready()
+                log.info(
+                    "regenerate_started",
+                    workers=self.config.workers.start_concurrency,
+                    servers=len(self.config.server.urls),
+                )
+        except* _Finished:
+            log.info("regenerate_finished", **self.summary().to_json())
+        except* DrainExpired:
+            log.warning("drain_deadline_passed", deadline_s=self.config.daemon.drain_timeout)
+        except* HsxError as group:
+            raise first_error(group) from None
+        finally:
+            if signals:
+                self.stopper.remove()
+
+    async def _drained(self, turns: Turns) -> None:
+        await turns.workers_done.wait()
+        raise _Finished
+
+
+def _no_files(staged: object) -> None:
+    """The group commit's publish step: regenerate stages no sample files."""
+
+
+def _no_reload() -> None:
+    log.warning("reload_ignored", why="hsx regenerate reads its config once; restart it")
+
+
+# --- entry points ------------------------------------------------------------------------
+def _tokenizer_dir(config: Config, tokenizer: Path | None) -> Path:
+    base = config.path.parent if config.path is not None else Path.cwd()
+    settings = config.regenerate
+    tok_dir = tokenizer or (base / settings.tokenizer if settings.tokenizer else None)
+    if tok_dir is None:
+        raise ConfigError("regenerate.tokenizer", "is not set; add it or pass --tokenizer DIR")
+    return tok_dir
+
+
+def _encoder(config: Config, tok_dir: Path, template: Path | None) -> ChatEncoder:
+    base = config.path.parent if config.path is not None else Path.cwd()
+    chat = config.regenerate.chat_template
+    tmpl = template or (base / chat if chat else None)
+    tok = load_tokenizer(tok_dir)
+    return ChatEncoder(tok, read_template(tmpl, tok))
+
+
+async def regenerate(
+    config: Config,
+    input_path: Path,
+    out: Path,
+    *,
+    tokenizer: Path | None = None,
+    chat_template: Path | None = None,
+    handle_signals: bool = False,
+) -> RegenSummary:
+    tok_dir = _tokenizer_dir(config, tokenizer)
+    encoder = await asyncio.to_thread(_encoder, config, tok_dir, chat_template)
+    model = str(tokenizer or config.regenerate.tokenizer)  # as recorded since version 1
+    regen = Regenerator(
+        config, encoder, RegenPaths.beside(out), input_path, model, tokenizer_dir=tok_dir
+    )
+    return await regen.run(handle_signals=handle_signals)
+
+
+def regenerate_command(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    configure_logging(config.daemon.log_format, config.daemon.log_level)
+    if not args.input.is_file():
+        raise ArgumentError("INPUT", f"{args.input} is not a file")
+    summary = uvloop.run(
+        regenerate(
+            config,
+            args.input,
+            args.out,
+            tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
+            handle_signals=True,
+        )
+    )
+    if args.json:
+        sys.stdout.write(orjson.dumps(summary.to_json()).decode() + "\n")
+    else:
+        print("\n".join(summary.lines()))
+    return 0
