@@ -31,6 +31,7 @@ from hsx_async.protocol import (
     FP8,
     NS_PATTERN,
     Storage,
+    check_aux_layers,
     num_layers,
     row_bytes,
     valid_ns,
@@ -387,15 +388,8 @@ def validate(c: Config) -> None:
         _check(value > 0, key, f"must be a positive number of seconds, got {value}")
     _check(c.input.max_tokens >= 1, "input.max_tokens", "must be at least 1")
     _check(c.model.hidden_size >= 1, "model.hidden_size", "must be at least 1")
-    _check(
-        bool(c.model.aux_layers), "model.aux_layers", "list at least one layer, e.g. [2, 30, 58]"
-    )
-    _check(all(k >= 0 for k in c.model.aux_layers), "model.aux_layers", "layer ids are ≥ 0")
-    _check(
-        len(set(c.model.aux_layers)) == len(c.model.aux_layers),
-        "model.aux_layers",
-        "lists a layer twice",
-    )
+    # The one aux-layer rule of every hook and server: the client refuses what they refuse.
+    check_aux_layers(c.model.aux_layers, key="model.aux_layers")
     _check(
         len(c.dump.namespace_prefix) <= 40 and valid_ns(c.dump.namespace_prefix + "-s99999-w99999"),
         "dump.namespace_prefix",

@@ -12,6 +12,7 @@
     │   │   └── AnswerError    a regenerate answer the request cannot have had (ids)
     │   ├── DumpMissingError   no meta.json appeared after the response
     │   └── IdentityError      the server is not the job's (shape, model, final state, ...)
+    ├── HsxRequestError        a marked request breaks PROTOCOL §2 (server side: nothing dumped)
     ├── RequestError           one attempt's HTTP call failed (retried)
     ├── NoServerError          no server has been reachable for too long
     ├── DatasetError           the output directory is inconsistent or belongs to another run
@@ -84,6 +85,13 @@ class IdentityError(DumpError):
         self.key = key
         self.field = field
         super().__init__(message)
+
+
+class HsxRequestError(HsxError):
+    """A request marked for a dump (``hsx_ns``) breaks PROTOCOL §2: its namespace or rid
+    does not match its pattern, or it is not prefill-only. Raised by the one rule every hook
+    and server calls (:func:`hsx_async.protocol.check_hsx_request`); nothing is dumped for
+    the request, and a server that can answers 400 with the message."""
 
 
 class RequestError(HsxError):

@@ -7,15 +7,16 @@ servers and the SGLang hook all import this module, so a rule lives in exactly o
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 
-from hsx_async.errors import CacheHitError, DumpError
+from hsx_async.errors import CacheHitError, ConfigError, DumpError, HsxRequestError
 
 PROTOCOL_VERSION = 3
 # Versions a client accepts in meta.json: version 1 differs only in having no final_state,
@@ -89,6 +90,100 @@ def valid_ns(ns: object) -> bool:
 
 def valid_rid(rid: object) -> bool:
     return isinstance(rid, str) and _RID_RE.fullmatch(rid) is not None
+
+
+# A request-supplied name in a message or log line is shown as repr(), cut to this length.
+_SHOWN_CHARS = 80
+_EXAMPLE_AUX_LAYERS = (2, 30, 58)
+
+
+def shown(value: object) -> str:
+    """A request-supplied value made safe and short for an error message or a log line."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
+def check_aux_layers(
+    layers: Sequence[object], *, key: str, num_layers: int | None = None
+) -> tuple[int, ...]:
+    """The one aux-layer rule, for the client's config, every hook and every server.
+
+    Layer k is the residual stream entering decoder layer k (Hugging Face
+    ``hidden_states[k]``). A valid list names at least one layer, each an integer ≥ 0, in
+    strictly ascending order (the engines capture in layer order whatever order they are
+    given, so any other order would label the slots of a row wrongly, and a layer named
+    twice would be captured once), and, where the model's size is known, each below its
+    ``num_layers`` decoder layers. Returns the layers; raises :class:`ConfigError` on
+    ``key`` saying what to change.
+    """
+    if not layers:
+        example = _EXAMPLE_AUX_LAYERS if num_layers is None else _example_layers(num_layers)
+        raise ConfigError(key, f"names no layer; list at least one, e.g. {list(example)}")
+    if not all(type(k) is int for k in layers):
+        raise ConfigError(key, f"{shown(list(layers))} is not a list of integer layer ids")
+    ints = tuple(k for k in layers if type(k) is int)
+    if any(k < 0 for k in ints):
+        raise ConfigError(
+            key, f"{list(ints)} names a negative layer; layer ids are ≥ 0 (k: the input of layer k)"
+        )
+    if any(b <= a for a, b in pairwise(ints)):
+        raise ConfigError(
+            key,
+            f"{list(ints)} is not strictly ascending; list each layer once, lowest first: "
+            f"{sorted(set(ints))}",
+        )
+    if num_layers is not None and ints[-1] >= num_layers:
+        raise ConfigError(
+            key,
+            f"{list(ints)} does not fit a model with {num_layers} layers: name layers 0.."
+            f"{num_layers - 1} (layer k is the input of decoder layer k; the final state is "
+            "added after the aux layers), e.g. "
+            f"{list(_example_layers(num_layers))}",
+        )
+    return ints
+
+
+def parse_aux_layers(text: str, *, key: str, num_layers: int | None = None) -> tuple[int, ...]:
+    """``"2,30,58"`` → ``(2, 30, 58)``, checked by :func:`check_aux_layers` (blank text
+    names no layer)."""
+    try:
+        layers = [int(item) for item in text.split(",")] if text.strip() else []
+    except ValueError:
+        raise ConfigError(key, f"{text!r} is not a comma-separated list of integers") from None
+    return check_aux_layers(layers, key=key, num_layers=num_layers)
+
+
+def _example_layers(n: int) -> tuple[int, ...]:
+    """SGLang's EAGLE-3 default for an n-layer model, where it is three distinct layers."""
+    return (2, n // 2, n - 3) if n >= 8 else tuple(range(n))[:3]
+
+
+def marked_ns(custom_params: object) -> object | None:
+    """The ``hsx_ns`` a request's ``custom_params`` carries, as sent (not yet checked), or
+    None: an ordinary request, served as usual and dumping nothing (PROTOCOL §2)."""
+    if not isinstance(custom_params, Mapping):
+        return None
+    return custom_params.get(CUSTOM_PARAM_NS)
+
+
+def check_hsx_request(ns: object, rid: object, *, max_new_tokens: object = 0) -> tuple[str, str]:
+    """PROTOCOL §2's rule for a marked request, the same in every hook and server: its
+    namespace and rid match their patterns (so no path built from them can leave the dump
+    root) and it is prefill-only (``max_new_tokens`` 0; the vLLM form has no such field:
+    vLLM has no prefill-only request, so it leaves it out). Returns ``(ns, rid)``; raises
+    :class:`HsxRequestError` with the one reason text otherwise: nothing is dumped for the
+    request, and a server that can answers 400 with it."""
+    if not valid_ns(ns):
+        raise HsxRequestError(f"{CUSTOM_PARAM_NS} {shown(ns)} does not match {NS_PATTERN}")
+    if not valid_rid(rid):
+        raise HsxRequestError(f"rid {shown(rid)} does not match {RID_PATTERN}")
+    if type(max_new_tokens) is not int or max_new_tokens != 0:
+        raise HsxRequestError(
+            f"max_new_tokens is {shown(max_new_tokens)}; an hsx request must be prefill-only "
+            "(max_new_tokens 0)"
+        )
+    assert isinstance(ns, str) and isinstance(rid, str)  # narrowed by valid_ns/valid_rid
+    return ns, rid
 
 
 def num_layers(aux_layers: Sequence[int]) -> int:

@@ -320,6 +320,9 @@ def test_timeouts_must_be_positive(section: str, key: str, value: float) -> None
         ("model", "hidden_size", 0, "model.hidden_size"),
         ("model", "aux_layers", [], "model.aux_layers"),
         ("model", "aux_layers", [2, -1], "model.aux_layers"),
+        # Not ascending, or a layer twice: both production hooks refuse it (the one rule).
+        ("model", "aux_layers", [30, 2, 58], "model.aux_layers"),
+        ("model", "aux_layers", [2, 30, 30], "model.aux_layers"),
         ("dump", "namespace_prefix", "a/b", "dump.namespace_prefix"),
         ("dump", "namespace_prefix", "", "dump.namespace_prefix"),
         ("dump", "namespace_prefix", "x" * 62, "dump.namespace_prefix"),

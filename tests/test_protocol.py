@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsx_async.errors import DumpError
+from hsx_async.errors import ConfigError, DumpError, HsxRequestError
 from hsx_async.protocol import (
     CUSTOM_PARAM_NS,
     FP8,
@@ -20,18 +20,23 @@ from hsx_async.protocol import (
     RID_PATTERN,
     DumpMeta,
     Storage,
+    check_aux_layers,
+    check_hsx_request,
     check_meta,
     check_part_sizes,
     check_response,
     check_tiling,
     generate_body,
+    marked_ns,
     num_layers,
+    parse_aux_layers,
     parse_meta,
     parse_part_name,
     part_name,
     request_dir,
     row_bytes,
     section_check,
+    shown,
     valid_ns,
     valid_rid,
 )
@@ -398,3 +403,90 @@ def test_a_scale_no_quantizer_makes_is_refused(bits: int) -> None:
     assert check(_scale_bytes(*_VALID_SCALE_BITS)) is None
     problem = check(_scale_bytes(*_VALID_SCALE_BITS, bits, bits))
     assert problem is not None and problem.startswith("2 FP8 scales are negative, zero, sub")
+
+
+# --------------------------------------------------------------------------------------
+# The one aux-layer rule and the one request rule (every hook and server calls them:
+# tests/server/test_rules.py)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layers", "n", "fragment"),
+    [
+        ([], None, "names no layer; list at least one, e.g. [2, 30, 58]"),
+        ([], 6, "names no layer; list at least one, e.g. [0, 1, 2]"),
+        ([2, True], None, "is not a list of integer layer ids"),
+        ([2, "3"], None, "is not a list of integer layer ids"),
+        ([-1, 3], None, "names a negative layer"),
+        (
+            [30, 2, 58],
+            None,
+            "[30, 2, 58] is not strictly ascending; list each layer once, "
+            "lowest first: [2, 30, 58]",
+        ),
+        ([2, 2], None, "lowest first: [2]"),
+        ([2, 30, 61], 61, "does not fit a model with 61 layers: name layers 0..60"),
+    ],
+)
+def test_check_aux_layers_says_what_to_change(
+    layers: list[Any], n: int | None, fragment: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_aux_layers(layers, key="model.aux_layers", num_layers=n)
+    assert info.value.key == "model.aux_layers" and fragment in str(info.value)
+
+
+def test_check_aux_layers_accepts_ascending_ids_in_range() -> None:
+    assert check_aux_layers([2, 30, 58], key="k", num_layers=61) == (2, 30, 58)
+    assert check_aux_layers((0,), key="k") == (0,)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("", "names no layer"),
+        (" ", "names no layer"),
+        ("1,x", "not a comma-separated"),
+        ("2,,3", "not a comma-separated"),
+        ("5,1", "not strictly ascending"),
+    ],
+)
+def test_parse_aux_layers(text: str, fragment: str) -> None:
+    assert parse_aux_layers(" 2, 30 ,58 ", key="k") == (2, 30, 58)
+    with pytest.raises(ConfigError, match=fragment):
+        parse_aux_layers(text, key="k")
+
+
+def test_marked_ns() -> None:
+    assert marked_ns(None) is None
+    assert marked_ns({}) is None
+    assert marked_ns({"other": 1}) is None
+    assert marked_ns({"hsx_ns": "w0"}) == "w0"
+    assert marked_ns({"hsx_ns": 7}) == 7  # marked, and refused by check_hsx_request
+    assert marked_ns(["hsx_ns"]) is None
+
+
+@pytest.mark.parametrize(
+    ("ns", "rid", "max_new", "fragment"),
+    [
+        ("../x", "r", 0, "hsx_ns '../x' does not match"),
+        (7, "r", 0, "hsx_ns 7 does not match"),
+        ("w0", "a/b", 0, "rid 'a/b' does not match"),
+        ("w0", None, 0, "rid None does not match"),
+        ("w0", "r", 1, "max_new_tokens is 1; an hsx request must be prefill-only"),
+        ("w0", "r", None, "max_new_tokens is None"),
+        ("w0", "r", False, "max_new_tokens is False"),  # a JSON boolean is not 0
+    ],
+)
+def test_check_hsx_request(ns: object, rid: object, max_new: object, fragment: str) -> None:
+    assert check_hsx_request("w0", "r-1", max_new_tokens=0) == ("w0", "r-1")
+    assert check_hsx_request("w0", "r-1") == ("w0", "r-1")  # the vLLM form
+    with pytest.raises(HsxRequestError) as info:
+        check_hsx_request(ns, rid, max_new_tokens=max_new)
+    assert fragment in str(info.value)
+
+
+def test_shown_names_are_short() -> None:
+    assert shown("r") == "'r'"
+    assert len(shown("x" * 500)) == 80 and shown("x" * 500).endswith("...")
