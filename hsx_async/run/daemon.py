@@ -324,12 +324,7 @@ class Daemon:
             self.metrics.server_out(server.display, server.out_kind)
         for listener in self.on_server_change:
             listener(server, in_rotation)
-        self.recorder.note(
-            "server_back" if in_rotation else "server_out",
-            server=server.display,
-            kind=server.out_kind,
-            reason=server.last_error if not in_rotation else "",
-        )
+        self.recorder.server_changed(server, in_rotation)
 
     def _http_bound(self, url: str) -> None:
         self.http_url = url

@@ -26,10 +26,10 @@ import itertools
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import structlog
@@ -41,6 +41,9 @@ from hsx_async.dataset.provenance import read_provenance
 from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.errors import DatasetError
 from hsx_async.logs import configure_logging
+
+if TYPE_CHECKING:
+    from hsx_async.run.client import Server
 
 log = structlog.get_logger("hsx.report")
 
@@ -89,6 +92,7 @@ class RunRecorder:
         self._log: AppendLog | None = None
         self._started = time.monotonic()
         self._pending: list[dict[str, Any]] = []  # events not yet appended
+        self.spells = ServerSpells()  # this run's spells out of rotation, as noted
         self._failing = False
 
     @classmethod
@@ -132,8 +136,18 @@ class RunRecorder:
 
     def note(self, event: str, **fields: Any) -> None:
         """An event to append with the next line (called on the event loop)."""
-        self._pending.append(
-            {"event": event, "time": round(time.time(), 3), "shard": self.shard, **fields}
+        record = {"event": event, "time": round(time.time(), 3), "shard": self.shard, **fields}
+        self._pending.append(record)
+        self.spells.add(record)
+
+    def server_changed(self, server: Server, in_rotation: bool) -> None:
+        """A server left rotation, was refused again, or came back (a
+        :class:`~hsx_async.run.client.ServerPool` ``on_change`` listener)."""
+        self.note(
+            "server_back" if in_rotation else "server_out",
+            server=server.display,
+            kind=server.out_kind,
+            reason="" if in_rotation else server.last_error,
         )
 
     def _record(self, event: str, **extra: Any) -> dict[str, Any]:
@@ -249,32 +263,48 @@ def _summed(runs: list[list[dict[str, Any]]], key: str) -> dict[str, int]:
     return dict(total.most_common())
 
 
+class ServerSpells:
+    """Each time a server left rotation (or was refused again, for a new kind of reason),
+    why, and when it came back (``back`` None: not in that run) — folded from events
+    records in order. One rule for the job report (read back from the events logs) and
+    for the summary of ``hsx regenerate`` (as the recorder notes them)."""
+
+    def __init__(self) -> None:
+        self.spells: list[dict[str, Any]] = []
+        self._open: dict[str, dict[str, Any]] = {}  # server → its spell not ended yet
+
+    def add(self, rec: Mapping[str, Any]) -> None:
+        server, event = rec.get("server"), rec.get("event")
+        if event == "start":
+            self._open.clear()  # a new run: every server is examined afresh
+        if not isinstance(server, str):
+            return
+        if event == "server_out":
+            spell = self._open.get(server)
+            if spell is not None and spell["kind"] == rec.get("kind"):
+                return  # the same spell, refused again
+            spell = {
+                "server": server,
+                "kind": str(rec.get("kind", "")),
+                "reason": str(rec.get("reason", "")),
+                "out": _iso(float(rec["time"])),
+                "back": None,
+            }
+            self.spells.append(spell)
+            self._open[server] = spell
+        elif event == "server_back" and server in self._open:
+            self._open.pop(server)["back"] = _iso(float(rec["time"]))
+
+
 def servers_out(out_dir: Path) -> list[dict[str, Any]]:
-    """Each time a server was taken out of rotation (or refused at a probe, for a new
-    reason): when, why, and when it came back (None: it did not, in that run)."""
+    """Every spell out of rotation of the directory's runs, shard by shard (a shard's
+    ``server_back`` ends only that shard's spell)."""
     spells: list[dict[str, Any]] = []
-    open_: dict[str, dict[str, Any]] = {}
     for path in event_files(out_dir):
+        fold = ServerSpells()
         for rec in read_events(path):
-            server, event = rec.get("server"), rec.get("event")
-            if not isinstance(server, str):
-                continue
-            if event == "server_out":
-                if server in open_ and open_[server]["kind"] == rec.get("kind"):
-                    continue  # the same spell, refused again
-                spell = {
-                    "server": server,
-                    "kind": str(rec.get("kind", "")),
-                    "reason": str(rec.get("reason", "")),
-                    "out": _iso(float(rec["time"])),
-                    "back": None,
-                }
-                spells.append(spell)
-                open_[server] = spell
-            elif event == "server_back" and server in open_:
-                open_.pop(server)["back"] = _iso(float(rec["time"]))
-            elif event == "start":
-                open_.clear()  # a new run: every server is examined afresh
+            fold.add(rec)
+        spells += fold.spells
     return spells
 
 

@@ -123,6 +123,55 @@ def test_a_killed_run_keeps_its_last_tick(tmp_path: Path) -> None:
     assert report["servers"] == {"http://s": 3}
 
 
+def test_a_spell_out_of_rotation_ends_in_its_own_run_and_shard(tmp_path: Path) -> None:
+    """The same server in two shards of one job (one directory) and in two runs of one
+    shard. Shard 0's first run took it out and ended; its second run admitted it (the
+    server_back of an admission: no server_out before it in that run); shard 1 took it
+    out, refused it again for the same kind (one spell), then for a new kind (a second),
+    and brought it back. Before: one fold over every log that never saw a ``start``, so
+    the admissions' server_back ended the spells of the other run and shard."""
+    out = tmp_path / "out"
+    out.mkdir()
+    counts = {"samples": 0, "tokens": 0, "bytes": 0, "quarantined": 0}
+
+    def log(shard: str, *events: tuple[str, float, str]) -> bytes:
+        lines = [
+            {"event": e, "time": t, "shard": shard, **counts}
+            if e == "start"
+            else {"event": e, "time": t, "shard": shard, "server": "http://s", "kind": k,
+                  "reason": f"{k} at {t}" if e == "server_out" else ""}
+            for e, t, k in events
+        ]  # fmt: skip
+        return b"".join(orjson.dumps(x) + b"\n" for x in lines)
+
+    (out / "events.shard-00000-of-00002.jsonl").write_bytes(
+        log(
+            "0/2",
+            ("start", 100.0, ""),
+            ("server_out", 101.0, "dump_missing"),
+            ("start", 110.0, ""),
+            ("server_back", 111.0, ""),
+        )
+    )
+    (out / "events.shard-00001-of-00002.jsonl").write_bytes(
+        log(
+            "1/2",
+            ("start", 100.5, ""),
+            ("server_back", 100.6, ""),
+            ("server_out", 102.0, "unreachable"),
+            ("server_out", 103.0, "unreachable"),
+            ("server_out", 104.0, "identity"),
+            ("server_back", 105.0, ""),
+        )
+    )
+    spells = build_report(out)["servers_out"]
+    assert [(s["kind"], s["reason"], s["back"] is None) for s in spells] == [
+        ("dump_missing", "dump_missing at 101.0", True),
+        ("unreachable", "unreachable at 102.0", True),
+        ("identity", "identity at 104.0", False),
+    ]
+
+
 def test_hsx_report_on_a_directory_that_is_no_dataset(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

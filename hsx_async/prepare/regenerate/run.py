@@ -26,11 +26,11 @@ from hsx_async.errors import ArgumentError, ConfigError, HsxError, first_error
 from hsx_async.logs import configure_logging
 from hsx_async.prepare.regenerate.files import RegenPaths, check_meta, logged, output_lock
 from hsx_async.prepare.regenerate.serving import DecodeAdmission
-from hsx_async.prepare.regenerate.summary import RegenStats, RegenSummary, ServerSpells
+from hsx_async.prepare.regenerate.summary import RegenStats, RegenSummary
 from hsx_async.prepare.regenerate.turns import Done, Logs, Turns
 from hsx_async.prepare.template import ChatEncoder, load_tokenizer, read_template
 from hsx_async.run.admission import PROBE_IDS
-from hsx_async.run.client import Server, ServerPool, SGLangClient
+from hsx_async.run.client import ServerPool, SGLangClient
 from hsx_async.run.commit import Committer
 from hsx_async.run.notify import Notifier
 from hsx_async.run.report import RunRecorder, Tick
@@ -78,7 +78,7 @@ class Regenerator:
         self.notifier = notifier or Notifier.from_env()
         self.stopper = Stopper(self.notifier, lambda: self.config.daemon.drain_timeout)
         self.stats = RegenStats()
-        self.spells = ServerSpells()
+        self.recorder = RunRecorder.at(paths.events, self._tick)  # <stem>.events.jsonl
         self.pool: ServerPool | None = None
         self.turns: Turns | None = None
         self._started = time.monotonic()
@@ -109,7 +109,7 @@ class Regenerator:
             done = Done(out_ids | q_ids, q_lines)
             out = await asyncio.to_thread(AppendLog, paths.out)
             quarantine = await asyncio.to_thread(AppendLog, paths.quarantine)
-            recorder = RunRecorder.at(paths.events, self._tick)
+            recorder = self.recorder
             try:
                 await recorder.start()
                 await self._connect_and_serve(done, out, quarantine, recorder, handle_signals)
@@ -143,7 +143,7 @@ class Regenerator:
             quarantine_reasons=dict(s.reasons.most_common()),
             failed_attempts=dict(s.failed.most_common()),
             servers=self._requests(),
-            servers_out=list(self.spells.spells),
+            servers_out=list(self.recorder.spells.spells),
             files={
                 "output": str(p.out),
                 "quarantine": str(p.quarantine),
@@ -176,15 +176,7 @@ class Regenerator:
             engines=[cfg.engine_of(u) for u in cfg.urls],
             admission=True,  # no server takes a turn before a decode probe passed
         )
-
-        def changed(server: Server, back: bool) -> None:
-            self.spells.changed(server, back)
-            reason = "" if back else server.last_error
-            kind = server.out_kind
-            event = "server_back" if back else "server_out"
-            recorder.note(event, server=server.display, kind=kind, reason=reason)
-
-        pool.on_change.append(changed)
+        pool.on_change.append(recorder.server_changed)  # the summary's spells too
         return pool
 
     async def _connect_and_serve(

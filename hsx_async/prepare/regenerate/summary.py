@@ -1,6 +1,7 @@
-"""What one ``hsx regenerate`` did: the counts as it goes, each server's spells out of
-rotation, and the summary it prints (a person's, or ``--json``) and keeps in
-``<stem>.summary.json``."""
+"""What one ``hsx regenerate`` did: the counts as it goes, and the summary it prints (a
+person's, or ``--json``) and keeps in ``<stem>.summary.json``; its servers' spells out of
+rotation are the job report's (:class:`hsx_async.run.report.ServerSpells`, noted by the
+run's recorder)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hsx_async.prepare.summary import reason_rows, row
-from hsx_async.run.client import NOT_CHECKED, Server
 
 
 @dataclass
@@ -100,26 +100,3 @@ class RegenSummary:
         elif self.next_step:
             out.append(f"hsx: next: {self.next_step}")
         return out
-
-
-class ServerSpells:
-    """Each time a server left rotation (or was refused, for a new reason), why, and
-    whether it came back: what the summary lists (the events log has the times)."""
-
-    def __init__(self) -> None:
-        self.spells: list[dict[str, Any]] = []
-
-    def changed(self, server: Server, back: bool) -> None:
-        mine = [s for s in self.spells if s["server"] == server.display and s["back"] is None]
-        if back:
-            for spell in mine:
-                spell["back"] = True
-            return
-        if server.out_kind == NOT_CHECKED:
-            return  # not examined yet: not a spell out of rotation
-        if mine and mine[-1]["kind"] == server.out_kind:
-            return  # the same spell, refused again
-        self.spells.append(
-            {"server": server.display, "kind": server.out_kind, "reason": server.last_error,
-             "back": None}
-        )  # fmt: skip

@@ -17,9 +17,11 @@ import tomli_w
 from structlog.testing import capture_logs
 
 from hsx_async.config import Config, config_from_dict
+from hsx_async.dataset.events import read_events
 from hsx_async.dataset.manifest import AppendLog
 from hsx_async.errors import ConfigError, DatasetError, DiskFullError
 from hsx_async.prepare.regenerate import RegenPaths, regenerate
+from hsx_async.run.report import ServerSpells
 from hsx_async.server.reference.server import ReferenceOptions, running_reference_server
 from tests.e2e import config_raw
 from tests.prepare.conftest import WriteLines, tiny_conversation
@@ -50,6 +52,13 @@ def _config(tmp: Path, urls: list[str], model_dir: Path, **server: Any) -> Confi
 
 def _lines(path: Path) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def _report_spells(events: Path) -> list[dict[str, Any]]:
+    fold = ServerSpells()
+    for rec in read_events(events):
+        fold.add(rec)
+    return fold.spells
 
 
 def _by_id(path: Path) -> dict[str, dict[str, Any]]:
@@ -187,6 +196,8 @@ async def test_a_bad_answer_is_the_servers_fault_never_written(
     assert _by_id(tmp_path / "mixed.jsonl") == _by_id(tmp_path / "good.jsonl")
     spells = summary.servers_out
     assert spells and all(s["server"] == bad.url and why in s["reason"] for s in spells)
+    # The summary's spells are the job report's rule over the run's own events log.
+    assert spells == _report_spells(RegenPaths.beside(tmp_path / "mixed.jsonl").events)
     turns = [r for r in bad.requests if _asked(r) != 1]
     failed = [e for e in logs if e.get("event") == "attempt_failed"]
     assert len(failed) == len(turns) and all(why in str(e["error"]) for e in failed)
