@@ -36,6 +36,7 @@ import structlog
 
 from hsx_async.dataset.durable import write_atomic
 from hsx_async.dataset.events import EVENTS, event_files, input_lines, read_events
+from hsx_async.dataset.inspection import require_dataset
 from hsx_async.dataset.manifest import AppendLog, log_name, read_manifest, read_quarantine
 from hsx_async.dataset.provenance import read_provenance
 from hsx_async.dataset.quarantine import reason_kind
@@ -309,16 +310,12 @@ def servers_out(out_dir: Path) -> list[dict[str, Any]]:
 
 
 def build_report(out_dir: Path) -> dict[str, Any]:
-    """Every number of the report, from the files of ``out_dir``."""
-    if not out_dir.is_dir():
-        raise DatasetError(f"{out_dir} is not a directory; give an output directory ([output].dir)")
+    """Every number of the report, from the files of ``out_dir`` (an hsx dataset: the
+    rule of status, verify and export)."""
+    require_dataset(out_dir)
     manifest = read_manifest(out_dir)
     quarantine = read_quarantine(out_dir)
     runs = _read_runs(out_dir)
-    if not manifest and not quarantine and not runs:
-        raise DatasetError(
-            f"{out_dir} holds no manifest, quarantine or run events: not an hsx output directory"
-        )
     t0 = float(runs[0][0]["time"]) if runs else 0.0
     lines = input_lines(out_dir, (read_provenance(out_dir) or {}).get("input_lines"))
     reasons = Counter(reason_kind(q.reason) for q in quarantine)

@@ -12,6 +12,7 @@ import pytest
 from hsx_async import cli
 from hsx_async.dataset.events import event_files
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
+from hsx_async.dataset.provenance import PROVENANCE
 from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.run.daemon import Daemon
 from hsx_async.run.report import PLOT_HINT, REPORT_JSON, REPORT_PNG, build_report, write_report
@@ -107,9 +108,15 @@ async def test_without_matplotlib_json_only_with_a_hint(
     assert json_path.is_file() and not (out / REPORT_PNG).exists()
 
 
+def _run_dir(out: Path) -> None:
+    """An output directory as hsx run leaves it before its first events line."""
+    out.mkdir()
+    (out / PROVENANCE).write_bytes(b"{}\n")
+
+
 def test_a_killed_run_keeps_its_last_tick(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    out.mkdir()
+    _run_dir(out)
     base = {"shard": "0/1", "quarantined": 0, "retries": {}, "servers": {"http://s": 3}}
     lines = [
         {"event": "start", "time": 100.0, "samples": 0, "tokens": 0, "bytes": 0, **base},
@@ -131,7 +138,7 @@ def test_a_spell_out_of_rotation_ends_in_its_own_run_and_shard(tmp_path: Path) -
     and brought it back. Before: one fold over every log that never saw a ``start``, so
     the admissions' server_back ended the spells of the other run and shard."""
     out = tmp_path / "out"
-    out.mkdir()
+    _run_dir(out)
     counts = {"samples": 0, "tokens": 0, "bytes": 0, "quarantined": 0}
 
     def log(shard: str, *events: tuple[str, float, str]) -> bytes:
@@ -175,9 +182,18 @@ def test_a_spell_out_of_rotation_ends_in_its_own_run_and_shard(tmp_path: Path) -
 def test_hsx_report_on_a_directory_that_is_no_dataset(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The rule of status, verify and export (inspection.require_dataset): one line,
+    exit 2, nothing written; out/data is told its parent."""
     assert cli.main(["report", str(tmp_path)]) == 2
-    assert "not an hsx output directory" in capsys.readouterr().err
+    assert "is not an hsx dataset" in capsys.readouterr().err
     assert cli.main(["report", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    out = tmp_path / "out"
+    _run_dir(out)
+    (out / "data").mkdir()
+    assert cli.main(["report", str(out / "data")]) == 2
+    assert f"did you mean {out}?" in capsys.readouterr().err
+    assert sorted(p.name for p in out.rglob("*")) == ["data", PROVENANCE]
 
 
 # -- the picture (issue 26; before/after looks in the issue note) ----------------------------
