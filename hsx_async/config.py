@@ -30,6 +30,7 @@ from hsx_async.protocol import (
     DEFAULT_DUMP_ROOT,
     FP8,
     NS_PATTERN,
+    OUTLIER_NONE,
     Storage,
     check_aux_layers,
     num_layers,
@@ -93,8 +94,12 @@ class OutputConfig:
     # How hidden states are stored (PROTOCOL §4): bfloat16, bit-exact; or float8_e4m3fn with
     # a float32 scale per (token, layer) for the slots `quantize` names: "all" (about half
     # the bytes) or "aux" (the final state, which sets the teacher's logits, stays bf16).
+    # `scales`, the FP8 layout (§3): each vector's 16 largest values kept exactly beside it
+    # (massive activations of attention-sink tokens starve nothing), or version 3's one
+    # scale per vector alone (what speculators' FP8 loader reads unchanged).
     dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
     quantize: Literal["all", "aux"] = "all"
+    scales: Literal["per_token_slot_outliers16", "per_token_slot"] = "per_token_slot_outliers16"
 
 
 @dataclass(frozen=True)
@@ -210,12 +215,12 @@ class Config:
 
     @property
     def storage(self) -> Storage:
-        """How the dataset stores hidden states ([output].dtype and .quantize)."""
+        """How the dataset stores hidden states ([output].dtype, .quantize, .scales)."""
         if self.output.dtype == BF16:
             return BF16_STORAGE
         layers = num_layers(self.model.aux_layers)
         slots = range(layers) if self.output.quantize == "all" else range(layers - 1)
-        return Storage(FP8, tuple(slots))
+        return Storage(FP8, tuple(slots), self.output.scales)
 
     @property
     def dataset_bytes_per_token(self) -> int:
@@ -388,6 +393,12 @@ def validate(c: Config) -> None:
         _check(value > 0, key, f"must be a positive number of seconds, got {value}")
     _check(c.input.max_tokens >= 1, "input.max_tokens", "must be at least 1")
     _check(c.model.hidden_size >= 1, "model.hidden_size", "must be at least 1")
+    _check(
+        c.output.dtype == BF16 or c.storage.outliers == 0 or c.model.hidden_size < OUTLIER_NONE,
+        "output.scales",
+        f"{c.output.scales!r} indexes channels in 16 bits: hidden_size "
+        f'{c.model.hidden_size} needs scales = "per_token_slot"',
+    )
     # The one aux-layer rule of every hook and server: the client refuses what they refuse.
     check_aux_layers(c.model.aux_layers, key="model.aux_layers")
     _check(

@@ -1,4 +1,4 @@
-"""The hsx protocol, version 3 (``PROTOCOL.md``): names, patterns and dump checks.
+"""The hsx protocol, version 4 (``PROTOCOL.md``): names, patterns and dump checks.
 
 Pure functions only: nothing here touches a socket or a file. The client, the built-in
 servers and the SGLang hook all import this module, so a rule lives in exactly one place.
@@ -18,10 +18,11 @@ import orjson
 
 from hsx_async.errors import CacheHitError, ConfigError, DumpError, HsxRequestError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 # Versions a client accepts in meta.json: version 1 differs only in having no final_state,
-# version 2 only in having no FP8 storage (its dumps are bfloat16).
-ACCEPTED_VERSIONS = (1, 2, 3)
+# version 2 only in having no FP8 storage (its dumps are bfloat16), version 3 only in
+# knowing one FP8 layout (per_token_slot).
+ACCEPTED_VERSIONS = (1, 2, 3, 4)
 
 # Which final hidden state the last layer slot holds (PROTOCOL §3): the output of the
 # model's final norm (the LM head's input, what SGLang's logits processor sees), or the
@@ -67,17 +68,31 @@ DTYPES = (BF16, FP8)
 DTYPE = BF16  # what every version-1/2 dump and dataset holds
 BYTES_PER_ELEMENT = 2
 SCALE_BYTES = 4  # one float32 scale per (token, quantized layer slot)
-# The scale layout FP8 storage names (meta.json, file metadata, provenance.json "scales"):
-# one float32 per (token, quantized layer slot). Version 3 knows no other.
-SCALE_LAYOUT = "per_token_slot"
+# The FP8 layouts (meta.json, file metadata, provenance.json "scales"), PROTOCOL §3.
+# per_token_slot (version 3): one float32 scale per (token, quantized slot) vector, from
+# its largest |value|. A few massive channels (attention sinks: 1,000-30,000x the row's
+# median) then push the rest of their row towards e4m3fn's subnormals (bench/fp8.py).
+PER_TOKEN_SLOT = "per_token_slot"
+# per_token_slot_outliers16 (version 4): each vector's OUTLIERS largest |values| are kept
+# exactly, in bfloat16 with their channel index, beside the FP8 values, and the scale comes
+# from the largest of the others: 4 + 4 x 16 bytes per vector instead of 4.
+PER_TOKEN_SLOT_OUTLIERS16 = "per_token_slot_outliers16"
+SCALE_LAYOUTS = (PER_TOKEN_SLOT_OUTLIERS16, PER_TOKEN_SLOT)
+OUTLIERS = 16  # per vector, in PER_TOKEN_SLOT_OUTLIERS16
+OUTLIER_NONE = 0xFFFF  # the index of an unused outlier entry (its value is +0)
 CUSTOM_PARAM_NS = "hsx_ns"
-# The storage a request asks the hook for (PROTOCOL §2, version 3). A hook that does not
-# know them dumps bfloat16, and the client quantizes (§3).
+# The storage a request asks the hook for (PROTOCOL §2). Version 3's keys name a
+# per_token_slot storage; version 4's hsx_storage names any (a version-3 hook does not
+# know it and dumps bfloat16, which the client quantizes, rather than another layout).
+# A hook that does not know them dumps bfloat16, and the client quantizes (§3).
 CUSTOM_PARAM_DTYPE = "hsx_dtype"
 CUSTOM_PARAM_QUANTIZED = "hsx_quantized"
+CUSTOM_PARAM_STORAGE = "hsx_storage"
 # Tensor names of a dataset file (§4); the dump's part sections have the same names.
 HIDDEN = "hidden_states"
 SCALES = "hidden_states_scales"
+OUTLIER_INDEX = "hidden_states_outlier_index"
+OUTLIER_VALUES = "hidden_states_outlier_values"
 UNQUANTIZED = "hidden_states_unquantized"
 DEFAULT_DUMP_ROOT = "/dev/shm/hsx"
 
@@ -203,7 +218,7 @@ class Section:
     dataset file holds each section as one tensor over all rows (PROTOCOL §3, §4)."""
 
     name: str
-    dtype: str  # "BF16" | "F8_E4M3" | "F32"
+    dtype: str  # "BF16" | "F8_E4M3" | "F32" | "U16"
     row_shape: tuple[int, int]
     row_bytes: int
 
@@ -212,24 +227,37 @@ class Section:
 class Storage:
     """How hidden states are stored (PROTOCOL §3, §4): ``bfloat16`` (all slots, bit-exact),
     or ``float8_e4m3fn`` for the layer slots in ``quantized`` (indices into the L axis,
-    ascending), each (token, slot) vector with its own float32 scale; the other slots stay
-    bfloat16."""
+    ascending), each (token, slot) vector with its own float32 scale in the layout
+    ``scales`` names (:data:`SCALE_LAYOUTS`; default, for FP8: version 3's
+    ``per_token_slot``); the other slots stay bfloat16."""
 
     dtype: str = BF16
     quantized: tuple[int, ...] = ()
+    scales: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         q = self.quantized
-        if self.dtype == BF16 and q:
-            raise ValueError("a bfloat16 storage quantizes no slot")
+        if self.dtype == BF16 and (q or self.scales):
+            raise ValueError("a bfloat16 storage quantizes no slot and has no scales")
         if self.dtype == FP8 and (not q or list(q) != sorted(set(q)) or q[0] < 0):
             raise ValueError(f"quantized slots {list(q)} are not ascending, distinct and ≥ 0")
+        if self.dtype == FP8 and not self.scales:
+            object.__setattr__(self, "scales", PER_TOKEN_SLOT)  # frozen: set once, here
+        if self.dtype == FP8 and self.scales not in SCALE_LAYOUTS:
+            raise ValueError(
+                f"scales {self.scales!r} is not one of {', '.join(map(repr, SCALE_LAYOUTS))}"
+            )
 
     @property
     def is_fp8(self) -> bool:
         return self.dtype == FP8
+
+    @property
+    def outliers(self) -> int:
+        """Values per vector kept exactly beside the FP8 ones (0: none)."""
+        return OUTLIERS if self.scales == PER_TOKEN_SLOT_OUTLIERS16 else 0
 
     def check_slots(self, layers: int) -> None:
         if self.quantized and self.quantized[-1] >= layers:
@@ -245,11 +273,14 @@ class Storage:
     def sections(self, layers: int, hidden_size: int) -> tuple[Section, ...]:
         if not self.is_fp8:
             return (Section(HIDDEN, "BF16", (layers, hidden_size), layers * hidden_size * 2),)
-        lq, lk = len(self.quantized), layers - len(self.quantized)
+        lq, lk, k = len(self.quantized), layers - len(self.quantized), self.outliers
         out = [
             Section(HIDDEN, "F8_E4M3", (lq, hidden_size), lq * hidden_size),
             Section(SCALES, "F32", (lq, 1), lq * SCALE_BYTES),
         ]
+        if k:
+            out.append(Section(OUTLIER_INDEX, "U16", (lq, k), lq * k * 2))
+            out.append(Section(OUTLIER_VALUES, "BF16", (lq, k), lq * k * 2))
         if lk:
             out.append(Section(UNQUANTIZED, "BF16", (lk, hidden_size), lk * hidden_size * 2))
         return tuple(out)
@@ -260,31 +291,31 @@ class Storage:
     def describe(self) -> str:
         if not self.is_fp8:
             return BF16
-        return f"{FP8} (slots {','.join(map(str, self.quantized))})"
+        return f"{FP8} (slots {','.join(map(str, self.quantized))}; scales {self.scales})"
 
 
 BF16_STORAGE = Storage()
 
 
 def parse_storage(dtype: object, quantized: object, where: str, scales: object = None) -> Storage:
-    """A storage as meta.json, a file's metadata or provenance.json names it; absent
-    (None, None) is bfloat16 (versions 1 and 2). ``scales``: the scale layout an FP8
-    storage names (absent: the one version 3 defines)."""
+    """A storage as meta.json, a file's metadata, provenance.json or a request names it;
+    absent (None, None) is bfloat16 (versions 1 and 2). ``scales``: the layout an FP8
+    storage names (absent: version 3's, ``per_token_slot``)."""
     if dtype is None or dtype == BF16:
         if quantized not in (None, [], ()):
             raise DumpError(f"{where}: a bfloat16 storage lists quantized slots {quantized!r}")
         return BF16_STORAGE
     if dtype != FP8:
         raise DumpError(f"{where}: dtype is {dtype!r}, expected one of {', '.join(DTYPES)}")
-    if scales not in (None, SCALE_LAYOUT):
+    if scales is not None and scales not in SCALE_LAYOUTS:
         raise DumpError(
-            f"{where}: scales is {scales!r}; this hsx reads {SCALE_LAYOUT!r} (a float32 scale "
-            "per token and layer slot) only: read it with the hsx that wrote it"
+            f"{where}: scales is {scales!r}; this hsx reads "
+            f"{' and '.join(map(repr, SCALE_LAYOUTS))} only: read it with the hsx that wrote it"
         )
     if not isinstance(quantized, list | tuple) or not all(type(x) is int for x in quantized):
         raise DumpError(f"{where}: quantized is {quantized!r}, expected a list of slot indices")
     try:
-        return Storage(FP8, tuple(quantized))
+        return Storage(FP8, tuple(quantized), str(scales or PER_TOKEN_SLOT))
     except ValueError as exc:
         raise DumpError(f"{where}: {exc}") from None
 
@@ -296,7 +327,7 @@ def storage_metadata(storage: Storage) -> dict[str, str]:
     return {
         "dtype": FP8,
         "quantized": ",".join(map(str, storage.quantized)),
-        "scales": SCALE_LAYOUT,
+        "scales": storage.scales,
     }
 
 
@@ -386,7 +417,7 @@ class DumpMeta:
         }
         if self.storage.is_fp8:
             raw["quantized"] = list(self.storage.quantized)
-            raw["scales"] = SCALE_LAYOUT
+            raw["scales"] = self.storage.scales
         return orjson.dumps(raw)
 
 
@@ -412,6 +443,11 @@ def parse_meta(data: bytes) -> DumpMeta:
     storage = parse_storage(raw.get("dtype"), raw.get("quantized"), "meta.json", raw.get("scales"))
     if raw.get("dtype") != DTYPE and raw["protocol"] < 3:
         raise DumpError(f"meta.json dtype is {raw.get('dtype')!r}, expected {DTYPE!r}")
+    if storage.is_fp8 and storage.scales != PER_TOKEN_SLOT and raw["protocol"] < 4:
+        raise DumpError(
+            f"meta.json scales is {storage.scales!r}, which protocol {raw['protocol']} "
+            f"does not define (expected {PER_TOKEN_SLOT!r})"
+        )
     layers = raw.get("aux_layers")
     if not isinstance(layers, list) or not all(type(x) is int for x in layers):
         raise DumpError(f"meta.json aux_layers is {layers!r}, expected a list of integers")
@@ -539,24 +575,45 @@ def _check_scales(data: bytes | bytearray | memoryview) -> str | None:
 
 def storage_params(storage: Storage) -> dict[str, Any]:
     """What a request adds to ``custom_params`` (vLLM: ``kv_transfer_params``) to ask the
-    hook for ``storage`` (PROTOCOL §2); nothing for bfloat16."""
+    hook for ``storage`` (PROTOCOL §2); nothing for bfloat16. A ``per_token_slot`` storage
+    in version 3's keys, which a version-3 hook honours too; any other in ``hsx_storage``,
+    which a version-3 hook does not know: it dumps bfloat16 and the client quantizes."""
     if not storage.is_fp8:
         return {}
-    return {CUSTOM_PARAM_DTYPE: storage.dtype, CUSTOM_PARAM_QUANTIZED: list(storage.quantized)}
+    if storage.scales == PER_TOKEN_SLOT:
+        return {CUSTOM_PARAM_DTYPE: storage.dtype, CUSTOM_PARAM_QUANTIZED: list(storage.quantized)}
+    return {
+        CUSTOM_PARAM_STORAGE: {
+            "dtype": storage.dtype,
+            "quantized": list(storage.quantized),
+            "scales": storage.scales,
+        }
+    }
 
 
 def requested_storage(params: dict[str, Any], layers: int) -> tuple[Storage, str]:
     """The storage a request asks for, as the hook reads it: (storage, '') or, for a
     request it cannot honour, (bfloat16, why): the client then quantizes itself."""
-    dtype = params.get(CUSTOM_PARAM_DTYPE)
-    if dtype is None or dtype == BF16:
-        return BF16_STORAGE, ""
     try:
-        storage = parse_storage(dtype, params.get(CUSTOM_PARAM_QUANTIZED), "request")
+        storage = _requested(params)
         storage.check_slots(layers)
     except (DumpError, ValueError) as exc:
         return BF16_STORAGE, str(exc)
     return storage, ""
+
+
+def _requested(params: dict[str, Any]) -> Storage:
+    asked = params.get(CUSTOM_PARAM_STORAGE)
+    if asked is not None:
+        if not isinstance(asked, dict):
+            raise DumpError(f"request: {CUSTOM_PARAM_STORAGE} is {asked!r}, expected an object")
+        return parse_storage(
+            asked.get("dtype"), asked.get("quantized"), "request", asked.get("scales")
+        )
+    dtype = params.get(CUSTOM_PARAM_DTYPE)
+    if dtype is None or dtype == BF16:
+        return BF16_STORAGE
+    return parse_storage(dtype, params.get(CUSTOM_PARAM_QUANTIZED), "request")
 
 
 def generate_body(

@@ -32,7 +32,14 @@ import xxhash
 from hsx_async.dataset.layout import SampleId, build_layout, data_relpath, sample_key
 from hsx_async.dataset.manifest import MANIFEST, ManifestEntry, log_name
 from hsx_async.dataset.provenance import PROVENANCE
-from hsx_async.protocol import BF16_STORAGE, FP8, POST_NORM, Storage
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    FP8,
+    PER_TOKEN_SLOT,
+    POST_NORM,
+    PROTOCOL_VERSION,
+    Storage,
+)
 from hsx_async.quantize import encode_rows
 from hsx_async.run.daemon import Daemon
 from hsx_async.server.fake.server import FakeOptions, expected_hidden_states, running_fake_server
@@ -60,10 +67,11 @@ class WrittenSample:
     sections: tuple[torch.Tensor, ...] = ()  # the stored hidden sections, in file order
 
 
-def fp8_storage(num_layers: int, quantize: str = "all") -> Storage:
-    """The FP8 storage ``[output].quantize`` names: every slot, or the aux ones only."""
+def fp8_storage(num_layers: int, quantize: str = "all", scales: str = PER_TOKEN_SLOT) -> Storage:
+    """The FP8 storage ``[output].quantize`` names: every slot, or the aux ones only, in the
+    layout ``scales`` names (PROTOCOL §3)."""
     slots = range(num_layers) if quantize == "all" else range(num_layers - 1)
-    return Storage(FP8, tuple(slots))
+    return Storage(FP8, tuple(slots), scales)
 
 
 def section_bytes(tensor: torch.Tensor) -> bytes:
@@ -183,14 +191,16 @@ def write_storage_provenance(
     final_state: str = POST_NORM,
 ) -> None:
     """The ``provenance.json`` fields that say how the dataset stores hidden states."""
-    record = {
-        "protocol": 3,
+    record: dict[str, object] = {
+        "protocol": PROTOCOL_VERSION,
         "hidden_size": hidden_size,
         "aux_layers": list(aux_layers),
         "dtype": storage.dtype,
         "quantized": list(storage.quantized),
         "final_state": final_state,
     }
+    if storage.is_fp8:
+        record["scales"] = storage.scales
     (out_dir / PROVENANCE).write_bytes(orjson.dumps(record))
 
 

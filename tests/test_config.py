@@ -111,25 +111,52 @@ def test_protocol_minimal_file_is_a_complete_config(tmp_path: Path) -> None:
         c.workers.concurrency = 9  # type: ignore[misc]
 
 
+# Bytes per token at Kimi-K2.5's shape (H 7168, L 4): per quantized vector H values and a
+# float32 scale, + 16 outliers (uint16 channel, bf16 value) in the outliers layout.
+OUTLIERS16 = "per_token_slot_outliers16"
+
+
 @pytest.mark.parametrize(
-    ("quantize", "slots", "per_token"),
-    [("all", (0, 1, 2, 3), 4 * 7168 + 4 * 4), ("aux", (0, 1, 2), 3 * 7168 + 3 * 4 + 7168 * 2)],
+    ("quantize", "scales", "slots", "per_token"),
+    [
+        ("all", None, (0, 1, 2, 3), 4 * (7168 + 4 + 16 * 4)),
+        ("aux", None, (0, 1, 2), 3 * (7168 + 4 + 16 * 4) + 7168 * 2),
+        ("all", "per_token_slot", (0, 1, 2, 3), 4 * 7168 + 4 * 4),
+        ("aux", "per_token_slot", (0, 1, 2), 3 * 7168 + 3 * 4 + 7168 * 2),
+    ],
 )
 def test_fp8_output_names_the_slots_and_the_dataset_bytes(
-    tmp_path: Path, quantize: str, slots: tuple[int, ...], per_token: int
+    tmp_path: Path, quantize: str, scales: str | None, slots: tuple[int, ...], per_token: int
 ) -> None:
     """[output].dtype = FP8 quantizes every slot, or with quantize = "aux" the aux ones
-    only (the final state, which sets the teacher's logits, stays bf16). The dump budget
-    keeps counting bf16 rows: a server whose hook does not quantize dumps those."""
+    only (the final state, which sets the teacher's logits, stays bf16), in the layout
+    [output].scales names (default: the outliers one). The dump budget keeps counting bf16
+    rows: a server whose hook does not quantize dumps those."""
     path = tmp_path / "hsx.toml"
     extra = f'dtype = "float8_e4m3fn"\nquantize = "{quantize}"\n'
+    if scales is not None:
+        extra += f'scales = "{scales}"\n'
     path.write_text(
         MINIMAL_TOML.replace('dir = "/nvme/hsx-out"\n', f'dir = "/nvme/hsx-out"\n{extra}')
     )
     c = load_config(path)
-    assert c.storage == Storage(FP8, slots)
+    assert c.storage == Storage(FP8, slots, scales or OUTLIERS16)
     assert c.dataset_bytes_per_token == per_token
     assert c.sample_bytes_per_token == 4 * 7168 * 2
+
+
+def test_an_outliers_layout_past_uint16_channels_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "hsx.toml"
+    text = MINIMAL_TOML.replace('dir = "/nvme/hsx-out"\n', 'dir = "/nvme/hsx-out"\ndtype = '
+                                '"float8_e4m3fn"\n').replace("7168", "70000").replace(
+        'path = "samples.jsonl"', 'path = "samples.jsonl"\nmax_tokens = 1024')  # fmt: skip
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"output\.scales.*hidden_size 70000 needs scales"):
+        load_config(path)
+    path.write_text(
+        text.replace('"float8_e4m3fn"\n', '"float8_e4m3fn"\nscales = "per_token_slot"\n')
+    )
+    assert load_config(path).storage.scales == "per_token_slot"
 
 
 def test_unknown_output_dtype_is_one_line_naming_the_key(tmp_path: Path) -> None:

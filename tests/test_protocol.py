@@ -235,7 +235,7 @@ def test_meta_json_round_trips(
     parts, n = tiling
     meta = DumpMeta(rid, n, hidden, tuple(layers), tuple(parts), model, "srv")
     raw = orjson.loads(meta.to_json())
-    assert raw["protocol"] == 3
+    assert raw["protocol"] == 4
     assert raw["dtype"] == "bfloat16"
     assert parse_meta(meta.to_json()) == meta
     check_meta(meta, rid=rid, num_tokens=n, hidden_size=hidden, aux_layers=layers)
@@ -246,7 +246,7 @@ def test_meta_json_round_trips(
     [
         (b"{", "not valid JSON"),
         (b"[1, 2]", "not a JSON object"),
-        (_meta_json(protocol=4), "protocol is 4"),
+        (_meta_json(protocol=5), "protocol is 5"),
         (_meta_json(final_state="prenorm"), "final_state is 'prenorm'"),
         (_meta_json(final_state=1), "final_state is 1"),
         (_meta_json(protocol=None), "protocol is None"),

@@ -40,7 +40,7 @@ import xxhash
 from hsx_async.dataset import reader as dataset
 from hsx_async.dataset.layout import FILE_SUFFIX, canonical_id, read_header
 from hsx_async.dataset.manifest import ManifestEntry, read_manifest
-from hsx_async.dataset.quant_audit import QuantStats, scan_fp8
+from hsx_async.dataset.quant_audit import QuantStats, fp8_warnings, scan_fp8
 from hsx_async.dataset.reader import SampleHeader
 from hsx_async.errors import DatasetError
 from hsx_async.parallel import ordered_map
@@ -244,8 +244,7 @@ def scan_file(path: Path, *, num_tokens: int | None = None, values: bool = False
     for start in range(0, header.num_tokens, step):
         rows = {name: tensor[start : start + step] for name, tensor in stored.items()}
         if stats.quant is not None:
-            scan_fp8(rows[dataset.HIDDEN_STATES], rows[dataset.HIDDEN_STATES_SCALES],
-                     stats.quant, start)  # fmt: skip
+            scan_fp8(rows, stats.quant, start)
         chunk = dataset.hidden_bf16(header, rows).view(_int16()).numpy()  # bf16: no copy
         bad = _scan_nonfinite(chunk, stats, start)
         _scan_rows(chunk, stats, start)
@@ -270,6 +269,8 @@ class LayerSummary:
     # None for a slot stored as bf16.
     fp8_err_mean: float | None = None
     fp8_err_max: float | None = None
+    # and the share of its FP8 values (outliers excluded) stored as subnormals or zero
+    fp8_subnormal: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -282,6 +283,7 @@ class LayerSummary:
             "zero_rows": self.zero_rows,
             "fp8_rel_rms_error_mean": self.fp8_err_mean,
             "fp8_rel_rms_error_max": self.fp8_err_max,
+            "fp8_subnormal_share": self.fp8_subnormal,
         }
 
 
@@ -347,20 +349,26 @@ def _layer_table(layers: Sequence[LayerSummary]) -> str:
     head += f"{'Inf':>6} {'zero rows':>10}"
     fp8 = any(s.fp8_err_mean is not None for s in layers)
     if fp8:
-        head += f" {'fp8 err mean':>12} {'fp8 err max':>12}"
+        head += f" {'fp8 err mean':>12} {'fp8 err max':>12} {'fp8 subnorm':>11}"
     body = [
         f"  {s.name:<10} {s.rows:>10} {s.mean_norm:>12.4g} {s.max_norm:>12.4g} {s.nan:>6} "
-        f"{s.inf:>6} {s.zero_rows:>10}"
-        + (_err_columns(s.fp8_err_mean, s.fp8_err_max) if fp8 else "")
+        f"{s.inf:>6} {s.zero_rows:>10}" + (_fp8_columns(s) if fp8 else "")
         for s in layers
     ]
     lines = [head, *body]
     if fp8:
         lines.append(
             "  fp8 err: estimated relative RMS error of each stored FP8 vector (from its "
-            "values: rounding to e4m3fn); bf16 slots: -"
+            "values: rounding to e4m3fn); subnorm: share of its FP8 values stored as "
+            "subnormals or zero (outliers excluded); bf16 slots: -"
         )
     return "\n".join(lines)
+
+
+def _fp8_columns(s: LayerSummary) -> str:
+    share = s.fp8_subnormal
+    subnormal = f" {'-':>11}" if share is None else f" {share:>11.3%}"
+    return _err_columns(s.fp8_err_mean, s.fp8_err_max) + subnormal
 
 
 def _err_columns(mean: float | None, high: float | None) -> str:
@@ -460,6 +468,9 @@ class _Totals:
                 int(self.zero_rows[i]),
                 fp8_err_mean=(float(quant.err_mean[i]) if quant and i in quant.slots else None),
                 fp8_err_max=float(quant.err_max[i]) if quant and i in quant.slots else None,
+                fp8_subnormal=(
+                    float(quant.subnormal_share[i]) if quant and i in quant.slots else None
+                ),
             )
             for i, name in enumerate(self.names)
         ]
@@ -518,6 +529,8 @@ def audit_dataset(
         report.layers = totals.summary()
         report.warnings.extend(norm_warnings(totals.names, totals.sample_means, totals.sample_ids))
         report.warnings.extend(depth_warnings(report.layers, totals.shape[1]))
+        if totals.quant is not None:
+            report.warnings.extend(fp8_warnings(totals.quant, totals.names, totals.storage.scales))
         if plot_path is not None:
             _plot_norms(plot_path, totals, title=f"{out_dir} ({report.samples_audited} samples)")
             report.plot_path = plot_path
@@ -662,6 +675,9 @@ def _section_slots(storage: Storage, layers: int) -> dict[str, str]:
     return {
         "hidden_states": quantized,
         "hidden_states_scales": quantized + " (one float32 scale per token and slot)",
+        "hidden_states_outlier_index": quantized
+        + f" (the channels of each vector's {storage.outliers} outliers; 65535: unused)",
+        "hidden_states_outlier_values": quantized + " (their values, exact)",
         "hidden_states_unquantized": "  slots " + ",".join(map(str, storage.kept(layers))),
     }
 

@@ -43,7 +43,15 @@ from hsx_async.dataset.quarantine import after_attempts, retried_before
 from hsx_async.dataset.running import Running, running_runs
 from hsx_async.errors import DatasetError, DumpError
 from hsx_async.logs import configure_logging
-from hsx_async.protocol import HIDDEN, SCALES, UNQUANTIZED, Storage, storage_from_metadata
+from hsx_async.protocol import (
+    HIDDEN,
+    OUTLIER_INDEX,
+    OUTLIER_VALUES,
+    SCALES,
+    UNQUANTIZED,
+    Storage,
+    storage_from_metadata,
+)
 from hsx_async.units import eta_text, human_bytes
 
 # -- status --------------------------------------------------------------------------------
@@ -203,7 +211,7 @@ def _check_bf16(header: dict[str, Any], t: int) -> list[str]:
         problems.append(f"hidden_states has {shape[1]} layers but aux_layers is {aux!r}")
     problems.extend(
         f"{name} is in a file whose metadata names no FP8 storage"
-        for name in (SCALES, UNQUANTIZED)
+        for name in (SCALES, OUTLIER_INDEX, OUTLIER_VALUES, UNQUANTIZED)
         if name in header
     )
     return problems
@@ -219,12 +227,13 @@ def _check_fp8_sections(header: dict[str, Any], storage: Storage, t: int) -> lis
     shape = header.get(HIDDEN, {}).get("shape") or [t, 0, 0]
     want = expected_tensors(storage, t, layers, shape[-1])
     problems = []
-    for name in (HIDDEN, SCALES, UNQUANTIZED):
+    for name in (HIDDEN, SCALES, OUTLIER_INDEX, OUTLIER_VALUES, UNQUANTIZED):
         got, need = header.get(name), want.get(name)
         if got is None and need is not None:
             problems.append(f"{name} is missing; {storage.describe()} stores it")
         elif got is not None and need is None:
-            problems.append(f"{name} is present, but {storage.describe()} keeps no slot")
+            what = "keeps no slot" if name == UNQUANTIZED else "has no outliers"
+            problems.append(f"{name} is present, but {storage.describe()} {what}")
         elif got is not None and need is not None and (got.get("dtype"), got.get("shape")) != need:
             problems.append(
                 f"{name} is {got.get('dtype')} {got.get('shape')}, expected {need[0]} "

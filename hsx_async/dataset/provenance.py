@@ -42,7 +42,6 @@ from hsx_async.protocol import (
     NORM_KINDS,
     POST_NORM,
     PROTOCOL_VERSION,
-    SCALE_LAYOUT,
     Storage,
     parse_final_state,
     parse_storage,
@@ -98,7 +97,7 @@ class Provenance:
             "config": {k: _json_safe(v) for k, v in self.config.items()},
         }
         if self.storage.is_fp8:
-            raw["scales"] = SCALE_LAYOUT  # one float32 per (token, quantized slot)
+            raw["scales"] = self.storage.scales  # the FP8 layout (PROTOCOL §3)
         if self.final_norm is not None:
             raw["final_norm"] = self.final_norm
         return raw
@@ -243,8 +242,9 @@ def _check_storage(out_dir: Path, old: dict[str, Any], record: Provenance) -> No
         # verify take it from provenance.json), as it holds one final-state kind.
         raise DatasetError(
             f"{out_dir} stores hidden states as {have.describe()} (provenance.json); "
-            f"this config asks for {record.storage.describe()}. Set [output].dtype and "
-            "[output].quantize as the dataset was made, or use a new output.dir"
+            f"this config asks for {record.storage.describe()}. Set [output].dtype, "
+            "[output].quantize and [output].scales as the dataset was made, or use a new "
+            "output.dir"
         )
 
 

@@ -19,19 +19,25 @@ The only copy on the way to the trainer is :class:`PadCollator` writing each sam
 padded batch. With ``DataLoader(num_workers > 0)`` the batch then travels to the main
 process through shared memory, as torch does for every dataset.
 
-FP8 datasets (PROTOCOL §4, version 3: ``[output].dtype = "float8_e4m3fn"``) store the
-quantized layer slots as ``hidden_states`` e4m3fn ``[T, Lq, H]`` with ``hidden_states_scales``
-float32 ``[T, Lq, 1]`` (one scale per token and slot) and the slots kept in bfloat16 as
-``hidden_states_unquantized`` ``[T, L - Lq, H]``. Which slots are which is in each file's
-``__metadata__`` (``dtype``, ``quantized``) and in ``provenance.json``. By default
+FP8 datasets (PROTOCOL §4, versions 3 and 4: ``[output].dtype = "float8_e4m3fn"``) store
+the quantized layer slots as ``hidden_states`` e4m3fn ``[T, Lq, H]`` with
+``hidden_states_scales`` float32 ``[T, Lq, 1]`` (one scale per token and slot), in the
+``per_token_slot_outliers16`` layout (version 4's default) each vector's 16 largest values
+exactly beside them (``hidden_states_outlier_index`` uint16 ``[T, Lq, 16]``, the channels,
+and ``hidden_states_outlier_values`` bf16 ``[T, Lq, 16]``), and the slots kept in bfloat16
+as ``hidden_states_unquantized`` ``[T, L - Lq, H]``. Which slots and layout are which is in
+each file's ``__metadata__`` (``dtype``, ``quantized``, ``scales``) and in
+``provenance.json``. By default
 (``storage="bf16"``) such a sample yields exactly what a bfloat16 sample yields: each item is
 dequantized on its own, when it is read (:func:`hsx_async.quantize.assemble`; a bfloat16
 ``[T, L, H]`` per sample, then the same two views), so only the sample in hand is ever
 widened. With ``storage="raw"`` the hidden fields are replaced by the file's sections as
 stored (zero-copy views, for trainers that take FP8 themselves): ``hidden_states`` e4m3fn
-``[T, Lq, H]``, ``hidden_states_scales`` ``[T, Lq, 1]`` and, when some slots are kept,
-``hidden_states_unquantized`` bf16 ``[T, Lk, H]``; ``HiddenStateDataset.storage`` (and each
-:class:`SampleHeader`) says which slots (``storage.quantized``, ``storage.kept(L)``). Raw on a
+``[T, Lq, H]``, ``hidden_states_scales`` ``[T, Lq, 1]``, the two outlier sections in that
+layout and, when some slots are kept, ``hidden_states_unquantized`` bf16 ``[T, Lk, H]``;
+``HiddenStateDataset.storage`` (and each :class:`SampleHeader`) says which slots and layout
+(``storage.quantized``, ``storage.kept(L)``, ``storage.scales``;
+:func:`hsx_async.quantize.dequantize` takes the sections). Raw on a
 bfloat16 dataset yields its one section, ``hidden_states`` bf16 ``[T, L, H]``.
 
 Also here: :class:`LengthGroupedBatchSampler` (batches of similar lengths, less padding),
@@ -62,6 +68,8 @@ from hsx_async.errors import DatasetError, DumpError
 from hsx_async.protocol import (
     BF16_STORAGE,
     HIDDEN,
+    OUTLIER_INDEX,
+    OUTLIER_VALUES,
     POST_NORM,
     PRE_NORM,
     SCALES,
@@ -83,10 +91,19 @@ INPUT_IDS = "input_ids"
 LOSS_MASK = "loss_mask"
 HIDDEN_STATES = HIDDEN  # bf16 [T, L, H], or the FP8 values [T, Lq, H] of an FP8 file
 HIDDEN_STATES_SCALES = SCALES  # FP8 files: float32 [T, Lq, 1]
+# FP8 files of the per_token_slot_outliers16 layout: uint16 channels, bf16 values [T, Lq, 16]
+HIDDEN_STATES_OUTLIER_INDEX = OUTLIER_INDEX
+HIDDEN_STATES_OUTLIER_VALUES = OUTLIER_VALUES
 HIDDEN_STATES_UNQUANTIZED = UNQUANTIZED  # FP8 files keeping some slots: bf16 [T, Lk, H]
 AUX_HIDDEN_STATES = "aux_hidden_states"
 FIELDS: tuple[str, ...] = (INPUT_IDS, LOSS_MASK, HIDDEN_STATES, AUX_HIDDEN_STATES)
-SECTIONS: tuple[str, ...] = (HIDDEN_STATES, HIDDEN_STATES_SCALES, HIDDEN_STATES_UNQUANTIZED)
+SECTIONS: tuple[str, ...] = (  # in file order (protocol.Storage.sections)
+    HIDDEN_STATES,
+    HIDDEN_STATES_SCALES,
+    HIDDEN_STATES_OUTLIER_INDEX,
+    HIDDEN_STATES_OUTLIER_VALUES,
+    HIDDEN_STATES_UNQUANTIZED,
+)
 # Every tensor name PROTOCOL §4 allows in a sample file, in file order.
 STORED: tuple[str, ...] = (INPUT_IDS, *SECTIONS, LOSS_MASK)
 
@@ -242,7 +259,8 @@ def read_tensors(
     """The header and the named *stored* tensors, zero-copy views of a private mapping of
     the file: ``input_ids``, ``loss_mask`` and the storage's sections (bfloat16:
     ``hidden_states`` [T, L, H]; FP8: ``hidden_states`` e4m3fn [T, Lq, H],
-    ``hidden_states_scales`` and ``hidden_states_unquantized``). A named tensor the file
+    ``hidden_states_scales``, the outlier sections and ``hidden_states_unquantized``). A
+    named tensor the file
     does not hold (no loss_mask, a section of another storage) is left out: see
     :func:`hidden_bf16` for ``[T, L, H]`` whatever the storage.
 
@@ -278,7 +296,7 @@ def hidden_bf16(header: SampleHeader, stored: dict[str, torch.Tensor]) -> torch.
     """The sample's hidden states as bfloat16 ``[T, L, H]`` from what :func:`read_hidden`
     returned: the stored tensor itself (a view of the mapping) for a bfloat16 file; for an
     FP8 file, a new tensor with the quantized slots dequantized (float32 product, rounded
-    once) and the kept slots as stored."""
+    once; the outliers as stored) and the kept slots as stored."""
     if not header.storage.is_fp8:
         return stored[HIDDEN_STATES]
     return assemble(
@@ -287,6 +305,8 @@ def hidden_bf16(header: SampleHeader, stored: dict[str, torch.Tensor]) -> torch.
         stored.get(HIDDEN_STATES_UNQUANTIZED),
         header.storage,
         torch.bfloat16,
+        outlier_index=stored.get(HIDDEN_STATES_OUTLIER_INDEX),
+        outlier_values=stored.get(HIDDEN_STATES_OUTLIER_VALUES),
     )
 
 
@@ -419,9 +439,10 @@ class HiddenStateDataset(Dataset[Sample]):
 
     ``storage``: ``"bf16"`` (default) yields bfloat16 hidden states whatever the dataset
     stores (an FP8 dataset is dequantized per item, in ``__getitem__``); ``"raw"`` yields the
-    stored sections (e4m3fn values, float32 scales, kept bf16 slots) for trainers that take
-    FP8; :attr:`storage` (a :class:`~hsx_async.protocol.Storage`) names the quantized and
-    kept slots. Every file must hold the dataset's storage (``provenance.json``).
+    stored sections (e4m3fn values, float32 scales, outliers, kept bf16 slots) for trainers
+    that take FP8; :attr:`storage` (a :class:`~hsx_async.protocol.Storage`) names the
+    quantized and kept slots and the layout. Every file must hold the dataset's storage
+    (``provenance.json``).
 
     ``final_state``: what ``hidden_states`` (the last slot) holds. ``"as_stored"``
     (default): the dataset's own kind, :attr:`final_state` — post-norm from SGLang (the LM
@@ -734,6 +755,8 @@ __all__ = [
     "FINAL_STATES",
     "HIDDEN_MODES",
     "HIDDEN_STATES",
+    "HIDDEN_STATES_OUTLIER_INDEX",
+    "HIDDEN_STATES_OUTLIER_VALUES",
     "HIDDEN_STATES_SCALES",
     "HIDDEN_STATES_UNQUANTIZED",
     "INPUT_IDS",

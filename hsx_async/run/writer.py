@@ -9,7 +9,7 @@ Two steps, so that the slow part runs in parallel and the syncs are shared:
   file into place, then one fsync per directory touched (a bucket's name in ``data/``,
   the new names in each bucket). Only then does the caller write the manifest lines.
 
-FP8 datasets (PROTOCOL version 3): a dump the hook stored as FP8 is copied the same way,
+FP8 datasets (PROTOCOL versions 3, 4): a dump the hook stored as FP8 is copied the same way,
 section by section (each file tensor is one section of every part, in row order), bytes
 unchanged; its scales (4 bytes a vector) pass through a small private buffer, checked
 there against the quantization rule (:func:`~hsx_async.protocol.section_check`: a
@@ -555,12 +555,13 @@ FALLBACK_TORCH_THREADS = 1
 def _encoded(job: WriteJob) -> Iterator[memoryview]:
     """The hidden sections of an FP8 file from a bfloat16 dump, in file order, a block of
     rows at a time (the same quantizer as the hook, so the same bytes): pass 1 writes the
-    quantized slots and keeps their scales (T × Lq × 4 bytes), then the scales, then pass 2
-    the slots kept in bfloat16. Memory: one block and the scales, whatever T."""
+    quantized slots and keeps their per-vector sections (scales, and the outliers of that
+    layout: T × Lq × 4 bytes, × 17 with outliers), then those, then pass 2 the slots kept in
+    bfloat16. Memory: one block and the per-vector sections, whatever T."""
     # torch only here: a bf16 run (and an FP8 one whose hook quantizes) never imports it.
     import torch  # noqa: PLC0415 - ~1.4 CPU-s and 200 MB that a copy does not need
 
-    from hsx_async.quantize import quantize  # noqa: PLC0415 - imports torch
+    from hsx_async.quantize import quantized_sections  # noqa: PLC0415 - imports torch
 
     if FALLBACK_TORCH_THREADS and torch.get_num_threads() != FALLBACK_TORCH_THREADS:
         torch.set_num_threads(FALLBACK_TORCH_THREADS)
@@ -569,7 +570,7 @@ def _encoded(job: WriteJob) -> Iterator[memoryview]:
     in_row = meta.row_bytes
     block_rows = max(1, _ENCODE_BYTES // in_row)
     block = bytearray(block_rows * in_row)
-    scales = torch.empty((meta.num_tokens, len(storage.quantized)), dtype=torch.float32)
+    per_vector: list[torch.Tensor] = []  # [T, Lq, ...] each, filled block by block
     kept = storage.kept(layers)
 
     def blocks() -> Iterator[tuple[int, torch.Tensor]]:
@@ -588,10 +589,16 @@ def _encoded(job: WriteJob) -> Iterator[memoryview]:
 
     every = len(storage.quantized) == layers
     for row, rows in blocks():
-        q, scale = quantize(rows if every else rows[:, list(storage.quantized), :])
-        scales[row : row + rows.shape[0]] = scale
-        yield _bytes_of(q)
-    yield _bytes_of(scales)
+        q, *rest = quantized_sections(
+            rows if every else rows[:, list(storage.quantized), :], storage
+        )
+        if not per_vector:
+            per_vector = [t.new_empty((meta.num_tokens, *t.shape[1:])) for t in rest]
+        for whole, part in zip(per_vector, rest, strict=True):
+            whole[row : row + rows.shape[0]] = part
+        yield _bytes_of(q.contiguous())
+    for whole in per_vector:
+        yield _bytes_of(whole)
     if kept:
         for _, rows in blocks():
             yield _bytes_of(rows[:, list(kept), :].contiguous())

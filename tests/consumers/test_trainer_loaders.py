@@ -7,11 +7,14 @@ SpecForge and for speculators and loaded by ``trainer_driver.py`` in the consume
 through SpecForge's offline reader, normalizer, collator and ``TargetHead``, and through
 speculators' ``ArrowDataset``, ``CollateFn`` and ``Eagle3DraftModel`` teacher.
 
-The FP8 half: the same run with ``[output].dtype = "float8_e4m3fn"`` (the reference server
-dumps bf16, hsx's writer quantizes) exported for SpecForge (bf16: its loader has no FP8),
-and a pre-norm FP8 dataset (what a vLLM-served run stores: the model's own states, the
-final one taken at the final norm's input) exported for speculators in its FP8 layout and
-read back by ``ArrowDataset`` with hs-connectors' ``FP8Transfer``.
+The FP8 half: the same run with ``[output].dtype = "float8_e4m3fn"`` (the default layout,
+``per_token_slot_outliers16``) exported for SpecForge (bf16: its loader has no FP8) and for
+speculators with ``--dtype float8_e4m3fn`` (requantized to the one scale per (token, layer)
+``FP8Transfer`` reads); a pre-norm FP8 dataset (what a vLLM-served run stores: the model's
+own states, the final one taken at the final norm's input) of the ``per_token_slot`` layout
+exported for speculators in its FP8 layout, bytes unchanged, and read back by
+``ArrowDataset`` with hs-connectors' ``FP8Transfer``; and one of the outliers layout,
+exported as bf16 (FP8Transfer cannot read its outliers) and read by the plain loader.
 
 The consumers venv comes from ``bash .ci/consumers-env`` (``.venv-consumers`` at the
 repository root, or ``$HSX_CONSUMERS_PYTHON``); without it these tests skip, except under
@@ -32,10 +35,10 @@ import orjson
 import pytest
 
 from hsx_async.cli import main
-from hsx_async.dataset.export import DRAFT_CONFIG, EXPORT_INFO
+from hsx_async.dataset.export import DRAFT_CONFIG, EXPORT_INFO, export_dataset
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.dataset.provenance import read_provenance
-from hsx_async.protocol import FP8
+from hsx_async.protocol import FP8, PER_TOKEN_SLOT, PER_TOKEN_SLOT_OUTLIERS16
 from hsx_async.run.daemon import Daemon
 from hsx_async.server.reference.model import save_default_model
 from hsx_async.server.reference.server import ReferenceOptions, running_reference_server
@@ -172,7 +175,7 @@ def _run_hsx(
 
 
 def write_pre_norm_fp8(out: Path, model_dir: Path, rows: list[dict[str, Any]],
-                       aux: list[int]) -> None:  # fmt: skip
+                       aux: list[int], scales: str = PER_TOKEN_SLOT) -> None:  # fmt: skip
     """A pre-norm FP8 dataset of the model's own states (bf16, then hsx's quantizer), as a
     run against an engine that captures the final norm's input stores it."""
     import torch
@@ -183,7 +186,7 @@ def write_pre_norm_fp8(out: Path, model_dir: Path, rows: list[dict[str, Any]],
     captured: list[torch.Tensor] = []
     norm = model.base_model.norm
     hook = norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0][0].clone()))
-    storage = fp8_storage(len(aux) + 1)
+    storage = fp8_storage(len(aux) + 1, scales=scales)
     out.mkdir(parents=True)
     hidden_size = int(model.config.hidden_size)
     write_storage_provenance(out, storage, hidden_size=hidden_size, aux_layers=aux,
@@ -216,21 +219,29 @@ def fp8_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert (
         main(["export", str(pre), "--format", "speculators", "--to", str(tmp / "speculators")]) == 0
     )
-    # The reference server's (post-norm) FP8 dataset for speculators, FP8 asked for: the aux
-    # bytes copied, the final state converted to pre-norm and quantized by the export.
+    # The reference server's (post-norm) FP8 dataset, in the default (outliers) layout, for
+    # speculators, FP8 asked for: every slot quantized again by the export in the layout
+    # FP8Transfer reads (one scale per token and layer), the final state converted first.
     post = tmp / "speculators-post"
     assert main(["export", str(out_dir), "--format", "speculators", "--to", str(post),
                  "--model", str(model_dir), "--dtype", FP8]) == 0  # fmt: skip
+    # A pre-norm dataset of the outliers layout, exported as speculators reads it: bf16.
+    outliers = tmp / "pre-norm-outliers"
+    write_pre_norm_fp8(outliers, model_dir, rows, run["aux_layers"], PER_TOKEN_SLOT_OUTLIERS16)
+    bf16 = export_dataset(outliers, tmp / "speculators-outliers", fmt="speculators")
     aux = ",".join(map(str, run["aux_layers"]))
     proc = subprocess.run(
         [str(python), str(DRIVER), "--model", str(model_dir), "--aux-layers", aux,
          "--fp8-specforge", str(tmp / "specforge"), "--fp8-speculators",
          str(tmp / "speculators"), "--fp8-source", str(pre),
-         "--fp8-speculators-post", str(post), "--fp8-post-source", str(out_dir)],
+         "--fp8-speculators-post", str(post), "--fp8-post-source", str(out_dir),
+         "--outliers-speculators", str(tmp / "speculators-outliers"),
+         "--outliers-source", str(outliers)],
         capture_output=True, text=True, timeout=240, cwd=ROOT, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"tmp": tmp, "rows": rows, **run, "report": json.loads(proc.stdout)}
+    return {"tmp": tmp, "rows": rows, **run, "report": json.loads(proc.stdout),
+            "outliers_export": bf16}  # fmt: skip
 
 
 def _expected_mask(row: dict[str, Any]) -> list[int]:
@@ -313,11 +324,13 @@ def test_an_fp8_run_writes_about_half_the_bytes(
     assert fp8_exports["done"] == len(LENGTHS)
     prov = read_provenance(fp8_exports["out_dir"])
     assert prov is not None and (prov["dtype"], prov["quantized"]) == (FP8, [0, 1, 2, 3])
+    assert prov["scales"] == PER_TOKEN_SLOT_OUTLIERS16  # the default layout
     bf16 = {str(e.id): e.size for e in read_manifest(exports["out_dir"])}
     fp8 = {str(e.id): e.size for e in read_manifest(fp8_exports["out_dir"])}
     assert set(bf16) == set(fp8)
-    # Hidden bytes (H + 4) / 2H of bf16's; each file also has a 4 KiB header and its ids.
-    assert 0.5 < sum(fp8.values()) / sum(bf16.values()) < 0.6
+    # Hidden bytes (H + 4 + 16 × 4) / 2H of bf16's: 0.63 at this H of 256 (0.505 at 7168);
+    # each file also has a 4 KiB header and its ids.
+    assert 0.6 < sum(fp8.values()) / sum(bf16.values()) < 0.7
     assert main(["verify", str(fp8_exports["out_dir"]), "--deep"]) == 0
 
 
@@ -370,18 +383,20 @@ def test_speculators_reads_the_fp8_export_through_fp8transfer(
 def test_speculators_reads_a_post_norm_fp8_dataset_exported_as_fp8(
     fp8_exports: dict[str, Any],
 ) -> None:
-    """An SGLang-style (post-norm) FP8 dataset exported with --dtype float8_e4m3fn: FP8 on
-    disk, the aux layers exactly hsx's (their bytes copied), and the final state — converted
-    to pre-norm and quantized a second time — through speculators' own norm within a second
-    FP8 rounding of hsx's post-norm state and of the model's; the teacher's logits within
-    FP8 tolerance of the model's."""
+    """An SGLang-style (post-norm) FP8 dataset of the outliers layout exported with --dtype
+    float8_e4m3fn: FP8 on disk with one scale per (token, layer), every slot quantized a
+    second time from hsx's values (the final state converted to pre-norm first), all within
+    a second FP8 rounding of hsx's states and of the model's through speculators' own norm;
+    the teacher's logits within FP8 tolerance of the model's."""
     info = orjson.loads((fp8_exports["tmp"] / "speculators-post" / EXPORT_INFO).read_bytes())
     assert (info["hidden_states_dtype"], info["final_state"]) == (FP8, "pre_norm")
     report = fp8_exports["report"]["speculators_post"]
     assert len(report) == len(LENGTHS)
     for sample in report:
+        t = len(sample["input_ids"])
         assert sample["stored"]["hidden_states"][0] == "torch.float8_e4m3fn"
-        assert sample["vs_hsx"]["aux"] <= BF16_FORMULA_RTOL, sample["vs_hsx"]
+        assert sample["stored"]["hidden_states_scales"] == ["torch.float32", [t, 4, 1]]
+        assert sample["vs_hsx"]["aux_rows"]["max"] < FP8_ROW_MAX, sample["vs_hsx"]
         # Two FP8 roundings (hsx's, the export's) in quadrature: ~√2 × one.
         assert sample["vs_hsx"]["last_rows"]["max"] < FP8_ROW_MAX, sample["vs_hsx"]
         for part in ("aux", "last"):
@@ -391,6 +406,36 @@ def test_speculators_reads_a_post_norm_fp8_dataset_exported_as_fp8(
     # Measured: teacher within 3.8 % (2.7 % with one rounding), top-1 91 % (94 %): the
     # random tiny model's near-ties flip more under the second rounding.
     assert _top1(report, "teacher") >= FP8_MIN_TOP1 - 0.05
+
+
+def test_speculators_reads_the_outliers_layout_exported_as_bf16(
+    fp8_exports: dict[str, Any],
+) -> None:
+    """The outliers layout keeps each vector's 16 largest values beside its FP8 values;
+    FP8Transfer reads one scale per (token, layer) and nothing else, so the export writes
+    bfloat16 by default and says why. speculators' plain loader then trains on exactly what
+    hsx's own Dataset yields, within FP8 rounding of the model's states."""
+    result = fp8_exports["outliers_export"]
+    assert result.dtype == "bfloat16"
+    assert "scales per_token_slot_outliers16" in result.dtype_why
+    assert "FP8Transfer reads one scale per token and layer" in result.dtype_why
+    info = orjson.loads((fp8_exports["tmp"] / "speculators-outliers" / EXPORT_INFO).read_bytes())
+    assert info["hidden_states_dtype"] == "bfloat16"
+    report = fp8_exports["report"]["speculators_outliers"]
+    assert len(report) == len(LENGTHS)
+    for sample in report:
+        t = len(sample["input_ids"])
+        assert sample["stored"] == {
+            "hidden_states": ["torch.bfloat16", [t, 4, 256]],
+            "token_ids": ["torch.int64", [t]],
+        }
+        assert sample["vs_hsx"]["aux"] == 0 and sample["vs_hsx"]["last"] == 0, sample["vs_hsx"]
+        assert sample["vs_hsx"]["loss_mask_equal"]
+        for part in ("aux", "last"):
+            assert sample["vs_model"][part]["mean"] < FP8_ROW_MEAN, sample["vs_model"]
+            assert sample["vs_model"][part]["max"] < FP8_ROW_MAX, sample["vs_model"]
+        assert sample["teacher"]["rel"] < FP8_MAX_REL, sample["teacher"]
+    assert _top1(report, "teacher") >= FP8_MIN_TOP1
 
 
 if __name__ == "__main__":  # pragma: no cover - run by pytest

@@ -22,7 +22,9 @@ same directory):
   hs-connectors' ``FP8Transfer`` (what ``--hidden-states-backend fp8`` builds) on an FP8
   export: the files as stored (``FileTransfer``), what it yields against hsx's own
   ``HiddenStateDataset`` over the source dataset, against the model's own hidden states
-  (aux layers, and the pre-norm final state: the final norm's input), and the teacher.
+  (aux layers, and the pre-norm final state: the final norm's input), and the teacher;
+  and (``--outliers-*``) the bfloat16 export of an FP8 dataset of the outliers layout,
+  which FP8Transfer cannot read, through the plain ``FileTransfer`` the same way.
 """
 
 from __future__ import annotations
@@ -203,8 +205,10 @@ def fp8_speculators_report(
     aux: list[int],
     *,
     converted: bool = False,
+    fp8: bool = True,
 ) -> list[dict[str, Any]]:
-    """speculators' ArrowDataset with FP8Transfer on an FP8 export of ``source``.
+    """speculators' ArrowDataset with FP8Transfer on an FP8 export of ``source`` (``fp8``
+    False: its default FileTransfer, on a bfloat16 export of an FP8 dataset).
     ``converted``: ``source`` holds the post-norm final state, which the export turned into
     speculators' pre-norm one (``post / w``, quantized once more): the final state is then
     compared through the teacher's norm with the model's post-norm state, and with hsx's
@@ -215,8 +219,9 @@ def fp8_speculators_report(
     from hsx_async.dataset import HiddenStateDataset
 
     config = AutoConfig.from_pretrained(str(model_dir))
+    transfer = FP8Transfer(root / "hidden_states") if fp8 else None
     data = ArrowDataset(max_len=4096, datapath=str(root), on_missing="raise",
-                        transfer=FP8Transfer(root / "hidden_states"))  # fmt: skip
+                        **({"transfer": transfer} if transfer else {}))  # fmt: skip
     plain = FileTransfer(root / "hidden_states")
     ours = HiddenStateDataset(source)
     by_id = {str(sample_id): i for i, sample_id in enumerate(ours.ids)}
@@ -247,6 +252,7 @@ def fp8_speculators_report(
                 "dtypes": [str(item["hidden_states"].dtype), str(last.dtype)],
                 "vs_hsx": {
                     "aux": max_rel_diff(item["hidden_states"], mine["aux_hidden_states"]),
+                    "aux_rows": row_error(item["hidden_states"], mine["aux_hidden_states"]),
                     "last": max_rel_diff(got_last, hsx_last),
                     "last_rows": row_error(got_last, hsx_last),
                     "loss_mask_equal": bool(
@@ -278,6 +284,10 @@ def main() -> int:
         help="FP8 speculators export (--dtype float8_e4m3fn) of a post-norm one",
     )
     parser.add_argument("--fp8-post-source", type=Path, help="the post-norm dataset of it")
+    parser.add_argument(
+        "--outliers-speculators", type=Path, help="bf16 export of an outliers-layout dataset"
+    )
+    parser.add_argument("--outliers-source", type=Path, help="the hsx dataset of it")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # the trainers' deprecation chatter is not the result
     aux = [int(x) for x in args.aux_layers.split(",")]
@@ -298,6 +308,10 @@ def main() -> int:
                 converted=True,
             ),
         }
+        if args.outliers_speculators is not None:
+            report["speculators_outliers"] = fp8_speculators_report(
+                args.outliers_speculators, args.outliers_source, args.model, model, aux, fp8=False
+            )
         json.dump(report, sys.stdout)
         return 0
     sf = specforge_report(args.specforge, args.model, model)

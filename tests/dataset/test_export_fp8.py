@@ -22,6 +22,7 @@ from hsx_async.dataset.export import (
 from hsx_async.dataset.reader import HiddenStateDataset, hidden_bf16, read_hidden
 from hsx_async.dataset.target import pre_from_post
 from hsx_async.errors import DatasetError
+from hsx_async.protocol import PER_TOKEN_SLOT_OUTLIERS16
 from hsx_async.quantize import quantize
 from tests.dataset.test_export import model_dir
 from tests.dataset_factory import WrittenSample, fp8_storage, write_dataset
@@ -218,3 +219,53 @@ def test_a_resumed_export_never_mixes_dtypes(
     (dest / EXPORT_INFO).write_bytes(orjson.dumps(info))
     with pytest.raises(DatasetError, match="Pass --dtype bfloat16 to extend it"):
         export_dataset(src, dest, fmt="speculators")
+
+
+def _sinks(index: int, hidden: torch.Tensor) -> None:
+    """Token 0 of every slot an attention sink: 2 channels 10,000x its median."""
+    median = hidden[0].float().abs().median(dim=-1).values
+    hidden[0, :, [3, 20]] = (1e4 * median).unsqueeze(-1).to(hidden.dtype)
+
+
+def test_the_outliers_layout_goes_to_speculators_in_bfloat16_and_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """FP8Transfer reads one scale per (token, slot) and no outliers: a pre-norm, all-FP8
+    dataset of the outliers layout is exported as bfloat16 (exactly what hsx's reader
+    yields: the outliers exact) by default, saying why and what --dtype float8_e4m3fn
+    does instead."""
+    src = tmp_path / "out"
+    storage = fp8_storage(4, scales=PER_TOKEN_SLOT_OUTLIERS16)
+    written = write_dataset(src, num_samples=3, hidden_size=H, storage=storage,
+                            final_state="pre_norm", mutate=_sinks)  # fmt: skip
+    argv = ["export", str(src), "--format", "speculators", "--to", str(tmp_path / "a")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "hidden states written as bfloat16" in out
+    assert "scales per_token_slot_outliers16" in out and "one scale per token and layer" in out
+    assert "--dtype float8_e4m3fn writes FP8 anyway, quantizing slot(s) 0,1,2,3 here" in out
+    for index in range(3):
+        loaded = load_file(tmp_path / "a" / speculators_relpath(index))
+        sample = next(s for s in written if torch.equal(s.input_ids, loaded["token_ids"]))
+        assert set(loaded) == {"hidden_states", "token_ids"}
+        assert torch.equal(loaded["hidden_states"], _dataset_bf16(sample))
+        assert torch.equal(loaded["hidden_states"][0, :, [3, 20]], sample.hidden[0, :, [3, 20]])
+
+
+def test_fp8_asked_for_requantizes_the_outliers_layout_per_token_slot(tmp_path: Path) -> None:
+    """--dtype float8_e4m3fn: every slot quantized again, one scale per (token, slot), from
+    the values the bf16 export writes (nothing copied: no byte of the dataset is in that
+    layout); the sink rows' other values starve again, as speculators' own FP8 would."""
+    src = tmp_path / "out"
+    storage = fp8_storage(4, scales=PER_TOKEN_SLOT_OUTLIERS16)
+    written = write_dataset(src, num_samples=3, hidden_size=H, storage=storage,
+                            final_state="pre_norm", mutate=_sinks)  # fmt: skip
+    result = export_dataset(src, tmp_path / "b", fmt="speculators", dtype="float8_e4m3fn")
+    assert (result.dtype, result.requantized) == ("float8_e4m3fn", (0, 1, 2, 3))
+    for index in range(3):
+        loaded = load_file(tmp_path / "b" / speculators_relpath(index))
+        sample = next(s for s in written if torch.equal(s.input_ids, loaded["token_ids"]))
+        want_q, want_s = quantize(_dataset_bf16(sample))
+        assert torch.equal(loaded["hidden_states"].view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(loaded["hidden_states_scales"][..., 0], want_s)
+        assert set(loaded) == {"hidden_states", "hidden_states_scales", "token_ids"}

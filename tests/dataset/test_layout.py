@@ -164,7 +164,7 @@ def test_layout_offsets(sid: int | str, t: int, hidden: int, aux: list[int], mas
     assert header["__metadata__"] == {
         "id": canonical_id(sid),
         "aux_layers": ",".join(map(str, aux)),
-        "protocol": "3",
+        "protocol": "4",
         "final_state": "post_norm",
     }
     assert header["input_ids"] == {"dtype": "I64", "shape": [t], "data_offsets": [0, 8 * t]}
@@ -217,7 +217,7 @@ def test_file_loads_with_safetensors(
     assert meta == {
         "id": canonical_id(sid),
         "aux_layers": ",".join(map(str, aux)),
-        "protocol": "3",
+        "protocol": "4",
         "final_state": "post_norm",
     }
     np.testing.assert_array_equal(tensors["input_ids"], ids)

@@ -66,7 +66,7 @@ def test_factory_files_are_plain_safetensors(tmp_path: Path) -> None:
     assert header.metadata == {
         "id": "s0000",
         "aux_layers": "2,30,58",
-        "protocol": "3",
+        "protocol": "4",
         "final_state": "post_norm",
     }
     assert (header.num_tokens, header.num_layers, header.hidden_size) == (5, 4, 64)

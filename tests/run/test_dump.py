@@ -17,6 +17,7 @@ from hsx_async.protocol import (
     BF16_STORAGE,
     FP8,
     META_NAME,
+    PER_TOKEN_SLOT_OUTLIERS16,
     DumpMeta,
     Storage,
     part_name,
@@ -380,10 +381,42 @@ def test_fp8_dump_of_other_slots_fails_and_bf16_dump_is_accepted(rid_dir: Path) 
     a bfloat16 dump can (the writer quantizes it)."""
     wanted = Storage(FP8, (0, 1))
     meta = write_dump(rid_dir, storage=Storage(FP8, (0, 1, 2)))
-    with pytest.raises(DumpError, match="stored as float8_e4m3fn \\(slots 0,1,2\\)"):
+    with pytest.raises(
+        DumpError, match="stored as float8_e4m3fn \\(slots 0,1,2; scales per_token_slot\\)"
+    ):
         validate(rid_dir, meta, storage=wanted)
     meta = write_dump(rid_dir)
     assert validate(rid_dir, meta, storage=wanted).meta.storage == BF16_STORAGE
+
+
+def _fp8_dump(rid_dir: Path, storage: Storage, row: int) -> bytes:
+    """A committed FP8 dump whose parts hold ``row`` bytes a token."""
+    shutil.rmtree(rid_dir, ignore_errors=True)
+    rid_dir.mkdir(parents=True)
+    for start, end in PARTS:
+        (rid_dir / part_name(start, end)).write_bytes(bytes((end - start) * row))
+    meta = DumpMeta(rid_dir.name, 10, HIDDEN, AUX, PARTS, "m", "test", storage=storage)
+    (rid_dir / META_NAME).write_bytes(meta.to_json())
+    return meta.to_json()
+
+
+def test_an_fp8_dump_of_another_layout_fails_and_part_sizes_follow_the_layout(
+    rid_dir: Path,
+) -> None:
+    """The outliers layout's parts hold 16 × (2 + 2) bytes more per vector than
+    per_token_slot's (PROTOCOL §3); a dump of the dataset's slots in the other layout
+    cannot become the dataset's (it is not requantized: that would round twice)."""
+    outliers = Storage(FP8, (0, 1, 2), PER_TOKEN_SLOT_OUTLIERS16)
+    per_slot = Storage(FP8, (0, 1, 2))
+    row = outliers.row_bytes(3, HIDDEN)
+    assert row == 3 * (HIDDEN + 4 + 16 * 4) == per_slot.row_bytes(3, HIDDEN) + 3 * 64
+    meta = _fp8_dump(rid_dir, outliers, row)
+    assert validate(rid_dir, meta, storage=outliers).meta.storage == outliers
+    with pytest.raises(DumpError, match="scales per_token_slot_outliers16\\) but this dataset"):
+        validate(rid_dir, meta, storage=per_slot)
+    meta = _fp8_dump(rid_dir, outliers, per_slot.row_bytes(3, HIDDEN))
+    with pytest.raises(DumpError, match=f"expected {4 * row} \\(4 rows × {row} bytes\\)"):
+        validate(rid_dir, meta, storage=outliers)
 
 
 def test_meta_that_is_not_json(rid_dir: Path) -> None:

@@ -230,7 +230,10 @@ async def test_an_fp8_dataset_is_told_where_its_rows_are_quantized(
     (line,) = [line for line in report.lines if line[1] == "storage"]
     if honour:
         assert line[0] == "OK"
-        assert "the hook stores float8_e4m3fn (slots 0,1,2,3) itself" in line[2]
+        assert (
+            "the hook stores float8_e4m3fn (slots 0,1,2,3; scales per_token_slot_outliers16) "
+            "itself" in line[2]
+        )
     else:
         assert line[0] == "WARN" and "the hook dumps bfloat16; the client quantizes" in line[2]
         assert "Deploy this version's hook" in line[2]

@@ -11,13 +11,25 @@ import numpy as np
 import orjson
 import torch
 
-from hsx_async.protocol import BF16_STORAGE, FP8, META_NAME, Storage, num_layers, parse_meta
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    FP8,
+    META_NAME,
+    PER_TOKEN_SLOT,
+    PER_TOKEN_SLOT_OUTLIERS16,
+    PROTOCOL_VERSION,
+    Storage,
+    num_layers,
+    parse_meta,
+)
 from hsx_async.quantize import encode_rows
 from hsx_async.run.dump import validate_dump
 
-# Every slot quantized, and the aux layers only (the final state kept), for L = 3.
-FP8_ALL = Storage(FP8, (0, 1, 2))
-FP8_AUX = Storage(FP8, (0, 1))
+# Every slot quantized, and the aux layers only (the final state kept), for L = 3, in the
+# default layout (version 4: the outliers one); and every slot in version 3's layout.
+FP8_ALL = Storage(FP8, (0, 1, 2), PER_TOKEN_SLOT_OUTLIERS16)
+FP8_AUX = Storage(FP8, (0, 1), PER_TOKEN_SLOT_OUTLIERS16)
+FP8_ALL_V3 = Storage(FP8, (0, 1, 2), PER_TOKEN_SLOT)
 
 
 def encoded_bytes(rows: np.ndarray, storage: Storage) -> bytes:
@@ -55,7 +67,7 @@ def check_fp8_dump(
     meta_bytes = (rid_dir / META_NAME).read_bytes()
     raw = orjson.loads(meta_bytes)
     assert raw["dtype"] == FP8 and raw["quantized"] == list(storage.quantized)
-    assert raw["protocol"] == 3
+    assert raw["scales"] == storage.scales and raw["protocol"] == PROTOCOL_VERSION
     dump = validate_dump(
         rid_dir, meta_bytes, rid=rid, num_tokens=t, hidden_size=h,
         aux_layers=tuple(aux_layers), storage=storage,

@@ -50,7 +50,7 @@ from hsx_async.server.hook_core import (
     uniform_storage,
     wants_dump,
 )
-from tests.server.fp8 import FP8_ALL, FP8_AUX, check_fp8_dump, read_bf16_rows
+from tests.server.fp8 import FP8_ALL, FP8_ALL_V3, FP8_AUX, check_fp8_dump, read_bf16_rows
 
 NS = "w0"
 H = 4
@@ -720,7 +720,9 @@ def test_uniform_storage_of_a_pass() -> None:
     assert uniform_storage([dataclasses.replace(view("d", 1), aborted=True), a]) == FP8_ALL
 
 
-@pytest.mark.parametrize("storage", [FP8_ALL, FP8_AUX], ids=["all", "aux"])
+@pytest.mark.parametrize(
+    "storage", [FP8_ALL, FP8_AUX, FP8_ALL_V3], ids=["all", "aux", "all-per_token_slot"]
+)
 @pytest.mark.parametrize("encoded", [False, True], ids=["host", "device"])
 def test_fp8_parts_are_encode_rows_of_the_bf16_dump(
     shm_root: Path, storage: Storage, encoded: bool, monkeypatch: pytest.MonkeyPatch
@@ -776,12 +778,12 @@ def test_encoded_pass_must_match_its_requests(shm_root: Path) -> None:
         [fp8_view("a", 3, FP8_AUX)], lambda: encoded_pass(aux, final, FP8_ALL)
     )
     assert [r.rid for r in other.rejects] == ["a"]
-    assert "encoded as float8_e4m3fn (slots 0,1,2)" in other.rejects[0].reason
+    assert "encoded as float8_e4m3fn (slots 0,1,2; scales" in other.rejects[0].reason
     short = encoded_pass(aux, final, FP8_ALL)
     short = dataclasses.replace(short, sections=(short.sections[0][:2], *short.sections[1:]))
     cut = dumper.dump_batch([fp8_view("b", 3, FP8_ALL)], lambda: short)
     assert "encoded section hidden_states is uint8 (2, 12)" in cut.rejects[0].reason
     missing = dataclasses.replace(short, sections=short.sections[1:])
     gone = dumper.dump_batch([fp8_view("c", 3, FP8_ALL)], lambda: missing)
-    assert "encoded into 1 sections" in gone.rejects[0].reason
+    assert f"encoded into {len(short.sections) - 1} sections" in gone.rejects[0].reason
     assert not (shm_root / NS).exists()  # refused before any file was written

@@ -44,7 +44,10 @@ def _print_result(result: ExportResult) -> None:
         print(f"  (not FP8: {result.dtype_why})")
     if result.requantized:
         slots = ",".join(map(str, result.requantized))
-        print(f"  (slot(s) {slots} quantized by the export: values the dataset holds no FP8 of)")
+        print(
+            f"  (slot(s) {slots} quantized by the export, one scale per token and layer: "
+            "values the dataset holds no such FP8 of)"
+        )
     print(f"{result.ids_line}\n  (written to {result.dest / DRAFT_CONFIG})")
     draft = orjson.loads((result.dest / DRAFT_CONFIG).read_bytes())
     print(fmt.hint(result.dest, result.dtype, draft))

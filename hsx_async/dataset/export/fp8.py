@@ -1,22 +1,25 @@
 """FP8 in an export (PROTOCOL §4): which dtype a format that reads FP8 gets, and which of
 its slots the export quantizes itself. The dataset's own FP8 bytes are handed on where they
 hold what the trainer reads; a slot with no FP8 bytes (kept in bfloat16, every slot of a
-bfloat16 dataset) or with new values (a converted final state) is quantized by the one
-quantizer (:mod:`hsx_async.quantize`)."""
+bfloat16 dataset, every slot of an FP8 layout other than the one the trainer reads) or
+with new values (a converted final state) is quantized by the one quantizer
+(:mod:`hsx_async.quantize`)."""
 
 from __future__ import annotations
 
 from hsx_async.dataset.export.plan import DatasetFacts, FinalConversion
 from hsx_async.errors import DatasetError
-from hsx_async.protocol import BF16, FP8, POST_NORM, PRE_NORM, Storage
+from hsx_async.protocol import BF16, FP8, PER_TOKEN_SLOT, POST_NORM, PRE_NORM, Storage
 
 
 def requantized_slots(storage: Storage, layers: int, conv: FinalConversion) -> tuple[int, ...]:
     """The slots a speculators FP8 export quantizes itself, having no FP8 bytes for what
-    speculators reads: every slot of a bfloat16 dataset, the slots an FP8 dataset keeps in
-    bfloat16, and the final slot when it is converted (new values: a second FP8 rounding).
-    Empty: the dataset's FP8 bytes are the export's."""
-    if not storage.is_fp8:
+    speculators reads: every slot of a bfloat16 dataset or of an FP8 layout other than
+    ``per_token_slot`` (the one scale per vector, and nothing else, that FP8Transfer
+    reads), the slots an FP8 dataset keeps in bfloat16, and the final slot when it is
+    converted (new values: a second FP8 rounding). Empty: the dataset's FP8 bytes are the
+    export's."""
+    if not storage.is_fp8 or storage.scales != PER_TOKEN_SLOT:
         return tuple(range(layers))
     redo = set(storage.kept(layers))
     if conv.gain is not None:
@@ -30,6 +33,14 @@ def fp8_export_problem(storage: Storage, layers: int, conv: FinalConversion) -> 
     if not storage.is_fp8:
         return "the dataset stores bfloat16"
     why = []
+    if storage.scales != PER_TOKEN_SLOT:
+        why.append(
+            f"the dataset keeps each vector's {storage.outliers} largest values exact beside "
+            f"its FP8 values (scales {storage.scales}), and speculators' FP8Transfer reads "
+            "one scale per token and layer and nothing else: FP8 for it is quantized again "
+            "from the values, and the vectors of attention-sink tokens, whose few massive "
+            "channels then set their scale, keep few bits in the rest"
+        )
     if storage.kept(layers):
         kept = ",".join(map(str, storage.kept(layers)))
         why.append(

@@ -23,17 +23,21 @@ FP8: speculators reads FP8 through hs-connectors 0.9.0's ``FP8Transfer``
 (``--hidden-states-backend fp8``; ``hs_connectors/transfer.py``, ``fp8_utils.py``): a file
 with ``hidden_states`` float8_e4m3fn ``[T, L, H]`` and ``hidden_states_scales`` float32
 broadcastable against it (its own writer makes ``[T, 1, 1]``), dequantized as
-``fp8.to(bf16) * scale.to(bf16)``. hsx's per-(token, slot) scales ``[T, L, 1]`` broadcast
-the same way, so when every slot is stored as FP8 and the final state needs no conversion
-(a pre-norm dataset), ``--dtype auto`` (the default) writes the dataset's own bytes in that
-layout, nothing requantized: half the disk, and exactly the values hsx's reader yields,
-but for the bf16 rounding of the scale in their formula. Otherwise (slots kept in bf16, or a
-final state to convert) it writes bfloat16; ``--dtype bfloat16`` forces bfloat16 (a
-trainer started without the fp8 backend reads these files unscaled, so FP8 would be
-garbage to it); ``--dtype float8_e4m3fn`` writes FP8 whatever the dataset: the slots
-it holds no FP8 bytes for (kept bf16 slots, a converted final state — a second rounding —,
-every slot of a bf16 dataset) are quantized by the export, with the one quantizer, from the
-values the bf16 export would write; the others are copied (:mod:`.fp8`).
+``fp8.to(bf16) * scale.to(bf16)``. hsx's ``per_token_slot`` scales ``[T, L, 1]`` broadcast
+the same way, so when every slot is stored as FP8 in that layout and the final state needs
+no conversion (a pre-norm dataset), ``--dtype auto`` (the default) writes the dataset's own
+bytes, nothing requantized: half the disk, and exactly the values hsx's reader yields, but
+for the bf16 rounding of the scale in their formula. Otherwise (the
+``per_token_slot_outliers16`` layout, whose outliers FP8Transfer cannot read; slots kept in
+bf16; a final state to convert) it writes bfloat16, and says why; ``--dtype bfloat16``
+forces bfloat16 (a trainer started without the fp8 backend reads these files unscaled, so
+FP8 would be garbage to it); ``--dtype float8_e4m3fn`` writes FP8 whatever the dataset: the
+slots it holds no such FP8 bytes for (every slot of the outliers layout — requantized with
+one scale per vector from the dequantized values, so an attention-sink token's massive
+channels starve the rest of its vector again, as speculators' own FP8 writer would —,
+kept bf16 slots, a converted final state — a second rounding —, every slot of a bf16
+dataset) are quantized by the export, with the one quantizer, from the values the bf16
+export would write; the others are copied (:mod:`.fp8`).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.dataset.reader import SampleHeader
 from hsx_async.errors import DatasetError
-from hsx_async.protocol import FP8, PRE_NORM
+from hsx_async.protocol import FP8, PER_TOKEN_SLOT, PRE_NORM
 from hsx_async.quantize import quantize
 
 NAME = "speculators"
@@ -121,7 +125,7 @@ def _fp8_tensors(
     t, _, h = hidden.shape
     values = torch.empty((t, layers, h), dtype=torch.float8_e4m3fn)
     scales = torch.empty((t, layers, 1), dtype=torch.float32)
-    if storage.is_fp8:
+    if storage.is_fp8 and storage.scales == PER_TOKEN_SLOT:
         slots = list(storage.quantized)
         values[:, slots] = stored[dataset.HIDDEN_STATES]
         scales[:, slots] = stored[dataset.HIDDEN_STATES_SCALES]

@@ -63,26 +63,28 @@ class Target:
     @property
     def path(self) -> str:
         """What travels from vLLM's scheduler to its worker (``PendingSave.filename``):
-        ``ns/rid``, then ``/dtype:slots`` for FP8."""
+        ``ns/rid``, then ``/dtype:slots:scales`` for FP8."""
         if not self.storage.is_fp8:
             return f"{self.ns}/{self.rid}"
         slots = ",".join(map(str, self.storage.quantized))
-        return f"{self.ns}/{self.rid}/{self.storage.dtype}:{slots}"
+        return f"{self.ns}/{self.rid}/{self.storage.dtype}:{slots}:{self.storage.scales}"
 
 
 def parse_target_path(text: str) -> Target:
     """The inverse of :attr:`Target.path` (DumpError for anything else)."""
     parts = text.split("/")
     if len(parts) not in (2, 3) or not (valid_ns(parts[0]) and valid_rid(parts[1])):
-        raise DumpError(f"dump target {text!r} is not ns/rid[/dtype:slots]")
+        raise DumpError(f"dump target {text!r} is not ns/rid[/dtype:slots:scales]")
     if len(parts) == 2:
         return Target(parts[0], parts[1])
-    dtype, _, slots = parts[2].partition(":")
+    dtype, _, rest = parts[2].partition(":")
+    slots, _, scales = rest.partition(":")
     try:
         quantized = [int(x) for x in slots.split(",")]
     except ValueError:
         raise DumpError(f"dump target {text!r} names no quantized slots") from None
-    return Target(parts[0], parts[1], parse_storage(dtype, quantized, f"dump target {text!r}"))
+    where = f"dump target {text!r}"
+    return Target(parts[0], parts[1], parse_storage(dtype, quantized, where, scales or None))
 
 
 def marked_target(params: object, layers: int = 0) -> Target | str | None:

@@ -24,6 +24,7 @@ from hsx_async.protocol import (
     BF16_STORAGE,
     DEFAULT_DUMP_ROOT,
     FP8,
+    PER_TOKEN_SLOT_OUTLIERS16,
     DumpMeta,
     Storage,
     check_meta,
@@ -548,11 +549,16 @@ async def test_passes_go_through_the_hooks_core_and_drops_abort(shm_root: Path) 
 # --- FP8 storage ---------------------------------------------------------------------------
 
 REF_LAYERS = num_layers(TINY_AUX_LAYERS)
-REF_FP8_ALL = Storage(FP8, tuple(range(REF_LAYERS)))
-REF_FP8_AUX = Storage(FP8, tuple(range(REF_LAYERS - 1)))
+REF_FP8_ALL = Storage(FP8, tuple(range(REF_LAYERS)), PER_TOKEN_SLOT_OUTLIERS16)
+REF_FP8_AUX = Storage(FP8, tuple(range(REF_LAYERS - 1)), PER_TOKEN_SLOT_OUTLIERS16)
+REF_FP8_ALL_V3 = Storage(FP8, tuple(range(REF_LAYERS)))
 
 
-@pytest.mark.parametrize("storage", [REF_FP8_ALL, REF_FP8_AUX], ids=["all", "aux"])
+@pytest.mark.parametrize(
+    "storage",
+    [REF_FP8_ALL, REF_FP8_AUX, REF_FP8_ALL_V3],
+    ids=["all", "aux", "all-per_token_slot"],
+)
 async def test_fp8_request_parts_are_encode_rows_of_its_bf16_dump(
     shm_root: Path, storage: Storage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -577,7 +583,8 @@ async def test_fp8_request_parts_are_encode_rows_of_its_bf16_dump(
     q_bytes = sum((shm_root / NS / "q" / part_name(s, e)).stat().st_size for s, e in parts)
     assert q_bytes == len(ids) * storage.row_bytes(REF_LAYERS, TINY_HIDDEN)
     ratio = q_bytes / (bf16.numel() * 2)  # of the bfloat16 dump's bytes
-    assert ratio < (0.55 if storage == REF_FP8_ALL else 0.70), ratio
+    # H 256: the outliers' 68 bytes a vector are 27 % of its FP8 values (0.9 % at H 7168)
+    assert ratio < (0.70 if storage == REF_FP8_ALL else 0.80 if storage == REF_FP8_AUX else 0.55)
 
 
 async def test_unusable_fp8_request_is_dumped_bf16(shm_root: Path) -> None:

@@ -44,7 +44,7 @@ from hsx_async.server.sglang.hook import (
     install,
     uninstall,
 )
-from tests.server.fp8 import FP8_ALL, FP8_AUX, check_fp8_dump, read_bf16_rows
+from tests.server.fp8 import FP8_ALL, FP8_ALL_V3, FP8_AUX, check_fp8_dump, read_bf16_rows
 from tests.server.sglang.standins import (
     FULL,
     LAYERS,
@@ -434,7 +434,9 @@ def fp8_req(api: SglangApi, rid: str, n: int, storage: Storage) -> Any:
     return api.req_cls(rid, list(range(n)), params(**storage_params(storage)))
 
 
-@pytest.mark.parametrize("storage", [FP8_ALL, FP8_AUX], ids=["all", "aux"])
+@pytest.mark.parametrize(
+    "storage", [FP8_ALL, FP8_AUX, FP8_ALL_V3], ids=["all", "aux", "all-per_token_slot"]
+)
 def test_fp8_pass_is_quantized_on_the_device(
     api: SglangApi,
     state: HookState,
@@ -517,7 +519,10 @@ def test_encode_to_host_needs_matching_shapes() -> None:
     assert encode(torch.zeros(2, H), torch.zeros(2, H), FP8_ALL, d2h) is None
     sections = encode(torch.zeros(2, 2 * H), torch.zeros(2, H), FP8_AUX, d2h)
     assert sections is not None
-    assert [tuple(s.shape) for s in sections] == [(2, 2 * H), (2, 2 * 4), (2, H * 2)]
+    # values, scales, the 16 outliers' uint16 channels and bf16 values, the kept slot
+    assert [tuple(s.shape) for s in sections] == [
+        (2, 2 * H), (2, 2 * 4), (2, 2 * 16 * 2), (2, 2 * 16 * 2), (2, H * 2)
+    ]  # fmt: skip
 
 
 def test_tensor_bits_keeps_row_strided_views() -> None:

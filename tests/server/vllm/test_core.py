@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from hsx_async.errors import ConfigError, DumpError
-from hsx_async.protocol import BF16_STORAGE, FP8, Storage, parse_meta, storage_params
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    FP8,
+    PER_TOKEN_SLOT,
+    PER_TOKEN_SLOT_OUTLIERS16,
+    Storage,
+    parse_meta,
+    storage_params,
+)
 from hsx_async.quantize import encode_rows
 from hsx_async.run.dump import validate_dump
 from hsx_async.server.vllm.core import (
@@ -81,12 +89,15 @@ def test_a_written_dump_passes_the_clients_checks(shm_root: Path) -> None:
 
 
 # FP8 storage: L = 4 capture ids (aux 1, 3, 5 and the final state 6), H = 8.
-VLLM_FP8_AUX = Storage(FP8, (0, 1, 2))
+VLLM_FP8_AUX = Storage(FP8, (0, 1, 2), PER_TOKEN_SLOT_OUTLIERS16)
+VLLM_FP8_AUX_V3 = Storage(FP8, (0, 1, 2), PER_TOKEN_SLOT)
 
 
 def test_marks_read_the_storage() -> None:
-    params = {"hsx_ns": "w0", "hsx_rid": "r", **storage_params(VLLM_FP8_AUX)}
-    assert marked_target(params, 4) == Target("w0", "r", VLLM_FP8_AUX)
+    params = {"hsx_ns": "w0", "hsx_rid": "r", **storage_params(VLLM_FP8_AUX_V3)}
+    assert marked_target(params, 4) == Target("w0", "r", VLLM_FP8_AUX_V3)
+    outliers = {"hsx_ns": "w0", "hsx_rid": "r", **storage_params(VLLM_FP8_AUX)}
+    assert marked_target(outliers, 4) == Target("w0", "r", VLLM_FP8_AUX)
     assert marked_target(params) == Target("w0", "r")  # no layer count: bfloat16
     bad = marked_target({**params, "hsx_quantized": [0, 4]}, 4)
     assert isinstance(bad, Target) and bad.storage == BF16_STORAGE
@@ -94,10 +105,18 @@ def test_marks_read_the_storage() -> None:
 
 
 def test_target_path_round_trips() -> None:
-    for target in (Target("w0", "r-1"), Target("w0", "r-1", VLLM_FP8_AUX)):
+    for target in (
+        Target("w0", "r-1"),
+        Target("w0", "r-1", VLLM_FP8_AUX),
+        Target("w0", "r-1", VLLM_FP8_AUX_V3),
+    ):
         assert parse_target_path(target.path) == target
-    assert Target("w0", "r", VLLM_FP8_AUX).path == "w0/r/float8_e4m3fn:0,1,2"
-    for bad in ("w0", "../x/r", "w0/r/bfloat17:0", "w0/r/float8_e4m3fn:", "w0/r/x/y"):
+    assert (
+        Target("w0", "r", VLLM_FP8_AUX).path == "w0/r/float8_e4m3fn:0,1,2:per_token_slot_outliers16"
+    )
+    assert parse_target_path("w0/r/float8_e4m3fn:0,1,2").storage == VLLM_FP8_AUX_V3
+    for bad in ("w0", "../x/r", "w0/r/bfloat17:0", "w0/r/float8_e4m3fn:", "w0/r/x/y",
+                "w0/r/float8_e4m3fn:0:per_block"):  # fmt: skip
         with pytest.raises(DumpError):
             parse_target_path(bad)
 
