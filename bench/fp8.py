@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import fp8_sinks
 import numpy as np
 import orjson
 import torch
@@ -87,6 +88,10 @@ from hsx_async.protocol import (
     FP8,
     HIDDEN,
     META_NAME,
+    OUTLIER_INDEX,
+    OUTLIER_VALUES,
+    PER_TOKEN_SLOT,
+    PER_TOKEN_SLOT_OUTLIERS16,
     POST_NORM,
     PRE_NORM,
     SCALES,
@@ -106,23 +111,29 @@ from hsx_async.run.dump import Dump, prepare_namespace, remove_tree, wait_for_me
 from hsx_async.run.source import Sample
 from hsx_async.run.writer import FileWriter, WriteJob
 
-STORAGES = ("bf16", "fp8-all", "fp8-aux")
+STORAGES = ("bf16", "fp8-all", "fp8-aux")  # FP8: the default layout (outliers16)
+# The writer phase also measures version 3's layout (one scale per vector alone).
+WRITER_STORAGES = (*STORAGES, "fp8-all-v3")
 OUTPUT_KEYS: dict[str, dict[str, str]] = {
     "bf16": {"dtype": "bfloat16"},
     "fp8-all": {"dtype": "float8_e4m3fn", "quantize": "all"},
     "fp8-aux": {"dtype": "float8_e4m3fn", "quantize": "aux"},
+    "fp8-all-v3": {"dtype": "float8_e4m3fn", "quantize": "all", "scales": PER_TOKEN_SLOT},
 }
+PHASES = ("e2e", "fallback", "writer", "sinks")
 _URL = re.compile(rb"url=(http://\S+)")  # the reference server's reference_server.listening
 MAX_PART_ROWS = 16384  # like chunked prefill: a part holds at most this many rows
 _GEN_ROWS = 1024  # rows generated (and quantized) at once while building the writer's dumps
 
 
 def storage_of(name: str, layers: int) -> Storage:
-    """``[output]`` ``dtype``/``quantize`` of ``name`` as the dataset's storage."""
-    if name == "bf16":
+    """``[output]`` ``dtype``/``quantize``/``scales`` of ``name`` as the dataset's storage
+    (``scales`` unset: the default, the outliers layout)."""
+    keys = OUTPUT_KEYS[name]
+    if keys["dtype"] == "bfloat16":
         return BF16_STORAGE
-    slots = range(layers) if name == "fp8-all" else range(layers - 1)
-    return Storage(FP8, tuple(slots))
+    slots = range(layers) if keys["quantize"] == "all" else range(layers - 1)
+    return Storage(FP8, tuple(slots), keys.get("scales", PER_TOKEN_SLOT_OUTLIERS16))
 
 
 @dataclass
@@ -260,7 +271,7 @@ def hidden_bytes(out_dir: Path) -> tuple[int, int]:
     total = tokens = 0
     for entry in read_manifest(out_dir):
         header, _ = read_header(out_dir / entry.path)
-        for name in (HIDDEN, SCALES, UNQUANTIZED):
+        for name in (HIDDEN, SCALES, OUTLIER_INDEX, OUTLIER_VALUES, UNQUANTIZED):
             if name in header:
                 start, end = header[name]["data_offsets"]
                 total += end - start
@@ -631,7 +642,7 @@ def build_writer_dumps(ctx: Ctx, rng_seed: int) -> WriterDumps:
     gen = torch.Generator().manual_seed(rng_seed)
     rng = np.random.default_rng(rng_seed)
     samples: list[Sample] = []
-    dumps: dict[str, list[Dump]] = {n: [] for n in STORAGES}
+    dumps: dict[str, list[Dump]] = {n: [] for n in WRITER_STORAGES}
     for i, n in enumerate(lengths):
         rid = f"w{i}"
         sid = f"writer-{i}"
@@ -639,7 +650,7 @@ def build_writer_dumps(ctx: Ctx, rng_seed: int) -> WriterDumps:
         samples.append(Sample(sid, i, ids, None))
         parts = tuple((s, min(n, s + MAX_PART_ROWS)) for s in range(0, n, MAX_PART_ROWS))
         dirs = {}
-        for name in STORAGES:
+        for name in WRITER_STORAGES:
             d = ctx.dump_root / name / rid
             d.mkdir(parents=True)
             dirs[name] = d
@@ -696,6 +707,9 @@ WRITER_JOBS = (
     WJob("quantize bf16 dump -> FP8 file (all; fallback)", "bf16", "fp8-all"),
     WJob("copy FP8 dump -> FP8 file (aux; hook quantized)", "fp8-aux", "fp8-aux"),
     WJob("quantize bf16 dump -> FP8 file (aux; fallback)", "bf16", "fp8-aux"),
+    # Version 3's layout, one scale per vector alone: what the outliers cost the fallback.
+    WJob("copy FP8 dump -> FP8 file (all, per_token_slot)", "fp8-all-v3", "fp8-all-v3"),
+    WJob("quantize bf16 dump -> FP8 file (all, per_token_slot; fallback)", "bf16", "fp8-all-v3"),
     # Not what the client does: the fallback with torch's default threads, for comparison.
     WJob(
         "quantize bf16 dump -> FP8 file (all; fallback), torch's default threads",
@@ -780,7 +794,7 @@ def writer_phase(ctx: Ctx) -> dict[str, Any]:
                       "bf16 GB", flush=True)  # fmt: skip
             rounds.append([rows[job.what] for job in WRITER_JOBS])
     finally:
-        for name in STORAGES:
+        for name in WRITER_STORAGES:
             remove(ctx.dump_root / name)
     identical = {
         target: all(
@@ -790,7 +804,7 @@ def writer_phase(ctx: Ctx) -> dict[str, Any]:
             for j, (_, d2, t2, _) in enumerate(WRITER_JOBS)
             if t1 == t2 == target and d1 != d2
         )
-        for target in ("fp8-all", "fp8-aux")
+        for target in ("fp8-all", "fp8-aux", "fp8-all-v3")
     }
     summary = []
     for i, (what, dump_kind, target, threads) in enumerate(WRITER_JOBS):
@@ -840,6 +854,8 @@ class Stored:
     scales: torch.Tensor | None  # f32 [T, Lq, 1]
     storage: Storage
     final_state: str
+    outlier_index: torch.Tensor | None = None  # the outliers layout: u16 [T, Lq, 16]
+    outlier_values: torch.Tensor | None = None  # bf16 [T, Lq, 16]
 
 
 def read_stored(path: Path) -> Stored:
@@ -853,8 +869,11 @@ def read_stored(path: Path) -> Stored:
             return Stored(handle.get_tensor(HIDDEN), None, None, storage, final_state)
         q, scales = handle.get_tensor(HIDDEN), handle.get_tensor(SCALES)
         unq = handle.get_tensor(UNQUANTIZED) if UNQUANTIZED in names else None
-    hidden = assemble(q, scales, unq, storage, torch.bfloat16)
-    return Stored(hidden, q, scales, storage, final_state)
+        index = handle.get_tensor(OUTLIER_INDEX) if OUTLIER_INDEX in names else None
+        values = handle.get_tensor(OUTLIER_VALUES) if OUTLIER_VALUES in names else None
+    hidden = assemble(q, scales, unq, storage, torch.bfloat16, outlier_index=index,
+                      outlier_values=values)  # fmt: skip
+    return Stored(hidden, q, scales, storage, final_state, index, values)
 
 
 class ReadBack(NamedTuple):
@@ -923,8 +942,9 @@ class _Errors:
             raise RuntimeError("an FP8 dataset file holds no FP8 section")
         # The FP8 error alone (dequantized in float32, no bf16 rounding after it), against
         # what rounding_error estimates from the stored values.
-        deq = dequantize(got.q, got.scales, torch.float32).double()
-        estimated = rounding_error(got.q).double()
+        outliers = (got.outlier_index, got.outlier_values)
+        deq = dequantize(got.q, got.scales, torch.float32, *outliers).double()
+        estimated = rounding_error(got.q, got.scales, *outliers).double()
         for j, slot in enumerate(got.storage.quantized):
             err = (deq[:, j] - x[:, slot]).norm(dim=-1) / norm[:, slot].clamp_min(1e-300)
             self.rel32[slot].append(err)
@@ -999,10 +1019,14 @@ def quality_phase(datasets: dict[str, Path], teacher: Teacher) -> dict[str, Any]
                 raise RuntimeError(f"{out_dir / entry.path} holds no FP8 section")
             equal_raw &= _bits_equal(raw[HIDDEN], direct.q)
             equal_raw &= _bits_equal(raw[SCALES], direct.scales)
+            if direct.outlier_index is not None and direct.outlier_values is not None:
+                equal_raw &= _bits_equal(raw[OUTLIER_INDEX], direct.outlier_index)
+                equal_raw &= _bits_equal(raw[OUTLIER_VALUES], direct.outlier_values)
             kept = direct.storage.kept(teacher.shape.layers)
             if kept:  # the kept slots, as stored and as assemble placed them
                 equal_raw &= _bits_equal(raw[UNQUANTIZED], direct.hidden[:, list(kept)])
-            got = Stored(back.hidden[sid], raw[HIDDEN], raw[SCALES], back.storage, final_state)
+            got = Stored(back.hidden[sid], raw[HIDDEN], raw[SCALES], back.storage, final_state,
+                         raw.get(OUTLIER_INDEX), raw.get(OUTLIER_VALUES))  # fmt: skip
             ref = Stored(base.hidden[sid], None, None, base.storage, final_state)
             errors.add(ref, got, back.hidden[sid])
         results[name] = {
@@ -1019,7 +1043,7 @@ def quality_phase(datasets: dict[str, Path], teacher: Teacher) -> dict[str, Any]
 # -- report ---------------------------------------------------------------------------------
 
 
-def report(data: dict[str, Any]) -> list[str]:
+def _e2e_tables(data: dict[str, Any]) -> list[str]:
     tables = []
     e2e, t = data["e2e"], data["teacher"]
     rows: list[list[Any]] = []
@@ -1044,6 +1068,12 @@ def report(data: dict[str, Any]) -> list[str]:
          "ratio", "of which off the event loop", "ratio"],
         rows,
     ))  # fmt: skip
+    return tables
+
+
+def _fallback_tables(data: dict[str, Any]) -> list[str]:
+    tables = []
+    t = data["teacher"]
     fb = data["fallback_e2e"]
     frows: list[list[Any]] = []
     for fr in FALLBACK_RUNS:
@@ -1071,6 +1101,11 @@ def report(data: dict[str, Any]) -> list[str]:
          "client CPU s/GB written", "ratio", "server CPU s", "client peak RSS MB"],
         frows,
     ))  # fmt: skip
+    return tables
+
+
+def _writer_tables(data: dict[str, Any]) -> list[str]:
+    tables = []
     w = data["writer"]
     tables.append(print_table(
         f"The writer alone (FileWriter, fsync, this process; torch's default: "
@@ -1084,6 +1119,11 @@ def report(data: dict[str, Any]) -> list[str]:
           s["ratio_cpu_per_gb_written"], s["cpu_s_per_gb_bf16"], s["ratio_cpu_per_token"],
           s["gb_per_s_written"]] for s in w["summary"]],
     ))  # fmt: skip
+    return tables
+
+
+def _quality_tables(data: dict[str, Any]) -> list[str]:
+    tables = []
     q = data["quality"]
     qrows: list[list[Any]] = []
     for name in ("fp8-all", "fp8-aux"):
@@ -1113,6 +1153,22 @@ def report(data: dict[str, Any]) -> list[str]:
           f"{q[n]['final_rows_bit_identical']:.4f}"]
          for n in ("fp8-all", "fp8-aux")],
     ))  # fmt: skip
+    return tables
+
+
+def report(data: dict[str, Any]) -> list[str]:
+    """The tables of the phases that ran."""
+    tables = []
+    for key, tables_of in (
+        ("e2e", _e2e_tables),
+        ("fallback_e2e", _fallback_tables),
+        ("writer", _writer_tables),
+        ("quality", _quality_tables),
+    ):
+        if key in data:
+            tables += tables_of(data)
+    if "sinks" in data:
+        tables += fp8_sinks.report(data["sinks"], print_table)
     return tables
 
 
@@ -1182,12 +1238,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     add("--writer-aux", type=int, nargs="+", default=[2, 30, 58])
     add("--writer-mean-len", type=float, default=2350.0)
     add("--writer-rounds", type=int, default=3)
+    add("--sink-rows", type=int, default=1024, help="Kimi-shaped tokens of the sinks phase")
+    add("--sink-samples", type=int, default=32, help="prompts of the sinks phase's forward")
+    add("--sink-mean-len", type=float, default=256.0)
+    add("--phases", nargs="+", choices=PHASES, default=list(PHASES),
+        help="the phases to run (default: all; e2e includes quality)")  # fmt: skip
     args = p.parse_args(argv)
     if args.smoke:
         args.samples, args.mean_len, args.max_len, args.rounds = 4, 40.0, 96, 1
         args.quality_samples = 3
         args.writer_gb, args.writer_hidden, args.writer_aux = 0.004, 512, [1, 2, 3]
         args.writer_mean_len, args.writer_rounds = 300.0, 1
+        args.sink_rows, args.sink_samples, args.sink_mean_len = 8, 2, 48.0
     return args
 
 
@@ -1212,6 +1274,17 @@ def main(argv: Sequence[str]) -> int:
                 "gains_set_by_bench": teacher.gains_set_here,
             },
         }
+        run_phases(ctx, teacher, data)
+    tables = report(data)
+    path = save_results(args.results_dir, "fp8", data, tables)
+    if all(k in data for k in ("e2e", "fallback_e2e", "writer", "quality")):
+        plot(data, path.with_suffix(".png"))
+    return 0
+
+
+def run_phases(ctx: Ctx, teacher: Teacher, data: dict[str, Any]) -> None:
+    phases = ctx.args.phases
+    if "e2e" in phases:
         print("phase 1: end to end", flush=True)
         data["e2e"] = e2e_phase(ctx, teacher)
         print("phase 3: quality", flush=True)
@@ -1219,14 +1292,15 @@ def main(argv: Sequence[str]) -> int:
         data["quality"] = quality_phase(datasets, teacher)
         for out in datasets.values():
             remove(out)
+    if "fallback" in phases:
         print("phase 1b: end to end, the hook's FP8 vs the client's fallback", flush=True)
         data["fallback_e2e"] = fallback_phase(ctx, teacher)
+    if "writer" in phases:
         print("phase 2: the writer alone", flush=True)
         data["writer"] = writer_phase(ctx)
-    tables = report(data)
-    path = save_results(args.results_dir, "fp8", data, tables)
-    plot(data, path.with_suffix(".png"))
-    return 0
+    if "sinks" in phases:
+        print("phase 4: attention sinks (non-outlier values, the teacher's KL)", flush=True)
+        data["sinks"] = fp8_sinks.phase(ctx.args, teacher.model, teacher.shape.aux_layers)
 
 
 if __name__ == "__main__":

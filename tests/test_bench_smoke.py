@@ -296,21 +296,25 @@ def test_fp8_smoke(tmp_path: Path, shm_root: Path) -> None:
     assert e2e["probes"]["bf16"]["quantized_in"] == "none (bfloat16)"
     for name in ("fp8-all", "fp8-aux"):
         assert e2e["probes"][name]["quantized_in"] == "server hook"
-        assert e2e["probes"][name]["meta_protocol"] == 3
+        assert e2e["probes"][name]["meta_protocol"] == 4
     summary = e2e["summary"]
-    # The hidden sections' bytes per token, exactly as PROTOCOL §4 lays them out.
+    # The hidden sections' bytes per token, exactly as PROTOCOL §4 lays them out (the
+    # default layout: each FP8 vector with a scale and 16 outliers of 2 + 2 bytes).
+    vector = h + 4 + 16 * 4
     assert summary["bf16"]["hidden_bytes_per_token"] == layers * h * 2
-    assert summary["fp8-all"]["hidden_bytes_per_token"] == layers * (h + 4)
-    assert summary["fp8-aux"]["hidden_bytes_per_token"] == (layers - 1) * (h + 4) + h * 2
+    assert summary["fp8-all"]["hidden_bytes_per_token"] == layers * vector
+    assert summary["fp8-aux"]["hidden_bytes_per_token"] == (layers - 1) * vector + h * 2
     assert summary["fp8-all"]["ratio_bytes"] < summary["fp8-aux"]["ratio_bytes"] < 1
     check_fp8_fallback(data)
     writer = data["writer"]
     assert [s["dataset"] for s in writer["summary"]] == [
-        "bf16", "fp8-all", "fp8-all", "fp8-aux", "fp8-aux", "fp8-all"
+        "bf16", "fp8-all", "fp8-all", "fp8-aux", "fp8-aux", "fp8-all-v3", "fp8-all-v3", "fp8-all"
     ]  # fmt: skip
     for s in writer["summary"]:
         assert positive(s["cpu_s_per_gb_written"]) and positive(s["gb_per_s_written"])
-    assert writer["hook_and_fallback_identical"] == {"fp8-all": True, "fp8-aux": True}
+    assert writer["hook_and_fallback_identical"] == {
+        "fp8-all": True, "fp8-aux": True, "fp8-all-v3": True
+    }  # fmt: skip
     quality = data["quality"]
     for name in ("fp8-all", "fp8-aux"):
         q = quality[name]
@@ -330,3 +334,27 @@ def test_fp8_smoke(tmp_path: Path, shm_root: Path) -> None:
     # The final state kept in bf16: the teacher's logits are those of the bf16 dataset.
     assert quality["fp8-aux"]["kl_exactly_zero"] is True
     assert quality["fp8-aux"]["final_rows_bit_identical"] == 1
+    check_fp8_sinks(data["sinks"])
+
+
+def check_fp8_sinks(sinks: dict[str, Any]) -> None:
+    """fp8.py's attention-sink phase: every layout measured on every case; one scale per
+    vector starves a sink row's other values, the outliers layout does not."""
+    layouts = {"per_token_slot", "per_token_slot_outliers16", "blocks of 128 (not written)",
+               "blocks of 32 (not written)"}  # fmt: skip
+    syn = sinks["synthetic"]
+    assert [c["massive"] for c in syn["cases"]] == [0, 4, 4, 4, 24]
+    at_10k = syn["cases"][2]["layouts"]
+    assert set(at_10k) == layouts
+    assert at_10k["per_token_slot"]["subnormal"] > 0.1  # a fifth at 10,000x
+    assert at_10k["per_token_slot_outliers16"]["subnormal"] < 0.005
+    assert at_10k["per_token_slot_outliers16"]["outlier_rel_max"] == 0  # kept exact
+    assert syn["bytes"]["per_token_slot_outliers16"]["per_vector"] == 7168 + 4 + 64
+    forward = sinks["forward"]
+    assert [c["ratio"] for c in forward["cases"]] == [0, 1e3, 1e4, 3e4]
+    for case in forward["cases"]:
+        assert set(case["layouts"]) == layouts
+        for figures in case["layouts"].values():
+            assert figures["sink"]["rows"] > 0 and figures["ordinary"]["rows"] > 0
+            assert 0 <= figures["ordinary"]["kl_mean"] < 1e-2
+    assert sinks["verdict"]["layout"] == "per_token_slot_outliers16"
