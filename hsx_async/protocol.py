@@ -6,6 +6,7 @@ servers and the SGLang hook all import this module, so a rule lives in exactly o
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -550,12 +551,61 @@ _SCALE_BITS_SPAN = 0x7F800000 - _SCALE_LOWEST_BITS
 SectionCheck = Callable[[bytes | bytearray | memoryview], "str | None"]
 
 
-def section_check(section: Section) -> SectionCheck | None:
+def section_check(section: Section, hidden_size: int = OUTLIER_NONE) -> SectionCheck | None:
     """The check a dump's bytes of ``section`` must pass before they are written to the
     dataset, or None where any bytes of the right size are valid (bfloat16 and e4m3fn
-    values): the FP8 scales must be what the quantization rule makes (§3). The check takes
-    a block of the section's bytes (whole values) and returns what is wrong, or None."""
-    return _check_scales if section.name == SCALES else None
+    values): the FP8 scales must be what the quantization rule makes (§3), and in the
+    outliers layout each vector's outlier channels ascending, below ``hidden_size`` and the
+    unused ones last, and the outlier values finite (a non-finite input row, which the
+    other layout's scale refuses the same way). The check takes a block of the section's
+    bytes (whole vectors: a multiple of :func:`check_unit` bytes) and returns what is
+    wrong, or None."""
+    if section.name == SCALES:
+        return _check_scales
+    if section.name == OUTLIER_INDEX:
+        return functools.partial(_check_outlier_index, per_vector=section.row_shape[1],
+                                 hidden_size=hidden_size)  # fmt: skip
+    if section.name == OUTLIER_VALUES:
+        return _check_outlier_values
+    return None
+
+
+def check_unit(section: Section) -> int:
+    """The bytes a block given to :func:`section_check`'s check is a multiple of: one
+    vector's entries of the section (a float32 scale; 16 uint16 channels)."""
+    return section.row_bytes // section.row_shape[0]
+
+
+def _check_outlier_index(
+    data: bytes | bytearray | memoryview, *, per_vector: int, hidden_size: int
+) -> str | None:
+    index = np.frombuffer(data, dtype="<u2").reshape(-1, per_vector)
+    used = index != OUTLIER_NONE
+    past = used & (index >= hidden_size)
+    # used entries strictly ascending; after the first unused entry, only unused ones
+    disorder = (used[:, 1:] & (index[:, 1:] <= index[:, :-1])) | (used[:, 1:] & ~used[:, :-1])
+    bad = past.any(axis=1) | disorder.any(axis=1)
+    count = int(np.count_nonzero(bad))
+    if not count:
+        return None
+    first = index[int(np.argmax(bad))].tolist()
+    return (
+        f"{count} FP8 vectors' outlier channels are past the hidden size {hidden_size} or "
+        f"not ascending (first: {first}); the quantization rule lists them ascending, the "
+        "unused ones (65535) last"
+    )
+
+
+def _check_outlier_values(data: bytes | bytearray | memoryview) -> str | None:
+    bits = np.frombuffer(data, dtype="<u2")
+    bad = (bits & np.uint16(0x7F80)) == np.uint16(0x7F80)  # bfloat16 Inf or NaN
+    count = int(np.count_nonzero(bad))
+    if not count:
+        return None
+    return (
+        f"{count} FP8 outlier values are not finite: the rows they were quantized from "
+        "were not finite"
+    )
 
 
 def _check_scales(data: bytes | bytearray | memoryview) -> str | None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,8 +18,10 @@ from hsx_async.protocol import (
     CUSTOM_PARAM_NS,
     FP8,
     NS_PATTERN,
+    PER_TOKEN_SLOT_OUTLIERS16,
     RID_PATTERN,
     DumpMeta,
+    SectionCheck,
     Storage,
     check_aux_layers,
     check_hsx_request,
@@ -26,6 +29,7 @@ from hsx_async.protocol import (
     check_part_sizes,
     check_response,
     check_tiling,
+    check_unit,
     generate_body,
     marked_ns,
     num_layers,
@@ -393,6 +397,45 @@ def test_only_the_fp8_scale_section_is_checked() -> None:
     assert names["hidden_states"] is None and names["hidden_states_unquantized"] is None
     assert names["hidden_states_scales"] is not None
     assert all(section_check(s) is None for s in Storage().sections(3, 8))
+
+
+def _outlier_checks(hidden: int = 64) -> tuple[SectionCheck, SectionCheck]:
+    sections = {
+        s.name: s for s in Storage(FP8, (0, 1), PER_TOKEN_SLOT_OUTLIERS16).sections(3, hidden)
+    }
+    assert section_check(sections["hidden_states"], hidden) is None
+    assert check_unit(sections["hidden_states_outlier_index"]) == 32
+    assert check_unit(sections["hidden_states_scales"]) == 4
+    index = section_check(sections["hidden_states_outlier_index"], hidden)
+    values = section_check(sections["hidden_states_outlier_values"], hidden)
+    assert index is not None and values is not None
+    return index, values
+
+
+def _index_bytes(*vectors: list[int]) -> bytes:
+    return b"".join(struct.pack("<16H", *(v + [0xFFFF] * (16 - len(v)))) for v in vectors)
+
+
+def test_outlier_channels_the_rule_does_not_make_are_refused() -> None:
+    """Per vector: used channels strictly ascending and below H, the unused (65535) last."""
+    index, _ = _outlier_checks()
+    assert index(_index_bytes([0, 5, 63], [], list(range(16)))) is None
+    for bad in ([5, 3], [3, 3], [64], [1, 0xFFFF, 7]):  # the last: a used one after unused
+        problem = index(_index_bytes([1, 2], bad))
+        assert problem is not None and problem.startswith("1 FP8 vectors' outlier channels")
+    gap = struct.pack("<16H", *([4, 0xFFFF, 9] + [0xFFFF] * 13))  # a used one after unused
+    assert index(gap) is not None
+
+
+def test_non_finite_outlier_values_are_refused() -> None:
+    _, values = _outlier_checks()
+    finite = torch.tensor([1.0, -3e38, 0.0, -0.0] * 4, dtype=torch.bfloat16)
+    assert values(finite.view(torch.int16).numpy().tobytes()) is None
+    for x in (float("nan"), float("inf"), float("-inf")):
+        bad = finite.clone()
+        bad[5] = x
+        problem = values(bad.view(torch.int16).numpy().tobytes())
+        assert problem is not None and problem.startswith("1 FP8 outlier values are not finite")
 
 
 @pytest.mark.parametrize("bits", _INVALID_SCALE_BITS, ids=hex)

@@ -66,7 +66,7 @@ from hsx_async.dataset.durable import fsync_dir, write_error
 from hsx_async.dataset.layout import ALIGN, FileLayout
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DumpError, WriteError
-from hsx_async.protocol import SectionCheck, num_layers, section_check
+from hsx_async.protocol import SectionCheck, check_unit, num_layers, section_check
 from hsx_async.run.dump import Dump, DumpLinkError, open_dump_dir, open_dump_file
 from hsx_async.run.failpoints import failpoint
 from hsx_async.run.source import Sample
@@ -499,6 +499,7 @@ class _Piece:
     offset: int
     length: int
     check: SectionCheck | None = None
+    unit: int = 4  # the check's blocks are a multiple of this many bytes (whole vectors)
 
 
 def _pieces(job: WriteJob) -> list[_Piece]:
@@ -512,9 +513,9 @@ def _pieces(job: WriteJob) -> list[_Piece]:
     pieces: list[_Piece] = []
     before = 0  # bytes per row of the sections before this one
     for section in sections:
-        check = section_check(section)
+        check, unit = section_check(section, meta.hidden_size), check_unit(section)
         for path, n in zip(job.dump.part_paths(), rows, strict=True):
-            pieces.append(_Piece(path, n * per_row, n * before, n * section.row_bytes, check))
+            pieces.append(_Piece(path, n * per_row, n * before, n * section.row_bytes, check, unit))
         before += section.row_bytes
     return pieces
 
@@ -522,15 +523,17 @@ def _pieces(job: WriteJob) -> list[_Piece]:
 def _copy_checked(
     part_fd: int, piece: _Piece, scratch: memoryview, emit: Callable[[memoryview], None]
 ) -> None:
-    """A piece whose bytes must pass a check (the FP8 scales: a tiny share of the bytes),
-    read a block at a time into ``scratch`` (the copy's own memory, SUB bytes), checked
-    there and only then handed to ``emit`` (hashed and written): what is checked is what is
-    written, whatever the server does to the part meanwhile. A block is a multiple of 4
-    bytes: whole float32 values."""
-    assert piece.check is not None
+    """A piece whose bytes must pass a check (the FP8 scales and outliers: a tiny share of
+    the bytes), read a block at a time into ``scratch`` (the copy's own memory, SUB bytes),
+    checked there and only then handed to ``emit`` (hashed and written): what is checked is
+    what is written, whatever the server does to the part meanwhile. A block is whole
+    vectors (a multiple of ``piece.unit`` bytes: 4 for float32 scales, 32 for 16 outlier
+    channels)."""
+    assert piece.check is not None and 0 < piece.unit <= SUB
+    step = SUB - SUB % piece.unit
     pos, end = piece.offset, piece.offset + piece.length
     while pos < end:
-        with scratch[: min(SUB, end - pos)] as block:
+        with scratch[: min(step, end - pos)] as block:
             _read_exact(part_fd, piece.path.name, block, pos)
             problem = piece.check(block)
             if problem is not None:

@@ -30,6 +30,8 @@ from hsx_async.protocol import (
     BF16_STORAGE,
     FP8,
     META_NAME,
+    PER_TOKEN_SLOT,
+    PER_TOKEN_SLOT_OUTLIERS16,
     DumpMeta,
     Storage,
     part_name,
@@ -687,15 +689,17 @@ def _fp8_case(shm_root: Path, storage: Storage, *, dump_fp8: bool, rid: str) -> 
     return WriteJob(sample, Dump(rid_dir, meta), layout, data_relpath("q"), f"s0-{rid}")
 
 
+@pytest.mark.parametrize("layout", [PER_TOKEN_SLOT, PER_TOKEN_SLOT_OUTLIERS16])
 @pytest.mark.parametrize("method", ["direct", "sendfile"])
 @pytest.mark.parametrize("slots", [(0, 1, 2, 3), (0, 1, 2)])
 def test_fp8_dump_is_copied_unchanged_and_a_bf16_dump_quantized_to_the_same_bytes(
-    shm_root: Path, tmp_path: Path, method: str, slots: tuple[int, ...]
+    shm_root: Path, tmp_path: Path, method: str, slots: tuple[int, ...], layout: str
 ) -> None:
     """The hook's FP8 sections are copied byte for byte; a server that dumped bfloat16
     gets the same file from the writer's fallback quantizer (same bytes, same hash), and
-    the file loads with safetensors as e4m3fn + float32 scales (+ the bf16 slots)."""
-    storage = Storage(FP8, slots)
+    the file loads with safetensors as e4m3fn + float32 scales (+ the outliers, + the bf16
+    slots)."""
+    storage = Storage(FP8, slots, layout)
     files = []
     for dump_fp8 in (True, False):
         out = tmp_path / f"out-{dump_fp8}"
@@ -718,6 +722,7 @@ def test_fp8_dump_is_copied_unchanged_and_a_bf16_dump_quantized_to_the_same_byte
         assert scales.dtype == torch.float32 and scales.shape == (37, len(slots), 1)
         names = set(fh.keys())
         assert ("hidden_states_unquantized" in names) == (len(slots) < 4)
+        assert ("hidden_states_outlier_index" in names) == (layout == PER_TOKEN_SLOT_OUTLIERS16)
         assert bool((q.float().abs().amax(-1) == 448.0).all())  # each vector's amax
 
 
@@ -725,8 +730,9 @@ def test_fp8_fallback_memory_is_one_block_whatever_the_sample(
     shm_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fallback quantizes a bounded block of rows at a time: with blocks of 3 rows the
-    parts (16, 14, 7 rows) are read in pieces, and the file is still the hook's."""
-    storage = Storage(FP8, (0, 1, 2))
+    parts (16, 14, 7 rows) are read in pieces, and the file is still the hook's (the
+    outliers layout: its per-vector sections gathered over the blocks)."""
+    storage = Storage(FP8, (0, 1, 2), PER_TOKEN_SLOT_OUTLIERS16)
     ref = _fp8_case(shm_root, storage, dump_fp8=True, rid="r-ref")
     job = _fp8_case(shm_root, storage, dump_fp8=False, rid="r-blocks")
     monkeypatch.setattr(writer_module, "_ENCODE_BYTES", 3 * job.dump.meta.row_bytes)
@@ -837,3 +843,67 @@ def test_a_checked_section_is_read_in_blocks_and_still_hashed_in_order(
             with pytest.raises(DumpError, match="1 FP8 scales are negative"):
                 fw.stage(job)
         fw.close()
+
+
+def _corrupt_outliers(job: WriteJob, *, index: int | None = None, value: float | None = None,
+                      part: int = 1, row: int = 3) -> None:  # fmt: skip
+    """Overwrite the first outlier entry (its channel, or its value) of one vector of a
+    hook-written dump of the outliers layout, as a broken or hostile hook could leave it."""
+    meta = job.dump.meta
+    start, end = meta.parts[part]
+    n, lq, hidden = end - start, len(job.layout.storage.quantized), meta.hidden_size
+    sections = n * lq * (hidden + 4)  # the e4m3fn values, then the scales
+    if index is not None:
+        at, data = sections + row * lq * 32, np.array([index], dtype="<u2").tobytes()
+    else:
+        at = sections + n * lq * 32 + row * lq * 32
+        data = torch.tensor([value], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+    with job.dump.part_paths()[part].open("r+b") as fh:
+        fh.seek(at)
+        fh.write(data)
+
+
+OUTLIERS16 = Storage(FP8, (0, 1, 2), PER_TOKEN_SLOT_OUTLIERS16)
+
+
+@pytest.mark.parametrize("method", ["direct", "sendfile"])
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"index": 64}, "1 FP8 vectors' outlier channels are past the hidden size 64"),
+        ({"index": 0xFFFF}, "1 FP8 vectors' outlier channels are past the hidden size 64"),
+        ({"value": float("nan")}, "1 FP8 outlier values are not finite"),
+        ({"value": float("-inf")}, "1 FP8 outlier values are not finite"),
+    ],
+    ids=["past H", "unused first", "NaN", "-Inf"],
+)
+def test_fp8_outliers_no_quantizer_makes_fail_the_copy(
+    shm_root: Path, tmp_path: Path, method: str, change: dict[str, float], match: str
+) -> None:
+    """The outliers layout's channels (ascending, below H, the unused last) and values
+    (finite, as the scales are) are checked while they are copied; nothing is written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _fp8_case(shm_root, OUTLIERS16, dump_fp8=True, rid="r-bad")
+    fw = FileWriter(out, method=method, fsync=False, row_bytes=ALIGNED.row)
+    _corrupt_outliers(job, **change)  # type: ignore[arg-type]
+    with pytest.raises(DumpError, match=rf"part-0000000016-0000000030\.bin: {match}"):
+        fw.stage(job)
+    fw.close()
+    assert_nothing_written(out)
+
+
+def test_outlier_channels_are_checked_in_whole_vectors_whatever_the_block(
+    shm_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checked block is whole vectors: with SUB at 40 bytes the channels (32 bytes a
+    vector) are read 32 at a time; the file and hash are the plain copy's."""
+    monkeypatch.setattr(writer_module, "SUB", 40)
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _fp8_case(shm_root, OUTLIERS16, dump_fp8=True, rid="r-blocks")
+    fw = FileWriter(out, method="direct", fsync=False, row_bytes=ALIGNED.row)
+    entry = write_one(fw, job)
+    fw.close()
+    data = (out / job.relpath).read_bytes()
+    assert entry.xxh3_64 == xxhash.xxh3_64_hexdigest(data)
