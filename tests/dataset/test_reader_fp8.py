@@ -16,7 +16,7 @@ from hsx_async.dataset.reader import (
     read_sample,
 )
 from hsx_async.errors import DatasetError
-from hsx_async.protocol import BF16_STORAGE, FP8, Storage
+from hsx_async.protocol import BF16_STORAGE, FP8, PER_TOKEN_SLOT_OUTLIERS16, Storage
 from tests.dataset_factory import fp8_storage, write_dataset, write_storage_provenance
 
 AUX = (2, 30, 58)
@@ -200,3 +200,49 @@ def test_a_file_of_another_storage_than_the_dataset_is_refused(tmp_path: Path) -
         ds[0]
     assert str(ds.path(0)) in str(info.value)
     assert written[0].storage != ds.storage
+
+
+def _sinks(index: int, hidden: torch.Tensor) -> None:
+    """Token 0 an attention sink in every slot: 3 channels 10,000x its median."""
+    median = hidden[0].float().abs().median(dim=-1).values
+    hidden[0, :, [5, 40, 77]] = (1e4 * median).unsqueeze(-1).to(hidden.dtype)
+
+
+def test_the_outliers_layout_reads_back_with_its_outliers_exact(tmp_path: Path) -> None:
+    """PROTOCOL §3, version 4, by its formula: x at each outlier's channel, float32(q) ×
+    scale rounded once elsewhere; the sink rows' massive channels come back exact, and raw
+    yields the two outlier sections as stored (views of the file, in file order)."""
+    storage = fp8_storage(len(AUX) + 1, "aux", PER_TOKEN_SLOT_OUTLIERS16)
+    written = write_dataset(tmp_path, num_samples=3, hidden_size=128, storage=storage,
+                            mutate=_sinks)  # fmt: skip
+    ds, raw = HiddenStateDataset(tmp_path), HiddenStateDataset(tmp_path, storage="raw")
+    assert ds.storage == raw.storage == storage
+    for sample in written:
+        q, scales, index, values, kept = sample.sections
+        t = sample.entry.num_tokens
+        want = torch.empty((t, 4, 128), dtype=torch.bfloat16)
+        for j in range(3):
+            slot = (q[:, j].float() * scales[:, j, None]).to(torch.bfloat16)
+            for row in range(t):
+                for k, channel in enumerate(index[row, j].tolist()):
+                    if channel != 0xFFFF:
+                        slot[row, channel] = values[row, j, k]
+            want[:, j] = slot
+        want[:, 3] = kept[:, 0]
+        item = ds[ds.ids.index(sample.id)]
+        assert torch.equal(item["hidden_states"], want[:, -1])
+        assert torch.equal(item["aux_hidden_states"], want[:, :-1].reshape(t, 3 * 128))
+        massive = item["aux_hidden_states"].reshape(t, 3, 128)[0][:, [5, 40, 77]]
+        assert torch.equal(massive, sample.hidden[0, :3][:, [5, 40, 77]])
+        stored = raw[raw.ids.index(sample.id)]
+        assert set(stored) == {"input_ids", "loss_mask", "hidden_states",
+                               "hidden_states_scales", "hidden_states_outlier_index",
+                               "hidden_states_outlier_values",
+                               "hidden_states_unquantized"}  # fmt: skip
+        assert stored["hidden_states_outlier_index"].dtype == torch.uint16
+        assert stored["hidden_states_outlier_index"].shape == (t, 3, 16)
+        assert torch.equal(stored["hidden_states_outlier_index"].view(torch.int16),
+                           index.view(torch.int16))  # fmt: skip
+        assert torch.equal(stored["hidden_states_outlier_values"], values)
+        after = stored["hidden_states_outlier_index"].data_ptr()
+        assert after - stored["hidden_states_scales"].data_ptr() == t * 3 * 4
