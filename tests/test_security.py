@@ -31,7 +31,7 @@ from hsx_async.cli import build_parser
 from hsx_async.config import DaemonConfig, listen_address
 from hsx_async.dataset.layout import build_layout, data_relpath, sample_key
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
-from hsx_async.errors import DumpError, HsxError
+from hsx_async.errors import DumpError, HsxError, NoServerError
 from hsx_async.logs import configure_logging
 from hsx_async.protocol import (
     DumpMeta,
@@ -242,14 +242,16 @@ PLANTS: dict[str, tuple[Plant, str]] = {
 
 @asynccontextmanager
 async def hostile_server(
-    root: Path, plant: Plant, outside: Path, placed: list[Path]
+    root: Path, plant: Plant, outside: Path, placed: list[Path], rids: list[str]
 ) -> AsyncIterator[str]:
-    """A server that answers correctly but leaves a booby-trapped dump."""
+    """A server that answers correctly but leaves a booby-trapped dump (for every request,
+    its admission probes too); ``rids`` gets each request's id."""
 
     async def generate(request: web.Request) -> web.Response:
         body = await request.json()
         rid, ns = body["rid"], body["sampling_params"]["custom_params"]["hsx_ns"]
         tokens = len(body["input_ids"])
+        rids.append(rid)
         placed.extend(await asyncio.to_thread(plant, root / ns / rid, rid, tokens, outside))
         meta = {"id": rid, "prompt_tokens": tokens, "cached_tokens": 0}
         return web.json_response({"text": "", "meta_info": meta})
@@ -273,23 +275,30 @@ async def hostile_server(
 async def test_client_refuses_booby_trapped_dumps(
     kind: str, tmp_path: Path, shm_root: Path
 ) -> None:
-    """Links and FIFOs in a dump are never followed, copied or deleted through: the sample is
-    quarantined, the dataset holds no byte of the target, and the target survives."""
+    """Links and FIFOs in a dump are never followed, copied or deleted through. A server
+    whose every dump is booby-trapped is at fault, not the samples (issue 24): it is refused
+    at its probe, so no sample is sent, charged or quarantined; the run ends with the
+    reason (exit 3 at the CLI), the dataset holds no byte of the target, the target
+    survives and the probe's dump is cleaned away."""
     plant, reason = PLANTS[kind]
     outside = tmp_path / "outside"
     outside.mkdir()
     samples = write_samples(tmp_path / "in.jsonl", 3, max_len=8, seed=1)
     placed: list[Path] = []
-    async with hostile_server(shm_root, plant, outside, placed) as url:
+    rids: list[str] = []
+    async with hostile_server(shm_root, plant, outside, placed, rids) as url:
         config = make_config(tmp_path, samples.path, [url], shm_root,
-                             workers={"max_attempts": 2}, dump={"timeout": 1.0})  # fmt: skip
-        summary = await Daemon(config).run()
+                             workers={"max_attempts": 2}, dump={"timeout": 1.0},
+                             server={"unreachable_timeout": 1.0})  # fmt: skip
+        with pytest.raises(NoServerError, match=reason):
+            async with asyncio.timeout(30):
+                await Daemon(config).run()
     out = config.output.dir
-    assert (summary.done, summary.quarantined) == (0, 3)
-    assert read_manifest(out) == []
-    assert all(reason in q.reason for q in read_quarantine(out)), read_quarantine(out)
+    assert read_manifest(out) == [] and read_quarantine(out) == []
+    assert rids and all("-probe-" in rid for rid in rids), rids  # no sample was sent
     for path in out.rglob("*"):
         assert not path.is_file() or SECRET not in path.read_bytes(), path
+    assert placed or kind == "part_fifo"
     assert all(p.exists() for p in placed), "a link target was deleted"
     assert shm_leftovers(shm_root) == []
 

@@ -3,8 +3,9 @@
 Debian's Prometheus (``bash .ci/ops-env``) checks the scrape config and the alert rules
 (``promtool check``, ``promtool test rules``); then a Prometheus on 127.0.0.1 scrapes a
 real ``hsx run`` (against ``hsx fake-server``, with bad input lines and injected HTTP 500s
-so that every labelled series exists) and every hsx metric, every dashboard query and
-every alert rule is asked for through its HTTP API. Grafana has no server package here:
+so that every labelled series exists; the server is stopped at the end, for the eviction
+counter) and every hsx metric, every dashboard query and every alert rule is asked for
+through its HTTP API. Grafana has no server package here:
 its dashboard JSON is checked structurally and its PromQL (variables substituted as
 Grafana would) by ``promtool`` and the live Prometheus.
 """
@@ -28,6 +29,7 @@ import pytest
 import yaml
 from prometheus_client.core import Metric
 
+from hsx_async.run.faults import KINDS
 from hsx_async.run.metrics import Metrics
 from hsx_async.run.status import RunStatus, StatusCollector
 from tests.deploy.realenv import http_get, process, require_tools, stop, wait_for
@@ -52,6 +54,9 @@ GRAFANA_VARS = {
     "$instance": ".*",
 }
 H, AUX = 64, (1, 3, 5)
+# Series that exist only once a server has left rotation: the live test takes its server
+# away for them, after the checks of a healthy run.
+ON_EVICTION = frozenset({"hsx_server_out_of_rotation_total"})
 Proc = subprocess.Popen[bytes]
 
 
@@ -102,6 +107,10 @@ def _exposed_series() -> dict[str, Metric]:
     return names
 
 
+def _hsx_names(text: str) -> set[str]:
+    return set(re.findall(r"\bhsx_[a-z_]+\b", text)) - {"hsx_job"}
+
+
 def _names_in(path: Path) -> set[str]:
     """The hsx series (or family) names a rules file mentions outside comments, or the
     dashboard in its queries."""
@@ -113,7 +122,7 @@ def _names_in(path: Path) -> set[str]:
         text = "\n".join(
             ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")
         )
-    return set(re.findall(r"\bhsx_[a-z_]+\b", text)) - {"hsx_job"}
+    return _hsx_names(text)
 
 
 # --- static: promtool and the dashboard's structure ----------------------------------
@@ -282,12 +291,15 @@ def _every_series_has_data(live: Live, names: list[str]) -> bool | None:
 
 @pytest.mark.timeout(240)
 def test_live_prometheus_sees_every_metric_dashboard_query_and_rule(live: Live) -> None:
-    names = sorted(_exposed_series())
+    names = sorted(set(_exposed_series()) - ON_EVICTION)
     wait_for("every hsx series in Prometheus", lambda: _every_series_has_data(live, names), 90)
     assert live.hsx.poll() is None, "hsx ended before the checks: give it more samples"
-    # Each dashboard query returns data while the run is going.
-    empty = [(title, expr) for title, expr in _targets(_dashboard()) if not live.query(expr)]
+    # Each dashboard query returns data while the run is going (those on evictions: below).
+    queries = _targets(_dashboard())
+    on_eviction = [(title, expr) for title, expr in queries if _hsx_names(expr) & ON_EVICTION]
+    empty = [(t, e) for t, e in queries if (t, e) not in on_eviction and not live.query(e)]
     assert not empty, f"dashboard queries without data: {empty}"
+    assert on_eviction, "the dashboard has no panel on servers leaving rotation"
     target = live.api("targets")["activeTargets"]
     assert [t["health"] for t in target if t["labels"]["job"] == "hsx"] == ["up"]
     # Every alert rule is loaded and evaluates without error against live data.
@@ -311,5 +323,14 @@ def test_live_prometheus_sees_every_metric_dashboard_query_and_rule(live: Live) 
     stop(live.server)
 
     wait_for("HsxServerDown to go pending", lambda: "HsxServerDown" in _alerts(live) or None, 30)
+    # ... the eviction is counted, with its fault kind, and the dashboard's panels show it.
+    out = wait_for(
+        "the eviction in Prometheus",
+        lambda: live.query('hsx_server_out_of_rotation_total{job="hsx"} >= 1') or None,
+        30,
+    )
+    assert {r["metric"]["kind"] for r in out} <= set(KINDS), out
+    empty = [(title, expr) for title, expr in on_eviction if not live.query(expr)]
+    assert not empty, f"dashboard queries without data after an eviction: {empty}"
     os.kill(live.hsx.pid, signal.SIGTERM)
     assert live.hsx.wait(60) == 0, (live.tmp / "hsx.log").read_text()[-3000:]
