@@ -133,15 +133,20 @@ class Attempts:
         self.charged += 1
         self.last_charged = reason
 
-    def settle(self) -> None:
+    def settle(self, policy: RetryPolicy) -> None:
         """Charge the suspicions whose server has since been shown to work; forgive those
-        whose server was shown broken; keep the rest."""
+        whose server was shown broken; keep the rest.
+
+        A sample pays for at most ``policy.max_attempts`` failures: suspicions settled
+        together (a probe that passes after a streak took the server out settles every
+        failure behind it) are charged only up to that; the rest are settled at no charge,
+        and the sample, exhausted, is quarantined saying ``max_attempts`` attempts."""
         open_ = []
         for suspicion in self.suspicions:
             verdict = suspicion.verdict()
             if verdict is None:
                 open_.append(suspicion)
-            elif verdict:
+            elif verdict and not policy.exhausted(self.charged):
                 self.charge(suspicion.fault.reason)
         self.suspicions = open_
 

@@ -271,7 +271,7 @@ class Workers:
         handed back goes on from its earlier attempts."""
         tries = self.tries.pop(sample.line, None) or Attempts()
         while True:
-            tries.settle()  # a suspicion may have been settled while it waited
+            tries.settle(self.retry)  # a suspicion may have been settled while it waited
             if tries.exhausted(self.retry):
                 await self._quarantine(sample, tries)
                 return None
@@ -318,7 +318,7 @@ class Workers:
         tries.record(fault, server)  # before the server's record changes for it
         if server is not None:
             await self.servers.fault(server, fault)
-        tries.settle()
+        tries.settle(self.retry)
         if tries.exhausted(self.retry):
             await self._quarantine(sample, tries)
             return True

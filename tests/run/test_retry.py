@@ -133,17 +133,17 @@ def test_a_fault_that_never_reached_the_server_is_never_charged() -> None:
     for _ in range(10):
         tries.record(Fault("server", "unreachable", "refused", evict=True), server)
         server.served += 1  # even while the server works for others
-        tries.settle()
+        tries.settle(POLICY)
     assert (tries.failed, tries.charged, tries.suspicions) == (10, 0, [])
 
 
 def test_a_suspicion_is_charged_once_the_server_works_for_another_request() -> None:
     tries, server = Attempts(), _Server()
     tries.record(SOFT, server)
-    tries.settle()
+    tries.settle(POLICY)
     assert tries.charged == 0 and len(tries.suspicions) == 1  # not known yet
     server.served += 1
-    tries.settle()
+    tries.settle(POLICY)
     assert tries.charged == 1 and tries.suspicions == []
 
 
@@ -151,11 +151,11 @@ def test_a_suspicion_is_forgiven_when_the_server_is_out_and_its_probe_fails() ->
     tries, server = Attempts(), _Server()
     tries.record(SOFT, server)
     server.evict()
-    tries.settle()
+    tries.settle(POLICY)
     assert tries.suspicions  # the probe has not spoken
     server.probe(ok=False)
     server.served += 5  # fixed later: the failure stays the server's
-    tries.settle()
+    tries.settle(POLICY)
     assert (tries.charged, tries.suspicions) == (0, [])
 
 
@@ -167,9 +167,29 @@ def test_a_suspicion_is_charged_when_the_first_probe_after_it_passes() -> None:
         tries.record(SOFT, server)
     server.evict()
     server.probe(ok=True)
-    tries.settle()
+    tries.settle(POLICY)
     assert tries.charged == 3 and tries.exhausted(POLICY)
     assert tries.quarantine_reason() == attempts_reason(3, "HTTP 500")
+
+
+def test_suspicions_settled_together_charge_no_more_than_max_attempts() -> None:
+    """A sample retried uncharged while its suspicions were open (two charged already,
+    then a streak that took the server out, whose probe passed): it pays for
+    ``max_attempts`` failures, not five, and is quarantined saying so."""
+    tries, server = Attempts(), _Server()
+    for _ in range(2):
+        tries.record(SOFT, server)
+        server.served += 1
+        tries.settle(POLICY)
+    assert tries.charged == 2 and not tries.exhausted(POLICY)
+    for _ in range(3):
+        tries.record(Fault("server", "http_5xx", "HTTP 502", reached=True), server)
+    server.evict()
+    server.probe(ok=True)
+    tries.settle(POLICY)
+    assert (tries.failed, tries.charged, tries.suspicions) == (5, 3, [])
+    assert tries.exhausted(POLICY)
+    assert tries.quarantine_reason() == attempts_reason(3, "HTTP 502")
 
 
 def test_a_failure_on_a_server_already_out_waits_for_that_spells_probe() -> None:
@@ -177,10 +197,10 @@ def test_a_failure_on_a_server_already_out_waits_for_that_spells_probe() -> None
     server.evict()
     tries.record(SOFT, server)  # an attempt in flight when the server left
     server.served += 1  # (in-flight success elsewhere does not count: it is out)
-    tries.settle()
+    tries.settle(POLICY)
     assert tries.suspicions
     server.probe(ok=False)
-    tries.settle()
+    tries.settle(POLICY)
     assert (tries.charged, tries.suspicions) == (0, [])
 
 
@@ -190,5 +210,5 @@ def test_a_server_that_served_before_it_left_rotation_charges_the_sample() -> No
     server.served += 1
     server.evict()
     server.probe(ok=False)
-    tries.settle()
+    tries.settle(POLICY)
     assert tries.charged == 1

@@ -247,7 +247,7 @@ class Turns:
         decoding = Decoding(s.max_new_tokens, s.temperature, s.top_p, seed, self.stop_ids)
         attempts = Attempts()
         while True:
-            attempts.settle()  # a suspicion may have been settled while it waited
+            attempts.settle(self.retry)  # a suspicion may have been settled while it waited
             if attempts.exhausted(self.retry):
                 await self._exhausted(conv, index, attempts)
                 return None
@@ -295,7 +295,7 @@ class Turns:
         self.stats.failed[fault.kind] += 1
         attempts.record(fault, server)  # before the server's record changes for it
         await self.pool.fault(server, fault)
-        attempts.settle()
+        attempts.settle(self.retry)
         if attempts.exhausted(self.retry):
             await self._exhausted(conv, index, attempts)
             return True
