@@ -6,15 +6,18 @@ passes: 0.94 GB of dumps each) go through
 - the real SGLang glue (``hsx_async.server.sglang.hook``, installed on the stand-in SGLang
   classes the tests use, ``tests/server/sglang/standins.py``): ``copy_to_cpu`` and
   ``process_batch_result_prefill`` exactly as SGLang calls them on its scheduler thread;
-- ``hook_core.PrefillDumper.dump_batch`` directly (what the reference and fake servers call).
+- ``dumper.PrefillDumper.dump_batch`` directly (what the reference and fake servers call).
 
 Each configuration runs in its own process (so peak RSS is its own) and reports the
 scheduler thread's wall time and CPU time inside the hook per GB dumped (stalls on a full
 write queue included, and shown apart), the CPU of every other thread (the background
 writers) per GB, the sustained dump rate (first pass handed in → last byte written) and
 peak RSS. "main" rows are the code before issue 16 (assemble each part, write it on the
-calling thread: ``HSX_WRITER_THREADS=0`` with the assembling copy); the others are the new
-paths. Between passes the scheduler waits ``--interval-ms`` (the GPU computing the next
+calling thread: kept here, in :class:`AssembleNow`, not in the hook); the others are the
+new paths. The "float32 model" rows (issue 28) hand the hook a float32 model's rows: "cast
+on the scheduler thread" is the code before issue 28 (the glue rounded them to bfloat16 in
+``load_hidden``, reproduced here by :func:`old_tensor_bits`), "rounded by the writers" the
+code now. Between passes the scheduler waits ``--interval-ms`` (the GPU computing the next
 pass; 300 ms ≈ a 16k-token pass at 50k tokens/s), except in the "flat out" row.
 
 One host buffer holds every pass's rows (SGLang's caching pinned allocator reuses its
@@ -24,7 +27,8 @@ as the client would. While the GPU would compute the next pass, the scheduler th
 a Python busy loop: its speed ("sched Python Mops/s") shows what the writer threads take
 from SGLang's own Python (the GIL, and cores), against the synchronous rows.
 
-    python bench/hook.py                  # 2 rounds × 6 configurations × 8 passes, ~4 min
+    python bench/hook.py                  # 2 rounds × 8 configurations × 8 passes, ~6 min
+    python bench/hook.py --modes float32  # only the issue-28 pair (before/after), ~2 min
     python bench/hook.py --smoke          # tiny passes, what tests/test_bench_smoke.py runs
 """
 
@@ -55,6 +59,9 @@ GB = 1e9
 NS = "bench"
 # Old ÷ new, per GB: wall time in the hook, the same without stalls, its thread CPU.
 RATIO_KEYS = ("sched_ms_per_gb", "sched_ms_per_gb_without_stalls", "sched_cpu_ms_per_gb")
+# The issue-28 pair: a float32 model's rows, cast on the scheduler thread vs by the writers.
+CAST_BEFORE = "glue, float32 model, cast on the scheduler thread (main)"
+CAST_AFTER = "glue, float32 model, rounded by the writers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +71,13 @@ class Mode:
     background: bool
     assemble: bool
     paced: bool = True
+    float32: bool = False  # the model's rows are float32 (issue 28)
+    old_cast: bool = False  # ... cast to bfloat16 on the scheduler thread, as before
 
     @property
     def old(self) -> bool:
-        return self.assemble and not self.background
+        """The code before the change the row measures (issue 16, or issue 28)."""
+        return (self.assemble and not self.background) or self.old_cast
 
 
 MODES = (
@@ -77,6 +87,8 @@ MODES = (
     Mode("glue, background, flat out", "glue", background=True, assemble=False, paced=False),
     Mode("PrefillDumper, sync, assemble (main)", "dumper", background=False, assemble=True),
     Mode("PrefillDumper, background writers", "dumper", background=True, assemble=False),
+    Mode(CAST_BEFORE, "glue", background=True, assemble=False, float32=True, old_cast=True),
+    Mode(CAST_AFTER, "glue", background=True, assemble=False, float32=True),
 )
 
 
@@ -118,7 +130,8 @@ class Child:
 
         torch.set_num_threads(1)  # no torch worker threads counted as "background"
 
-        from hsx_async.server.hook_core import HookConfig, PrefillDumper
+        from hsx_async.server.dumper import PrefillDumper
+        from hsx_async.server.hook_core import HookConfig
         from hsx_async.server.hook_writer import BackgroundWriter
         from hsx_async.server.sglang import hook as glue
         from tests.server.sglang.standins import make_api
@@ -133,29 +146,32 @@ class Child:
         self.background = None
         if self.mode.background:
             self.background = BackgroundWriter(
-                self.root,
-                threads=args.threads,
-                queue_bytes=args.queue_mb << 20,
-                assemble=self.mode.assemble,
+                self.root, threads=args.threads, queue_bytes=args.queue_mb << 20
             )
-        self.dumper = PrefillDumper(
-            cfg, model="b", background=self.background, assemble=self.mode.assemble
-        )
+        sink = AssembleNow(self.root) if self.mode.assemble else self.background
+        self.dumper = PrefillDumper(cfg, model="b", sink=sink)
         self.api = dataclasses.replace(make_api([]), async_d2h=lambda t: t)  # CPU: no copy
+        if self.mode.old_cast:
+            glue.host_rows = old_tensor_bits
         if self.mode.path == "glue":
             state = glue.HookState(cfg, self.dumper, writer=True, background=self.background)
             state.stack = SimpleNamespace(layers_to_capture=list(self.layers))
             state.graph_layers = self.layers
             glue.install(state, self.api)
         gen = torch.Generator().manual_seed(0)
-        # Random bit patterns made as 2-byte integers: no 4-byte temporary inflates the
-        # peak RSS (the values are never read as numbers).
-        self.template = tuple(
-            torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16).view(
-                torch.bfloat16
+        shapes = ((args.rows, k * h), (args.rows, h))
+        if self.mode.float32:
+            # A float32 model's activations (values, not bit patterns: they are rounded).
+            self.template = tuple(torch.randn(shape, generator=gen) for shape in shapes)
+        else:
+            # Random bit patterns made as 2-byte integers: no 4-byte temporary inflates
+            # the peak RSS (the values are never read as numbers).
+            self.template = tuple(
+                torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16).view(
+                    torch.bfloat16
+                )
+                for shape in shapes
             )
-            for shape in ((args.rows, k * h), (args.rows, h))
-        )
         self.pass_bytes = self.per_req * args.requests_per_pass * (k + 1) * h * 2
 
     def one_pass(self, p: int) -> tuple[float, float, list[Path]]:
@@ -221,6 +237,7 @@ class Child:
         return {
             "mode": mode.name,
             "old": mode.old,
+            "background": mode.background,
             "gb": gb,
             "passes": args.passes,
             "sched_ms_per_gb": hook_wall * 1000 / gb,
@@ -257,10 +274,43 @@ def busy_python(deadline: float, spent: float, ops: int) -> tuple[float, int]:
 
 
 def hidden_of(aux: Any, final: Any, layers: tuple[int, ...]) -> Any:
-    from hsx_async.server.hook_core import BatchHidden
-    from hsx_async.server.sglang.hook import tensor_bits
+    from hsx_async.server.rows import BatchHidden
+    from hsx_async.server.sglang.hook import host_rows
 
-    return BatchHidden(aux=tensor_bits(aux), final=tensor_bits(final), aux_layers=layers)
+    return BatchHidden(aux=host_rows(aux), final=host_rows(final), aux_layers=layers)
+
+
+def old_tensor_bits(tensor: Any) -> Any:
+    """The glue's host conversion before issue 28: a float32 model's rows rounded to
+    bfloat16 on the scheduler thread, in ``load_hidden``."""
+    import torch
+
+    t = tensor.detach()
+    if t.dtype != torch.bfloat16:
+        t = t.to(torch.bfloat16)
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t.view(torch.int16).numpy()
+
+
+class AssembleNow:
+    """The hook's write path before issue 16, kept here (not in the hook) for the "main"
+    rows: on the calling thread, each part assembled with one copy, then written, and a
+    request's ``meta.json`` after its last part. A PartSink for PrefillDumper."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def submit(self, hidden: Any, jobs: Any) -> None:
+        from hsx_async.server.dumpwrite import request_dir_fd, write_meta, write_part
+        from hsx_async.server.rows import assemble_rows
+
+        for job in jobs:
+            w = job.write
+            with request_dir_fd(self.root, w.ns, w.rid) as fd:
+                write_part(fd, w.start, w.end, assemble_rows(hidden, w.batch_row, w.rows).data)
+                if job.meta is not None:
+                    write_meta(fd, job.meta)
 
 
 def collect(dirs: list[Path]) -> list[Path]:
@@ -381,19 +431,22 @@ def main() -> None:
             for r in rows
         ],
     )
+    pairs = {
+        "glue": ("glue, sync, assemble (main)", "glue, background writers"),
+        "PrefillDumper": (
+            "PrefillDumper, sync, assemble (main)",
+            "PrefillDumper, background writers",
+        ),
+        "float32 cast (issue 28)": (CAST_BEFORE, CAST_AFTER),
+    }
     ratios = {}
-    for path in ("glue", "PrefillDumper"):
-        before = next((r for r in rows if r["old"] and r["mode"].startswith(path)), None)
-        after = next((r for r in rows if r["mode"] == f"{path}, background writers"), None)
+    for label, (old_name, new_name) in pairs.items():
+        before = next((r for r in rows if r["mode"] == old_name), None)
+        after = next((r for r in rows if r["mode"] == new_name), None)
         if before is not None and after is not None:
-            ratios[path] = {
-                key: before[key] / max(after[key], 1e-9)
-                for key in (
-                    "sched_ms_per_gb",
-                    "sched_ms_per_gb_without_stalls",
-                    "sched_cpu_ms_per_gb",
-                )
-            }
+            ratios[label] = {key: before[key] / max(after[key], 1e-9) for key in RATIO_KEYS}
+    for label, ratio in ratios.items():
+        print(f"{label}: old ÷ new " + ", ".join(f"{k} {v:.1f}×" for k, v in ratio.items()))
     data = {
         "smoke": args.smoke,
         "machine": common.machine_info(Path(args.out_dir), Path(args.shm_dir)),

@@ -13,31 +13,34 @@ usage() { echo "usage: HSX_AUX_LAYERS=2,30,58 $0 MODEL_DIR [vLLM args...]" >&2; 
 [ $# -ge 1 ] || usage
 model=$1; shift
 [ -n "${HSX_AUX_LAYERS:-}" ] || { echo "$0: set HSX_AUX_LAYERS (e.g. 2,30,58)" >&2; exit 2; }
-root=${HSX_DUMP_ROOT:-/dev/shm/hsx}
-case "$root" in /*) ;; *) echo "$0: HSX_DUMP_ROOT=$root is relative; give an absolute path" >&2; exit 2;; esac
 py=${HSX_PYTHON:-python3}
-# The layer ids vLLM must capture: the aux layers, then n (the pre-norm final state).
-capture=$("$py" - "$model" "$HSX_AUX_LAYERS" <<'PY'
-import json, sys
+# The dump root and the layer ids vLLM must capture (the aux layers, then n: the pre-norm
+# final state), by the rules the connector itself applies: the same HSX_DUMP_ROOT read and
+# the one aux-layer rule, with the model's layer count.
+settings=$("$py" - "$model" <<'PY'
+import json, os, sys
 from pathlib import Path
+from hsx_async.errors import HsxError
 from hsx_async.layer_ids import num_layers_of
-model, aux = sys.argv[1], sys.argv[2]
-try:
-    layers = [int(x) for x in aux.split(",")]
-except ValueError:
-    sys.exit(f"HSX_AUX_LAYERS={aux!r} is not a comma-separated list of integers")
-if any(b <= a for a, b in zip(layers, layers[1:])) or min(layers) < 0:
-    sys.exit(f"HSX_AUX_LAYERS={aux!r} is not strictly ascending and non-negative")
+from hsx_async.protocol import parse_aux_layers
+from hsx_async.server.hook_core import ENV_AUX_LAYERS, dump_root_from_env
+model = sys.argv[1]
 try:
     n = num_layers_of(json.loads((Path(model) / "config.json").read_text()))
 except (OSError, ValueError) as exc:
     sys.exit(f"cannot read {model}/config.json: {exc}")
-if n is None or max(layers) >= n:
-    sys.exit(f"HSX_AUX_LAYERS={aux!r} does not fit a model with {n} layers")
-print(json.dumps(layers + [n]))
+if n is None:
+    sys.exit(f"{model}/config.json names no layer count (num_hidden_layers)")
+try:
+    root = dump_root_from_env(os.environ)
+    layers = parse_aux_layers(os.environ[ENV_AUX_LAYERS], key=ENV_AUX_LAYERS, num_layers=n)
+except HsxError as exc:
+    sys.exit(f"launch.sh: {exc}")
+print(json.dumps([*layers, n]), root, sep="\t")
 PY
 ) || exit 2
-export HSX_DUMP_ROOT=$root
+capture=${settings%%$'\t'*}
+export HSX_DUMP_ROOT=${settings#*$'\t'}
 exec "$py" -m vllm.entrypoints.openai.api_server \
   --model "$model" \
   --host "${HSX_HOST:-127.0.0.1}" --port "${HSX_PORT:-8000}" \

@@ -1,9 +1,13 @@
 """Server side of PROTOCOL §3: write a request's parts and commit its ``meta.json``.
 
-Shared by the fake server, the reference server and the SGLang hook. All file access goes
-through directory file descriptors opened with ``O_NOFOLLOW``, so neither a crafted
-``ns``/``rid`` nor a symlink planted in the dump root can make a server write outside it.
-The server never deletes: the client owns ``<root>/<ns>/``.
+The one way every hook and server writes a dump: :func:`write_job` writes one planned part
+(and, after a request's last part, its ``meta.json``), on the calling thread or on a
+:class:`~hsx_async.server.hook_writer.BackgroundWriter` thread. All file access goes through
+directory file descriptors opened with ``O_NOFOLLOW``, so neither a crafted ``ns``/``rid``
+nor a symlink planted in the dump root can make a server write outside it. Every file is
+written under a hidden temporary name and renamed into place. The server never deletes:
+the client owns ``<root>/<ns>/``. The fake server's faults are a :class:`Tamper` handed to
+:func:`write_job`; hooks pass none.
 """
 
 from __future__ import annotations
@@ -12,24 +16,17 @@ import contextlib
 import errno
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from hsx_async.errors import DumpError
-from hsx_async.protocol import (
-    BF16_STORAGE,
-    META_NAME,
-    DumpMeta,
-    Storage,
-    part_name,
-    valid_ns,
-    valid_rid,
-)
+from hsx_async.protocol import META_NAME, DumpMeta, part_name, valid_ns, valid_rid
+from hsx_async.server.hook_core import PartWrite, Reject, RequestDump
+from hsx_async.server.rows import PassRows, part_bytes
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-# Buffers one writev takes (Linux UIO_MAXIOV).
-IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
 def _open_subdir(parent_fd: int, name: str, *, create: bool) -> int:
@@ -84,8 +81,9 @@ def _write_atomic(dir_fd: int, name: str, chunks: Iterable[Sequence[memoryview]]
 
 
 def _writev_all(fd: int, buffers: Sequence[memoryview]) -> None:
-    """``writev`` until every byte of ``buffers`` is written (a short write resumes)."""
-    pending, first = list(buffers), 0
+    """``writev`` until every byte of ``buffers`` is written (a short write resumes).
+    Buffers are counted in bytes whatever their shape (a row block is ``[n, L, H]``)."""
+    pending, first = [b if b.ndim == 1 and b.itemsize == 1 else b.cast("B") for b in buffers], 0
     while first < len(pending):
         written = os.writev(fd, pending[first:] if first else pending)
         while first < len(pending) and written >= len(pending[first]):
@@ -115,52 +113,61 @@ def write_meta(dir_fd: int, meta: DumpMeta) -> None:
     _write_atomic(dir_fd, META_NAME, [[byte_view(meta.to_json())]])
 
 
-@dataclass(slots=True)
-class RequestDump:
-    """Rows written so far for one marked request, across chunked-prefill passes.
+Chunks = Iterable[Sequence[memoryview]]
 
-    Pure bookkeeping: the caller writes the bytes. A retracted request that starts over
-    calls :meth:`reset`; parts then get rewritten under the same names.
-    """
 
-    rid: str
-    ns: str
-    num_tokens: int
-    parts: list[tuple[int, int]] = field(default_factory=list)
-    # Set by a background writer whose write of one of this dump's parts failed: its later
-    # parts and its commit are skipped, and the scheduler's next pass poisons the rid. A
-    # retried request starts a new RequestDump, so an old failure never leaks into it.
-    failed: bool = False
-    # How its parts hold the rows (PROTOCOL §3): what the request asked for, or bfloat16.
-    storage: Storage = BF16_STORAGE
+@dataclass(frozen=True, slots=True)
+class PartJob:
+    """One part to write, and, for a request's last part, the ``meta.json`` to commit
+    after it. ``dump`` is the request's bookkeeping, shared by all its jobs: a failure
+    marks it, and its later jobs then write nothing."""
 
-    @property
-    def rows_done(self) -> int:
-        return self.parts[-1][1] if self.parts else 0
+    write: PartWrite
+    dump: RequestDump
+    meta: DumpMeta | None
 
-    def add_part(self, start: int, end: int) -> None:
-        if start != self.rows_done or end <= start or end > self.num_tokens:
-            raise DumpError(
-                f"rid {self.rid}: part [{start}, {end}) does not continue at row "
-                f"{self.rows_done} of {self.num_tokens}"
-            )
-        self.parts.append((start, end))
 
-    @property
-    def complete(self) -> bool:
-        return self.rows_done == self.num_tokens
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    wrote: bool
+    committed: bool
+    reject: Reject | None
 
-    def reset(self) -> None:
-        self.parts.clear()
 
-    def meta(self, *, hidden_size: int, aux_layers: list[int], model: str, server: str) -> DumpMeta:
-        return DumpMeta(
-            rid=self.rid,
-            num_tokens=self.num_tokens,
-            hidden_size=hidden_size,
-            aux_layers=tuple(aux_layers),
-            parts=tuple(self.parts),
-            model=model,
-            server=server,
-            storage=self.storage,
-        )
+class Tamper(Protocol):
+    """Fault injection, for the fake server only: what is written in place of a part and
+    of a commit. Hooks and the reference server pass none."""
+
+    def part(self, write: PartWrite, chunks: Chunks) -> list[tuple[int, int, Chunks]]:
+        """The part files ``(start, end, bytes)`` to write for ``write``."""
+        ...
+
+    def meta(self, write: PartWrite, meta: DumpMeta) -> DumpMeta | None:
+        """The ``meta.json`` to commit after ``write`` (None: no commit now)."""
+        ...
+
+
+def write_job(
+    root: Path, job: PartJob, hidden: PassRows, tamper: Tamper | None = None
+) -> JobOutcome:
+    """Write ``job``'s part (and commit) unless an earlier part of its dump failed."""
+    write = job.write
+    if job.dump.failed:
+        return JobOutcome(wrote=False, committed=False, reject=None)
+    meta = job.meta
+    try:
+        with request_dir_fd(root, write.ns, write.rid) as dir_fd:
+            chunks: Chunks = part_bytes(hidden, write)
+            files = [(write.start, write.end, chunks)]
+            if tamper is not None:
+                files = tamper.part(write, chunks)
+                meta = None if meta is None else tamper.meta(write, meta)
+            for start, end, data in files:
+                write_part_vectored(dir_fd, start, end, data)
+            if meta is not None:
+                write_meta(dir_fd, meta)
+    except (DumpError, OSError) as exc:
+        job.dump.failed = True
+        reason = f"writing {part_name(write.start, write.end)}: {exc}"
+        return JobOutcome(wrote=False, committed=False, reject=Reject(write.rid, reason))
+    return JobOutcome(wrote=True, committed=meta is not None, reject=None)

@@ -2,9 +2,11 @@
 pass over, a few threads in the same process write it.
 
 SGLang's scheduler thread must not spend a pass's worth of time copying bytes to
-/dev/shm. :class:`~hsx_async.server.hook_core.PrefillDumper` plans the pass on the calling
+/dev/shm. :class:`~hsx_async.server.dumper.PrefillDumper` plans the pass on the calling
 thread (pure bookkeeping) and gives :meth:`BackgroundWriter.submit` the pass's jobs and a
-reference to its host rows; the writer threads do the file work.
+reference to its host rows; the writer threads do the file work
+(:func:`~hsx_async.server.dumpwrite.write_job`, the one way a dump is written), including
+rounding a float32 model's rows to bfloat16 (issue 28).
 
 - **Order.** Every job of a rid goes to the same thread (its lane), whose queue is FIFO:
   a rid's parts are written in order, and its ``meta.json`` (carried by its last job) is
@@ -34,14 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsx_async.errors import DumpError
-from hsx_async.server.hook_core import (
-    JobOutcome,
-    PartJob,
-    PassRows,
-    Reject,
-    pass_nbytes,
-    run_job,
-)
+from hsx_async.server.dumpwrite import JobOutcome, PartJob, Tamper, write_job
+from hsx_async.server.hook_core import Reject
+from hsx_async.server.rows import PassRows, pass_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -94,15 +91,15 @@ class BackgroundWriter:
         *,
         threads: int,
         queue_bytes: int,
-        assemble: bool = False,
         on_reject: Callable[[Reject], None] = _log_reject,
         name: str = "hsx-writer",
+        tamper: Tamper | None = None,
     ) -> None:
         if threads < 1 or queue_bytes < 1:
             raise ValueError("a BackgroundWriter needs at least one thread and one byte")
         self.root = root
         self.queue_bytes = queue_bytes
-        self.assemble = assemble
+        self.tamper = tamper  # the fake server's faults; hooks pass none
         self.stats = WriterStats()
         self._on_reject = on_reject
         self._cond = threading.Condition()
@@ -179,7 +176,7 @@ class BackgroundWriter:
                 if self._abandon.is_set() or hidden is None:
                     job.dump.failed = True
                 else:
-                    outcome = run_job(self.root, job, hidden, assemble=self.assemble)
+                    outcome = write_job(self.root, job, hidden, self.tamper)
             except Exception:  # a bug, not an I/O error: keep the lane alive
                 job.dump.failed = True
                 logger.exception("hsx: dump writer failed on rid %s", job.write.rid)

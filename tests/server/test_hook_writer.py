@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -24,19 +23,13 @@ from hsx_async.protocol import (
     parse_meta,
     parse_part_name,
 )
-from hsx_async.server import dumpwrite, hook_core, hook_writer
-from hsx_async.server.hook_core import (
-    BatchHidden,
-    HookConfig,
-    PrefillDumper,
-    ReqView,
-    assemble_rows,
-    part_chunks,
-    stacked_rows,
-)
+from hsx_async.server import dumpwrite, hook_writer
+from hsx_async.server.dumper import PrefillDumper
+from hsx_async.server.hook_core import HookConfig, ReqView
 from hsx_async.server.hook_writer import BackgroundWriter, WriterStats
+from hsx_async.server.rows import BatchHidden, assemble_rows
 from tests.server.fp8 import FP8_AUX, check_fp8_dump, read_bf16_rows
-from tests.server.test_hook_core import finite_arrays, pass_loader
+from tests.server.passes import finite_arrays, pass_loader
 
 NS = "w0"
 H = 4
@@ -68,7 +61,7 @@ def make(
 ) -> tuple[PrefillDumper, BackgroundWriter]:
     writer = BackgroundWriter(root, threads=threads, queue_bytes=queue_bytes, **kw)
     cfg = HookConfig(dump_root=root, aux_layers=LAYERS, model=None, server="test")
-    return PrefillDumper(cfg, model="m", background=writer), writer
+    return PrefillDumper(cfg, model="m", sink=writer), writer
 
 
 @pytest.fixture
@@ -171,8 +164,8 @@ def test_parts_in_order_and_meta_after_the_last_under_concurrency(
             events.append((m.rid, "meta", -1))
         real_meta(dir_fd, m)
 
-    monkeypatch.setattr(hook_core, "write_part_vectored", part)
-    monkeypatch.setattr(hook_core, "write_meta", meta)
+    monkeypatch.setattr(dumpwrite, "write_part_vectored", part)
+    monkeypatch.setattr(dumpwrite, "write_meta", meta)
     dumper, writer = make(shm_root)
     closing.append(writer)
     schedule = Schedule([int(n) for n in np.random.default_rng(1).integers(1, 60, 24)], chunk=23)
@@ -233,7 +226,7 @@ class Gate:
             assert self.opened.wait(WAIT_S)
             real(dir_fd, start, end, chunks)
 
-        monkeypatch.setattr(hook_core, "write_part_vectored", held)
+        monkeypatch.setattr(dumpwrite, "write_part_vectored", held)
 
 
 def pass_of(rid: str, rows: int, seed: int) -> tuple[list[ReqView], Callable[[], BatchHidden]]:
@@ -365,14 +358,14 @@ def test_an_unexpected_error_keeps_the_lane_alive(
     caplog: pytest.LogCaptureFixture,
     closing: list[BackgroundWriter],
 ) -> None:
-    real = hook_core.run_job
+    real = dumpwrite.write_job
 
-    def flaky(root: Path, job: Any, hidden: BatchHidden, **kw: Any) -> Any:
+    def flaky(root: Path, job: Any, hidden: BatchHidden, tamper: Any = None) -> Any:
         if job.write.rid == "boom":
             raise RuntimeError("a bug")
-        return real(root, job, hidden, **kw)
+        return real(root, job, hidden, tamper)
 
-    monkeypatch.setattr(hook_writer, "run_job", flaky)
+    monkeypatch.setattr(hook_writer, "write_job", flaky)
     dumper, writer = make(shm_root, threads=1)
     closing.append(writer)
     with caplog.at_level(logging.ERROR, logger=hook_writer.__name__):
@@ -435,65 +428,6 @@ def test_shutdown_with_a_full_queue_abandons_without_partial_files(
     assert "6 dump parts unwritten" in caplog.text
     assert visible_files(shm_root) == [f"{NS}/long/part-0000000000-0000000004.bin"]
     assert writer.stats.queued_bytes == 0
-
-
-# --------------------------------------------------------------------------------------
-# Part layouts without an assembled copy
-# --------------------------------------------------------------------------------------
-
-
-def joined(chunks: Iterable[Sequence[memoryview]]) -> bytes:
-    return b"".join(bytes(b) for buffers in chunks for b in buffers)
-
-
-def test_part_chunks_from_separate_contiguous_arrays_are_row_slices() -> None:
-    aux, final = rows_of(3, 700)  # more rows than one writev takes
-    hidden = BatchHidden(aux, final, LAYERS)
-    chunks = list(part_chunks(hidden, 5, 690))
-    assert len(chunks) > 1 and all(len(c) <= dumpwrite.IOV_MAX for c in chunks)
-    assert all(np.shares_memory(np.frombuffer(c[0], np.uint8), aux) for c in chunks)
-    assert joined(chunks) == assemble_rows(hidden, 5, 690).tobytes()
-
-
-def test_part_chunks_from_a_stacked_buffer_are_one_slice() -> None:
-    full = np.random.default_rng(4).integers(0, 2**16, (9, K + 1, H), dtype=np.uint16)
-    for aux in (full[:, :K, :], np.lib.stride_tricks.as_strided(full, (9, K * H), (ROW_BYTES, 2))):
-        hidden = BatchHidden(aux, full[:, K, :], LAYERS)
-        assert stacked_rows(hidden) is not None
-        [[only]] = list(part_chunks(hidden, 2, 5))
-        assert np.shares_memory(np.frombuffer(only, np.uint8), full)
-        assert bytes(only) == full[2:7].tobytes()
-
-
-def test_part_chunks_fall_back_to_a_copy_for_other_layouts() -> None:
-    aux, final = rows_of(5, 6)
-    wide = np.zeros((6, 2 * K * H), np.uint16)
-    wide[:, ::2] = aux
-    hidden = BatchHidden(wide[:, ::2], final, LAYERS)
-    assert stacked_rows(hidden) is None
-    assert (
-        joined(part_chunks(hidden, 1, 4))
-        == assemble_rows(BatchHidden(aux, final, LAYERS), 1, 4).tobytes()
-    )
-    other = BatchHidden(aux, final[::-1], LAYERS)  # final not next to aux: not a stack
-    assert stacked_rows(other) is None
-
-
-def test_short_writev_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = os.writev
-
-    def stingy(fd: int, buffers: Sequence[memoryview]) -> int:
-        first = bytes(buffers[0])
-        return real(fd, [first[: max(1, len(first) // 3)]])
-
-    monkeypatch.setattr(os, "writev", stingy)
-    data = [memoryview(bytes(range(i, i + 10))) for i in range(0, 50, 10)]
-    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        dumpwrite.write_part_vectored(dir_fd, 0, 1, [data[:2], data[2:]])
-    finally:
-        os.close(dir_fd)
-    assert (tmp_path / "part-0000000000-0000000001.bin").read_bytes() == bytes(range(50))
 
 
 def test_writer_needs_a_thread_and_a_budget(shm_root: Path) -> None:

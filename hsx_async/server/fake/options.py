@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx_async.errors import ConfigError
-from hsx_async.protocol import DEFAULT_DUMP_ROOT, Storage
+from hsx_async.protocol import DEFAULT_DUMP_ROOT, Storage, check_aux_layers
 
 # Every fault makes the attempt fail on a correct client, except LATE_META, which a client
 # with a long enough dump timeout must ride out.
@@ -89,8 +89,7 @@ class FakeOptions:
         for key, value in non_negative.items():
             if value < 0:
                 raise ConfigError(key, f"is {value}, expected 0 or more")
-        if any(layer < 0 for layer in self.aux_layers):
-            raise ConfigError("aux_layers", f"{list(self.aux_layers)} has a negative layer")
+        check_aux_layers(self.aux_layers, key="aux_layers")
         check_fault_policy(self.fault_rate, self.faults)
 
 

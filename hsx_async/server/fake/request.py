@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from hsx_async.protocol import CUSTOM_PARAM_NS, NS_PATTERN, RID_PATTERN, valid_ns, valid_rid
+from hsx_async.errors import HsxRequestError
+from hsx_async.protocol import CUSTOM_PARAM_NS, check_hsx_request
 from hsx_async.server.fake.content import I64
 
 
@@ -42,12 +43,10 @@ def _parse_ids(raw: object, *, required: bool) -> I64:
 
 
 def _check_hsx(body: dict[str, Any], sampling: dict[str, Any], ns: object) -> None:
-    if not valid_ns(ns):
-        raise BadRequestError(f"custom_params.{CUSTOM_PARAM_NS} must match {NS_PATTERN}")
-    if not valid_rid(body.get("rid")):
-        raise BadRequestError(f"rid must match {RID_PATTERN}")
-    if sampling.get("max_new_tokens") != 0:
-        raise BadRequestError("hsx requests must set sampling_params.max_new_tokens to 0")
+    try:
+        check_hsx_request(ns, body.get("rid"), max_new_tokens=sampling.get("max_new_tokens"))
+    except HsxRequestError as exc:
+        raise BadRequestError(str(exc)) from None
     if body.get("stream"):
         raise BadRequestError("hsx requests must not stream")
 

@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 
 from hsx_async.errors import HsxError
-from hsx_async.protocol import BF16_STORAGE, DumpMeta, Storage
-from hsx_async.server.dumpwrite import RequestDump, request_dir_fd, write_meta, write_part
+from hsx_async.protocol import BF16_STORAGE, POST_NORM, DumpMeta, Storage
+from hsx_async.server.dumpwrite import request_dir_fd, write_meta, write_part
 from hsx_async.server.fake.content import I64, U16, fill_rows
 from hsx_async.server.fake.options import FakeStats
-from hsx_async.server.hook_core import encode_bits
+from hsx_async.server.hook_core import RequestDump
+from hsx_async.server.rows import encode_bits
 
 # Faults whose meta.json is not written at the end of the last pass.
 _NO_COMMIT_IN_PASS = frozenset({"abort_dump", "late_meta"})
@@ -155,6 +156,7 @@ def job_meta(spec: DumpSpec, job: Job) -> DumpMeta:
         aux_layers=list(spec.aux_layers),
         model=spec.model,
         server=spec.server,
+        final_state=POST_NORM,
     )
     return faulty_meta(dataclasses.replace(meta, parts=tuple(job.listed)), job.fault)
 

@@ -11,7 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from hsx_async.protocol import CUSTOM_PARAM_NS, NS_PATTERN, RID_PATTERN, valid_ns, valid_rid
+from hsx_async.errors import HsxRequestError
+from hsx_async.protocol import CUSTOM_PARAM_NS, check_hsx_request
 
 # SGLang's default when a request names no max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -74,10 +75,7 @@ def _sampling(body: dict[str, Any]) -> tuple[int, str | None, dict[str, Any]]:
     custom = params.get("custom_params") or {}
     if not isinstance(custom, dict):
         raise BadRequest("custom_params must be a JSON object")
-    ns = custom.get(CUSTOM_PARAM_NS)
-    if ns is not None and not valid_ns(ns):
-        raise BadRequest(f"{CUSTOM_PARAM_NS} {ns!r} does not match {NS_PATTERN}")
-    return max_new, ns, custom
+    return max_new, custom.get(CUSTOM_PARAM_NS), custom
 
 
 def _number(params: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
@@ -116,10 +114,10 @@ def parse_generate(body: object, *, vocab_size: int, max_positions: int | None) 
     max_new, ns, custom = _sampling(body)
     rid = body.get("rid")
     if ns is not None:
-        if not (isinstance(rid, str) and valid_rid(rid)):
-            raise BadRequest(f"rid {rid!r} does not match {RID_PATTERN}")
-        if max_new != 0:
-            raise BadRequest(f"an hsx request must be prefill-only: max_new_tokens is {max_new}")
+        try:
+            ns, rid = check_hsx_request(ns, rid, max_new_tokens=max_new)
+        except HsxRequestError as exc:
+            raise BadRequest(str(exc)) from None
     elif rid is None:
         rid = uuid.uuid4().hex
     elif not isinstance(rid, str):

@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hsx_async.errors import ConfigError
-from hsx_async.protocol import final_norm_kind
+from hsx_async.protocol import check_aux_layers, final_norm_kind
 
 # The built-in model: small enough that a 300-token forward takes ~70 ms on one core, big
 # enough (GQA, 6 layers, RoPE) to exercise what real checkpoints do.
@@ -162,20 +162,6 @@ def default_aux_layers(num_hidden_layers: int) -> tuple[int, ...]:
     return tuple(sorted({min(1, n - 1), n // 2, n - 1}))
 
 
-def check_aux_layers(aux_layers: Sequence[int], num_hidden_layers: int) -> None:
-    if not aux_layers:
-        raise ConfigError("aux_layers", "is empty; name at least one decoder layer")
-    bad = [k for k in aux_layers if not 0 <= k < num_hidden_layers]
-    if bad:
-        raise ConfigError(
-            "aux_layers",
-            f"layer {bad[0]} is out of range: the model has {num_hidden_layers} decoder layers "
-            f"(0..{num_hidden_layers - 1})",
-        )
-    if len(set(aux_layers)) != len(aux_layers):
-        raise ConfigError("aux_layers", f"{list(aux_layers)} names a layer twice")
-
-
 def _stack_layers(out: Any, aux_layers: Sequence[int]) -> torch.Tensor:
     """[rows, L, H] float32 of batch row 0: the aux layers, then the post-norm final state.
 
@@ -292,7 +278,7 @@ class PackedEngine:
             "kind": final_norm_kind(getattr(config, "model_type", None)),
             "eps": float(getattr(config, "rms_norm_eps", 1e-6)),
         }
-        check_aux_layers(self.aux_layers, self.num_hidden_layers)
+        check_aux_layers(self.aux_layers, key="aux_layers", num_layers=self.num_hidden_layers)
         params = inspect.signature(model.base_model.forward).parameters
         # transformers 5 renamed past_key_values to cache (the old name warns).
         self._cache_kw = "cache" if "cache" in params else "past_key_values"

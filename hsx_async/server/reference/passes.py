@@ -1,7 +1,8 @@
 """One pass of the reference server, run in a worker thread: the packed forward of the
 scheduled slices, then the hook's own core writes the hsx requests' parts and commits.
 
-Each slice is described to :class:`hook_core.PrefillDumper` as a :class:`ReqView`, exactly
+Each slice is described to :class:`~hsx_async.server.dumper.PrefillDumper` as a
+:class:`~hsx_async.server.hook_core.ReqView`, exactly
 as the SGLang glue describes a request of a prefill batch, so planning, chunk continuity,
 refusals and aborts run the code that runs inside SGLang, on a real model's rows.
 
@@ -18,18 +19,11 @@ import torch
 
 from hsx_async.protocol import Storage
 from hsx_async.quantize import encode_rows
-from hsx_async.server.hook_core import (
-    BatchHidden,
-    EncodedPass,
-    HookConfig,
-    PassRows,
-    PrefillDumper,
-    ReqView,
-    request_storage,
-    uniform_storage,
-)
+from hsx_async.server.dumper import PrefillDumper
+from hsx_async.server.hook_core import HookConfig, ReqView, request_storage, uniform_storage
 from hsx_async.server.reference.model import PackedEngine, Segment, SegmentOutput
 from hsx_async.server.reference.sched import Job, Slice, SliceResult
+from hsx_async.server.rows import BatchHidden, EncodedPass, PassRows
 
 
 class PassRunner:

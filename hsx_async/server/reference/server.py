@@ -33,6 +33,7 @@ from aiohttp import web
 from hsx_async import __version__
 from hsx_async.errors import ConfigError
 from hsx_async.protocol import DEFAULT_DUMP_ROOT
+from hsx_async.protocol import parse_aux_layers as protocol_parse_aux_layers
 from hsx_async.server.reference import model as reference_model
 from hsx_async.server.reference.http import (
     BadRequest,
@@ -267,16 +268,9 @@ async def running_reference_server(
 
 
 def parse_aux_layers(text: str) -> tuple[int, ...]:
-    """``"1,3,5"`` → ``(1, 3, 5)``."""
-    try:
-        layers = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ConfigError(
-            "aux_layers", f"{text!r} is not a comma-separated list of layer numbers"
-        ) from None
-    if any(layer < 0 for layer in layers):
-        raise ConfigError("aux_layers", f"{text!r} has a negative layer")
-    return layers
+    """``"1,3,5"`` → ``(1, 3, 5)``, by the one aux-layer rule (the model's size is checked
+    when it is loaded)."""
+    return protocol_parse_aux_layers(text, key="aux_layers")
 
 
 def reference_server_command(args: argparse.Namespace) -> int:

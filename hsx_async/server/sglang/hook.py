@@ -1,5 +1,5 @@
-"""The hsx hook inside SGLang 0.5.23: thin glue between SGLang's scheduler and
-:mod:`hsx_async.server.hook_core`.
+"""The hsx hook inside SGLang 0.5.23: thin glue between SGLang's scheduler and the engine
+interface every hook implements (``hsx_async/server/README.md``).
 
 How it gets loaded: SGLang runs its schedulers (one per tensor-parallel rank) in spawned
 processes, so a patch applied in the launcher would be lost. ``--forward-hooks`` names
@@ -18,7 +18,10 @@ server's settings, then patches four methods in that process:
   copy). When every request of the pass asks for one FP8 storage (``hsx_dtype``,
   ``hsx_quantized``), the rows are quantized on the device instead and only the FP8
   sections are copied (:func:`encode_to_host`); other FP8 requests are quantized by the
-  writer threads, and an unusable request is dumped as bfloat16 (logged once).
+  writer threads, and an unusable request is dumped as bfloat16 (logged once). A model
+  served in float32 (or float16) has its rows rounded to bfloat16 on the device before
+  the copy (half the bytes of float32 cross), or, where the rows are already on the host
+  (a CPU server), by the writer threads: never on the scheduler thread (issue 28).
 - ``ModelRunner.forward``: notes the pass's rids (``ForwardBatch.rids``) for the copy; and
   before the first forward, the decoder stack's ``layers_to_capture`` is set to
   ``HSX_AUX_LAYERS`` (layer k = the residual stream entering layer k = Hugging Face
@@ -26,7 +29,7 @@ server's settings, then patches four methods in that process:
   uses.
 - ``SchedulerBatchResultProcessor.process_batch_result_prefill``: before SGLang consumes a
   prefill result, attention-TP rank 0 (of each DP group, under DP attention) hands the
-  pass to :class:`~hsx_async.server.hook_core.PrefillDumper`, which plans one part per
+  pass to :class:`~hsx_async.server.dumper.PrefillDumper`, which plans one part per
   marked request and passes the writes, with a reference to the pass's host rows, to the
   process's :class:`~hsx_async.server.hook_writer.BackgroundWriter` threads
   (``HSX_WRITER_THREADS``, ``HSX_WRITE_QUEUE_MB``): the scheduler thread does bookkeeping
@@ -53,25 +56,26 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from hsx_async.errors import ConfigError, DumpError
-from hsx_async.protocol import BF16_STORAGE, Storage
+from hsx_async.errors import ConfigError, DumpError, HsxRequestError
+from hsx_async.protocol import (
+    BF16_STORAGE,
+    Storage,
+    check_aux_layers,
+    check_hsx_request,
+    marked_ns,
+)
 from hsx_async.quantize import encode_rows
+from hsx_async.server.dumper import PrefillDumper
 from hsx_async.server.hook_core import (
     DEFAULT_MAX_OPEN,
     ENV_AUX_LAYERS,
-    BatchHidden,
-    EncodedPass,
     HookConfig,
-    PassRows,
-    PrefillDumper,
     ReqView,
-    ServerSettings,
-    check_server_settings,
-    request_namespace,
     request_storage,
-    wants_dump,
 )
 from hsx_async.server.hook_writer import BackgroundWriter
+from hsx_async.server.rows import BatchHidden, EncodedPass, PassRows
+from hsx_async.server.sglang.settings import ServerSettings, check_server_settings
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +296,7 @@ def build_state(config: HookConfig, info: ServerInfo) -> HookState:
         )
     return HookState(
         config=config,
-        dumper=PrefillDumper(config, model=model, background=background),
+        dumper=PrefillDumper(config, model=model, sink=background),
         writer=writer,
         background=background,
     )
@@ -375,6 +379,20 @@ def _patch_plan(
     ]
 
 
+def wants_dump(rid: object, custom_params: object, max_new_tokens: object) -> bool:
+    """A marked request that passes the one request rule: the hook will dump it. Others
+    are served as usual; a marked one that fails the rule is reported (with the rule's
+    reason) at its first prefill pass, when the dumper plans it."""
+    ns = marked_ns(custom_params)
+    if ns is None:
+        return False
+    try:
+        check_hsx_request(ns, rid, max_new_tokens=max_new_tokens)
+    except HsxRequestError:
+        return False
+    return True
+
+
 def _wrap_req_init(original: Wrapper, full_capture: object, state: HookState | None) -> Wrapper:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
@@ -420,12 +438,25 @@ def _queue_copies(
         return
     out = result.logits_output
     stacked = None
-    if device_stack and _on_accelerator(out.last_hidden_states):
+    on_device = _on_accelerator(out.last_hidden_states)
+    if device_stack and on_device:
         stacked = stack_to_host(out.hidden_states, out.last_hidden_states, async_d2h)
     if stacked is not None:
         out.hidden_states, out.last_hidden_states = stacked
+    elif on_device:
+        # A float32/float16 model: rounded to bfloat16 on the device (a kernel launch on
+        # the scheduler thread, no work), so the copy moves half the bytes of float32.
+        out.last_hidden_states = async_d2h(as_bf16(out.last_hidden_states))
     else:
+        # On the host already (a CPU server): a float model's rows are rounded by the
+        # writer threads (hsx_async.server.rows), not here.
         out.last_hidden_states = async_d2h(out.last_hidden_states)
+
+
+def as_bf16(tensor: Any) -> Any:
+    """``tensor`` as bfloat16 where it lies (the same round-to-nearest-even as on the
+    host); a bfloat16 tensor is returned as it is."""
+    return tensor if tensor.dtype == torch.bfloat16 else tensor.to(torch.bfloat16)
 
 
 def _copy_encoded(result: Any, state: HookState | None, async_d2h: Callable[[Any], Any]) -> bool:
@@ -468,6 +499,11 @@ def stack_to_host(aux: Any, final: Any, async_d2h: Callable[[Any], Any]) -> tupl
     tensor and copies nothing, and every part is one contiguous slice of the buffer
     (:func:`~hsx_async.server.hook_core.stacked_rows`), written with no host copy.
 
+    The stack is bfloat16 whatever the model's dtype: a float32 model's rows are rounded
+    on the device, in the same copy (the rounding of the host path), and half the bytes
+    cross. SGLang's own aux copy is then bfloat16 too: an ordinary request of the pass that
+    asks for hidden states gets them in bfloat16.
+
     Costs ``T*(K+1)*H*2`` bytes of transient device memory. None (the plain path) when the
     shapes or dtypes do not allow it. Pure torch: the tests run it on CPU tensors.
     """
@@ -477,7 +513,7 @@ def stack_to_host(aux: Any, final: Any, async_d2h: Callable[[Any], Any]) -> tupl
     if t == 0 or aux.shape[0] != t or aux.numel() % (t * h):
         return None
     k = aux.numel() // (t * h)
-    stacked = torch.empty((t, k + 1, h), dtype=final.dtype, device=final.device)
+    stacked = torch.empty((t, k + 1, h), dtype=torch.bfloat16, device=final.device)
     stacked[:, :k, :].copy_(aux.reshape(t, k, h))
     stacked[:, k, :].copy_(final)
     host = async_d2h(stacked)
@@ -548,14 +584,7 @@ def apply_capture_layers(stack: Any, layers: Sequence[int]) -> tuple[int, ...]:
     """Capture exactly ``layers`` (entering layer k, for each k); returns the layers the
     stack captured before, which are the ones SGLang's CUDA graphs were recorded with."""
     before = tuple(sorted(stack.layers_to_capture))
-    count = len(stack.layers)
-    missing = [k for k in layers if k >= count]
-    if missing:
-        raise ConfigError(
-            ENV_AUX_LAYERS,
-            f"layers {missing} do not exist: the model has {count} decoder layers, so k < "
-            f"{count} (the final hidden state is always added after the aux layers)",
-        )
+    check_aux_layers(layers, key=ENV_AUX_LAYERS, num_layers=len(stack.layers))
     stack.layers_to_capture = list(layers)
     # Some families (Qwen MoE, LFM2) capture by a per-layer flag instead of the list.
     for index, layer in enumerate(stack.layers):
@@ -593,7 +622,7 @@ def _req_view(req: Any, start: int, rows: int, layers: int) -> ReqView:
     storage, note = request_storage(params.custom_params, layers) if layers else (BF16_STORAGE, "")
     return ReqView(
         rid=req.rid,
-        ns=request_namespace(params.custom_params),
+        ns=marked_ns(params.custom_params),
         num_tokens=len(req.origin_input_ids),
         max_new_tokens=params.max_new_tokens,
         start=int(start),
@@ -649,8 +678,8 @@ def load_hidden(state: HookState, result: Any) -> PassRows:
             f"{list(state.graph_layers or ())}: start SGLang with --disable-prefill-cuda-graph"
         )
     return BatchHidden(
-        aux=tensor_bits(out.hidden_states),
-        final=tensor_bits(out.last_hidden_states),
+        aux=host_rows(out.hidden_states),
+        final=host_rows(out.last_hidden_states),
         aux_layers=layers,
     )
 
@@ -683,16 +712,18 @@ def _layers_in_effect(state: HookState) -> tuple[int, ...]:
     return layers
 
 
-def tensor_bits(tensor: Any) -> np.ndarray:
-    """A torch tensor as a host numpy array of its bfloat16 bit patterns (no copy when it
-    already is a host bfloat16 tensor with unit stride along its rows)."""
+def host_rows(tensor: Any) -> np.ndarray:
+    """A torch tensor's rows as a host numpy array, without a copy where it already lies on
+    the host with unit stride along its rows: bfloat16 as its bit patterns (2-byte
+    integers), float32/float16 as they are (the writer threads round them to bfloat16:
+    not the scheduler thread's work, issue 28); any other dtype as float32."""
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
-    if t.dtype != torch.bfloat16:
-        t = t.to(torch.bfloat16)
+    if t.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        t = t.to(torch.float32)
     if t.stride(-1) != 1:
         t = t.contiguous()
     # Row-strided views (a device-side stack's aux and final) stay views: no copy.
-    bits: np.ndarray = t.view(torch.int16).numpy()
-    return bits
+    rows: np.ndarray = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+    return rows

@@ -8,9 +8,9 @@ bookkeeping (block ids held until the rows are read back, TP rank 0 only); this 
   (others are served as usual and nothing is kept for them),
 - refuses to start with prefix caching on or layer ids that do not end with the final
   state, and
-- writes PROTOCOL §3 dumps (one part, then ``meta.json``) through the same path-safe
-  helpers as the SGLang hook, on its writer threads, instead of one safetensors file per
-  request; on a CPU it reads the rows straight from the cache (vLLM's class assumes CUDA:
+- writes PROTOCOL §3 dumps (one part, then ``meta.json``) through the dumper every hook
+  uses (:func:`.core.write_dump`), on its writer threads, instead of one safetensors file
+  per request; on a CPU it reads the rows straight from the cache (vLLM's class assumes CUDA:
   pinned memory and CUDA events), on a GPU it copies them on a side stream into pinned
   memory first, as vLLM does;
 - for a request asking for FP8 (``hsx_dtype``/``hsx_quantized``), quantizes the rows where
@@ -22,6 +22,7 @@ Only vLLM imports this module (it imports vLLM and torch).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -36,12 +37,13 @@ from vllm.logger import init_logger
 
 from hsx_async.protocol import Storage
 from hsx_async.quantize import encode_rows
+from hsx_async.server.hook_core import dump_root_from_env
 from hsx_async.server.vllm.core import (
     PARAM_NS,
     PARAM_RID,
     Target,
     check_prefix_caching,
-    dump_root,
+    hook_config,
     layer_plan,
     marked_target,
     parse_target_path,
@@ -58,9 +60,10 @@ def _bf16(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _sections(rows: torch.Tensor, storage: Storage) -> list[torch.Tensor]:
-    """The part's tensors, as flat bytes on the rows' device: the bfloat16 rows, or their
-    FP8 sections (quantized there) in file order."""
-    return [t.view(torch.uint8).reshape(-1) for t in encode_rows(_bf16(rows), storage)]
+    """The part's sections, as ``uint8 [T, row bytes]`` on the rows' device: the bfloat16
+    rows, or their FP8 sections (quantized there) in file order."""
+    t = int(rows.shape[0])
+    return [s.view(torch.uint8).reshape(t, -1) for s in encode_rows(_bf16(rows), storage)]
 
 
 class _Copied:
@@ -84,15 +87,18 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
             model.get_total_num_hidden_layers(),
             model.get_hidden_size(),
         )
-        self._root = dump_root()
-        self._model_name = str(model.served_model_name or model.model)
-        self._server_name = f"vllm {vllm.__version__}"
+        self._config = hook_config(
+            dump_root_from_env(os.environ),
+            self._plan,
+            model=str(model.served_model_name or model.model),
+            server=f"vllm {vllm.__version__}",
+        )
         self.use_lock = False  # the commit is meta.json, renamed last
         self._targets: dict[str, Target] = {}  # scheduler side: marked requests
         log.info(
             "hsx connector: dumping aux layers %s + pre-norm final state to %s",
             list(self._plan.aux_layers),
-            self._root,
+            self._config.dump_root,
         )
 
     # -- scheduler side -----------------------------------------------------------------
@@ -179,13 +185,7 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
         self, target: Target, host: list[torch.Tensor], copied: Any, num_tokens: int
     ) -> None:
         copied.synchronize()
-        buffers = [t.numpy().data for t in host]  # flat bytes: bf16 bits are little-endian
-        write_dump(
-            self._root,
-            target,
-            buffers,
-            num_tokens=num_tokens,
-            plan=self._plan,
-            model=self._model_name,
-            server=self._server_name,
-        )
+        sections = [t.numpy() for t in host]  # uint8 [T, row bytes]: bf16 is little-endian
+        report = write_dump(self._config, target, sections, num_tokens=num_tokens, plan=self._plan)
+        for reject in report.rejects:
+            log.error("hsx: no dump for rid %s: %s", reject.rid, reject.reason)

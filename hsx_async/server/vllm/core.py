@@ -1,5 +1,6 @@
 """The vLLM side of hsx, without vLLM: which requests are marked, which layers vLLM must
-capture, and one request's dump written as PROTOCOL §3 says.
+capture, and one request's dump written as PROTOCOL §3 says, through the engine interface
+every hook implements (``hsx_async/server/README.md``).
 
 How vLLM gives hidden states: with the ``extract_hidden_states`` speculative method, the
 target model hands the residual stream at the layer ids ``eagle_aux_hidden_state_layer_ids``
@@ -22,32 +23,33 @@ dumped as bfloat16 (the client quantizes it).
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx_async.errors import ConfigError, DumpError
+import numpy as np
+
+from hsx_async.errors import ConfigError, DumpError, HsxRequestError
 from hsx_async.protocol import (
     BF16_STORAGE,
     CUSTOM_PARAM_NS,
-    DEFAULT_DUMP_ROOT,
-    NS_PATTERN,
-    RID_PATTERN,
-    DumpMeta,
+    PRE_NORM,
     Storage,
+    check_aux_layers,
+    check_hsx_request,
     parse_storage,
     requested_storage,
     valid_ns,
     valid_rid,
 )
-from hsx_async.server.dumpwrite import request_dir_fd, write_meta, write_part_vectored
+from hsx_async.server.dumper import BatchReport, PrefillDumper
+from hsx_async.server.hook_core import HookConfig, ReqView
+from hsx_async.server.rows import EncodedPass
 
 # kv_transfer_params keys of a marked request (PROTOCOL §2, vLLM form).
 PARAM_NS = CUSTOM_PARAM_NS
 PARAM_RID = "hsx_rid"
-FINAL_STATE = "pre_norm"
+FINAL_STATE = PRE_NORM
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,13 +96,12 @@ def marked_target(params: object, layers: int = 0) -> Target | str | None:
     ids) checks the storage it asks for; 0 dumps every request as bfloat16."""
     if not isinstance(params, Mapping) or (PARAM_NS not in params and PARAM_RID not in params):
         return None
-    ns, rid = params.get(PARAM_NS), params.get(PARAM_RID)
-    if not valid_ns(ns):
-        return f"hsx_ns {ns!r} does not match {NS_PATTERN}"
-    if not valid_rid(rid):
-        return f"hsx_rid {rid!r} does not match {RID_PATTERN}"
-    assert isinstance(ns, str) and isinstance(rid, str)  # narrowed by valid_ns/valid_rid
-    assert isinstance(params, Mapping)
+    try:
+        # The vLLM form has no prefill-only field: its one sampled token never runs
+        # through the model (PROTOCOL §2).
+        ns, rid = check_hsx_request(params.get(PARAM_NS), params.get(PARAM_RID))
+    except HsxRequestError as exc:
+        return str(exc)
     storage, note = requested_storage(dict(params), layers) if layers else (BF16_STORAGE, "")
     return Target(ns, rid, storage, note)
 
@@ -122,22 +123,20 @@ class LayerPlan:
 def layer_plan(capture_ids: Sequence[int] | None, num_layers: int, hidden_size: int) -> LayerPlan:
     """Check vLLM's ``eagle_aux_hidden_state_layer_ids`` and derive the aux layers.
 
-    vLLM sorts and de-duplicates the ids, so they must be strictly ascending as given, and
-    the last must be n (the final state) for the dump to hold L = aux + 1 layers."""
+    The ids must be the aux layers, by the one aux-layer rule (vLLM sorts and
+    de-duplicates the ids, so they must be strictly ascending as given), followed by n, the
+    final state of this n-layer model: the dump then holds L = aux + 1 layers."""
+    key = "speculative-config eagle_aux_hidden_state_layer_ids"
     ids = list(capture_ids or [])
-    example = f"[2, {num_layers // 2}, {num_layers - 3}, {num_layers}]"
     if len(ids) < 2 or ids[-1] != num_layers:
+        example = f"[2, {num_layers // 2}, {num_layers - 3}, {num_layers}]"
         raise ConfigError(
-            "speculative-config",
-            f"eagle_aux_hidden_state_layer_ids is {ids}; hsx needs the aux layers followed by "
-            f"{num_layers} (the final state of this {num_layers}-layer model), e.g. {example}",
+            key,
+            f"is {ids}; hsx needs the aux layers followed by {num_layers} (the final state "
+            f"of this {num_layers}-layer model), e.g. {example}",
         )
-    if any(b <= a for a, b in itertools.pairwise(ids)) or ids[0] < 0:
-        raise ConfigError(
-            "speculative-config",
-            f"eagle_aux_hidden_state_layer_ids {ids} must be non-negative and strictly ascending",
-        )
-    return LayerPlan(tuple(ids[:-1]), num_layers, hidden_size)
+    aux = check_aux_layers(ids[:-1], key=key, num_layers=num_layers)
+    return LayerPlan(aux, num_layers, hidden_size)
 
 
 def check_prefix_caching(enabled: bool) -> None:
@@ -149,48 +148,41 @@ def check_prefix_caching(enabled: bool) -> None:
         )
 
 
-def dump_root() -> Path:
-    root = os.environ.get("HSX_DUMP_ROOT", DEFAULT_DUMP_ROOT)
-    if not Path(root).is_absolute():
-        raise ConfigError("HSX_DUMP_ROOT", f"{root!r} is relative; give an absolute path")
-    return Path(root)
+def hook_config(root: Path, plan: LayerPlan, *, model: str, server: str) -> HookConfig:
+    """The hook settings of a connector: the dump root read from ``HSX_DUMP_ROOT``
+    (:func:`~hsx_async.server.hook_core.dump_root_from_env`), the layers vLLM captures."""
+    return HookConfig(dump_root=root, aux_layers=plan.aux_layers, model=model, server=server)
 
 
 def write_dump(
-    root: Path,
+    config: HookConfig,
     target: Target,
-    rows: memoryview | Sequence[memoryview],
+    sections: Sequence[np.ndarray],
     *,
     num_tokens: int,
     plan: LayerPlan,
-    model: str,
-    server: str,
-) -> None:
-    """One part with every row, then ``meta.json`` (vLLM hands over a finished request's
-    rows at once, so there is no chunk bookkeeping: the part is ``[0, num_tokens)``).
-    ``rows``: the bfloat16 rows, or, for an FP8 target, its sections' bytes in order
-    (:func:`hsx_async.quantize.encode_rows`)."""
-    buffers = [rows] if isinstance(rows, memoryview) else list(rows)
-    layers = len(plan.capture_ids)
-    per_row = target.storage.row_bytes(layers, plan.hidden_size)
-    expected, got = num_tokens * per_row, sum(b.nbytes for b in buffers)
-    if got != expected:
-        raise DumpError(
-            f"rid {target.rid}: {got} bytes of rows, expected {expected} "
-            f"({num_tokens} tokens × {layers} layers × {plan.hidden_size} as "
-            f"{target.storage.describe()}: {per_row} bytes a row)"
-        )
-    meta = DumpMeta(
+) -> BatchReport:
+    """One finished request's dump, through the dumper every hook uses: vLLM hands over a
+    request's rows at once, so it is one pass holding one request whose one chunk is the
+    whole prompt (part ``[0, num_tokens)``, then ``meta.json``). ``sections``: the host
+    bytes of the part's sections, each ``uint8`` ``[num_tokens, row bytes]`` (the bfloat16
+    rows, or the FP8 sections of :func:`hsx_async.quantize.encode_rows`). Returns the
+    dumper's report: a refused dump is in its ``rejects``, with the reason."""
+    view = ReqView(
         rid=target.rid,
+        ns=target.ns,
         num_tokens=num_tokens,
-        hidden_size=plan.hidden_size,
-        aux_layers=plan.aux_layers,
-        parts=((0, num_tokens),),
-        model=model,
-        server=server,
-        final_state=FINAL_STATE,
+        max_new_tokens=0,  # the vLLM form has no prefill-only field (see marked_target)
+        start=0,
+        rows=num_tokens,
         storage=target.storage,
     )
-    with request_dir_fd(root, target.ns, target.rid) as fd:
-        write_part_vectored(fd, 0, num_tokens, [[b.cast("B") for b in buffers]])
-        write_meta(fd, meta)
+    rows = EncodedPass(
+        storage=target.storage,
+        sections=tuple(sections),
+        aux_layers=plan.aux_layers,
+        hidden_size=plan.hidden_size,
+    )
+    # A dumper per request: the connector's writer threads share no bookkeeping, and a
+    # finished request has no later chunk for a registry to follow.
+    return PrefillDumper(config, final_state=FINAL_STATE).dump_batch([view], lambda: rows)

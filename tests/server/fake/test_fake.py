@@ -395,7 +395,7 @@ async def test_invalid_ns_or_rid_is_400_and_writes_nothing(
         status, body = await post(session, srv.url, protocol.generate_body(rid, ns, [1, 2]))
         assert srv.stats.bad_requests == 1 and srv.stats.hsx_requests == 0
     assert status == 400
-    assert "must match" in body["error"]["message"]
+    assert "does not match" in body["error"]["message"]
     assert files_under(shm_root) == []  # not even the dump root was created
 
 

@@ -27,6 +27,7 @@ from hsx_async.protocol import (
     PER_TOKEN_SLOT_OUTLIERS16,
     DumpMeta,
     Storage,
+    check_aux_layers,
     check_meta,
     check_part_sizes,
     check_response,
@@ -37,14 +38,13 @@ from hsx_async.protocol import (
     part_name,
     row_bytes,
 )
-from hsx_async.server import hook_core
+from hsx_async.server import rows as server_rows
 from hsx_async.server.reference.model import (
     TINY_AUX_LAYERS,
     TINY_HIDDEN,
     TINY_VOCAB,
     bf16_mismatch,
     build_default_model,
-    check_aux_layers,
     default_aux_layers,
 )
 from hsx_async.server.reference.sched import (
@@ -456,10 +456,10 @@ def test_aux_layer_choices() -> None:
     assert default_aux_layers(32) == (2, 16, 29)  # SGLang's EAGLE-3 default
     assert default_aux_layers(61) == (2, 30, 58)
     assert default_aux_layers(1) == (0,)
-    check_aux_layers((0, 5), 6)
-    for bad in [(), (6,), (-1,), (1, 1)]:
+    check_aux_layers((0, 5), key="aux_layers", num_layers=6)
+    for bad in [(), (6,), (-1,), (1, 1), (5, 1)]:
         with pytest.raises(ConfigError):
-            check_aux_layers(bad, 6)
+            check_aux_layers(bad, key="aux_layers", num_layers=6)
     assert parse_aux_layers("1,3,5") == (1, 3, 5)
     for text in ["", "1,x", "1,-2"]:
         with pytest.raises(ConfigError):
@@ -467,7 +467,7 @@ def test_aux_layer_choices() -> None:
 
 
 async def test_out_of_range_aux_layers_refused(shm_root: Path) -> None:
-    with pytest.raises(ConfigError, match="out of range"):
+    with pytest.raises(ConfigError, match="does not fit a model with 6 layers"):
         async with running_reference_server(ReferenceOptions(dump_root=shm_root, aux_layers=(6,))):
             pass
 
@@ -520,9 +520,9 @@ def test_demo_samples_are_current_and_fit_the_tiny_model() -> None:
 
 
 async def test_passes_go_through_the_hooks_core_and_drops_abort(shm_root: Path) -> None:
-    """The reference server's passes are written by hook_core.PrefillDumper: a request the
-    scheduler drops between chunks (its client went away) is reported as aborted, so its
-    dump never commits and the dumper keeps no state for it."""
+    """The reference server's passes are written by the dumper every hook uses
+    (PrefillDumper): a request the scheduler drops between chunks (its client went away)
+    is reported as aborted, so its dump never commits and the dumper keeps no state for it."""
     from hsx_async.protocol import parse_meta
     from hsx_async.server.reference.model import PackedEngine, build_default_model
     from hsx_async.server.reference.passes import PassRunner
@@ -569,7 +569,7 @@ async def test_fp8_request_parts_are_encode_rows_of_its_bf16_dump(
     def no_host_quantizer(*_: object) -> None:
         raise AssertionError("an FP8 part was quantized on the host, not in the pass")
 
-    monkeypatch.setattr(hook_core, "encode_bits", no_host_quantizer)
+    monkeypatch.setattr(server_rows, "encode_bits", no_host_quantizer)
     ids = tokens(7, 150)
     async with serving(shm_root, chunk_size=64) as (_, client):
         await client.hsx("bf", ids)

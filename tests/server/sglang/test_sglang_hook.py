@@ -31,7 +31,8 @@ from hsx_async.protocol import (
     parse_meta,
     storage_params,
 )
-from hsx_async.server.hook_core import HookConfig, PrefillDumper
+from hsx_async.server.dumper import PrefillDumper
+from hsx_async.server.hook_core import HookConfig
 from hsx_async.server.hook_writer import BackgroundWriter
 from hsx_async.server.sglang import hook as sglang_hook
 from hsx_async.server.sglang.hook import (
@@ -59,7 +60,7 @@ from tests.server.sglang.standins import (
     params,
     reference_rows,
 )
-from tests.server.test_hook_core import GOOD
+from tests.server.sglang.test_settings import GOOD
 
 REPO = Path(__file__).resolve().parents[3]
 LAUNCH = REPO / "deploy" / "sglang" / "launch.sh"
@@ -91,7 +92,7 @@ def state(api: SglangApi, shm_root: Path, request: pytest.FixtureRequest) -> Ite
     background = None
     if request.param == "background":
         background = BackgroundWriter(shm_root, threads=2, queue_bytes=1 << 20)
-    dumper = PrefillDumper(cfg, model="tiny", background=background)
+    dumper = PrefillDumper(cfg, model="tiny", sink=background)
     st = HookState(config=cfg, dumper=dumper, writer=True, background=background)
     install(st, api)
     try:
@@ -205,7 +206,7 @@ def test_first_forward_sets_the_capture_layers(
 
 def test_capture_layers_must_exist() -> None:
     stack = Stack()
-    with pytest.raises(ConfigError, match=r"layers \[6, 9\] do not exist.*6 decoder layers"):
+    with pytest.raises(ConfigError, match=r"\[2, 6, 9\] does not fit a model with 6 layers"):
         apply_capture_layers(stack, [2, 6, 9])
     assert stack.layers_to_capture == SGLANG_DEFAULT_LAYERS
 
@@ -393,7 +394,7 @@ def test_device_stack_makes_one_copy_and_dumps_the_same_rows(
     monkeypatch.setattr(sglang_hook, "_on_accelerator", lambda t: True)
     cfg = dataclasses.replace(config(shm_root), device_stack=True)
     background = BackgroundWriter(shm_root, threads=2, queue_bytes=1 << 20)
-    st = HookState(cfg, PrefillDumper(cfg, model="tiny", background=background), True)
+    st = HookState(cfg, PrefillDumper(cfg, model="tiny", sink=background), True)
     st.background = background
     install(st, api)
     try:
@@ -525,19 +526,47 @@ def test_encode_to_host_needs_matching_shapes() -> None:
     ]  # fmt: skip
 
 
-def test_tensor_bits_keeps_row_strided_views() -> None:
+def test_host_rows_keeps_row_strided_views() -> None:
     full = torch.randn(4, 3, H).to(torch.bfloat16)
     aux = full.as_strided((4, 2 * H), (3 * H, 1))
-    bits = sglang_hook.tensor_bits(aux)
+    bits = sglang_hook.host_rows(aux)
     assert np.shares_memory(bits, full.view(torch.int16).numpy())
     np.testing.assert_array_equal(bits, aux.contiguous().view(torch.int16).numpy())
 
 
-def test_tensor_bits_converts_to_bfloat16() -> None:
-    t = torch.tensor([[1.0, -2.5], [0.0, 3.0]], dtype=torch.float32)
-    bits = sglang_hook.tensor_bits(t)
-    assert bits.dtype == np.int16 and bits.shape == (2, 2)
-    np.testing.assert_array_equal(bits, t.to(torch.bfloat16).view(torch.int16).numpy())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_host_rows_of_a_float_model_stay_floats_for_the_writers(dtype: torch.dtype) -> None:
+    """Issue 28: the scheduler thread no longer rounds a float32 model's rows to bfloat16;
+    it hands the host rows over as they are (no copy), and the writers round them."""
+    t = torch.tensor([[1.0, -2.5], [0.0, 3.0]], dtype=dtype)
+    rows = sglang_hook.host_rows(t)
+    assert rows.dtype == t.numpy().dtype and np.shares_memory(rows, t.numpy())
+    assert sglang_hook.host_rows(t.to(torch.float64)).dtype == np.float32
+
+
+def test_as_bf16_rounds_where_the_tensor_lies() -> None:
+    t = torch.tensor([1.0 + 2**-8, 3.0], dtype=torch.float32)
+    assert sglang_hook.as_bf16(t).dtype == torch.bfloat16
+    assert torch.equal(sglang_hook.as_bf16(t), t.to(torch.bfloat16))
+    b = t.to(torch.bfloat16)
+    assert sglang_hook.as_bf16(b) is b
+
+
+@pytest.mark.parametrize(
+    ("rid", "params", "max_new", "expected"),
+    [
+        ("r1", {"hsx_ns": "w0"}, 0, True),
+        ("r1", {"hsx_ns": "w0"}, 1, False),
+        ("r1", {"hsx_ns": "w0"}, None, False),
+        ("r1", None, 0, False),
+        ("r1", {"hsx_ns": "../w0"}, 0, False),
+        ("../r1", {"hsx_ns": "w0"}, 0, False),
+        ("r1\n", {"hsx_ns": "w0"}, 0, False),
+        (17, {"hsx_ns": "w0"}, 0, False),
+    ],
+)
+def test_wants_dump(rid: object, params: object, max_new: object, expected: bool) -> None:
+    assert sglang_hook.wants_dump(rid, params, max_new) is expected
 
 
 # --------------------------------------------------------------------------------------
@@ -584,7 +613,7 @@ def test_factory_starts_background_writers(
     sglang_hook.hsx_hook_factory({})
     state = sglang_hook._Installed.state
     assert state is not None and state.background is not None
-    assert state.dumper.background is state.background
+    assert state.dumper.sink is state.background
     assert state.background.alive == 3 and state.background.queue_bytes == 64 << 20
 
 
@@ -601,7 +630,7 @@ def test_factory_without_background_writers(
     server_env["info"] = ServerInfo(GOOD, attn_tp_rank=rank, served_model_name=None)
     sglang_hook.hsx_hook_factory({})
     state = sglang_hook._Installed.state
-    assert state is not None and state.background is None and state.dumper.background is None
+    assert state is not None and state.background is None and state.dumper.sink is None
 
 
 @pytest.mark.parametrize(

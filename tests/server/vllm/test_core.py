@@ -20,10 +20,12 @@ from hsx_async.protocol import (
 )
 from hsx_async.quantize import encode_rows
 from hsx_async.run.dump import validate_dump
+from hsx_async.server.hook_core import HookConfig
 from hsx_async.server.vllm.core import (
+    LayerPlan,
     Target,
     check_prefix_caching,
-    dump_root,
+    hook_config,
     layer_plan,
     marked_target,
     parse_target_path,
@@ -57,34 +59,39 @@ def test_layer_plan() -> None:
         layer_plan(None, 61, 7168)
     with pytest.raises(ConfigError, match="strictly ascending"):
         layer_plan([30, 2, 61], 61, 7168)
+    with pytest.raises(ConfigError, match="strictly ascending"):
+        layer_plan([2, 2, 61], 61, 7168)
+    with pytest.raises(ConfigError, match="negative layer"):
+        layer_plan([-1, 2, 61], 61, 7168)
 
 
-def test_prefix_caching_and_root(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefix_caching() -> None:
     with pytest.raises(ConfigError, match="--no-enable-prefix-caching"):
         check_prefix_caching(True)
     check_prefix_caching(False)
-    monkeypatch.setenv("HSX_DUMP_ROOT", "relative/dir")
-    with pytest.raises(ConfigError, match="relative"):
-        dump_root()
-    monkeypatch.setenv("HSX_DUMP_ROOT", "/dev/shm/x")
-    assert dump_root() == Path("/dev/shm/x")
+
+
+def config(root: Path, plan: LayerPlan, server: str = "vllm 0.32.0") -> HookConfig:
+    return hook_config(root, plan, model="m", server=server)
 
 
 def test_a_written_dump_passes_the_clients_checks(shm_root: Path) -> None:
     plan = layer_plan([1, 3, 5, 6], 6, 8)
-    rows = np.arange(5 * 4 * 8, dtype=np.int16)
-    write_dump(shm_root, Target("w0", "r1"), rows.data.cast("B"), num_tokens=5, plan=plan,
-               model="m", server="vllm 0.32.0")  # fmt: skip
+    rows = np.arange(5 * 4 * 8, dtype=np.int16).view(np.uint8).reshape(5, -1)
+    report = write_dump(config(shm_root, plan), Target("w0", "r1"), [rows], num_tokens=5,
+                        plan=plan)  # fmt: skip
+    assert report.committed == ["r1"] and report.rejects == []
     rid_dir = shm_root / "w0" / "r1"
     meta = parse_meta((rid_dir / "meta.json").read_bytes())
-    assert meta.final_state == "pre_norm"
+    assert meta.final_state == "pre_norm" and (meta.model, meta.server) == ("m", "vllm 0.32.0")
     meta_bytes = (rid_dir / "meta.json").read_bytes()
     dump = validate_dump(rid_dir, meta_bytes, rid="r1", num_tokens=5, hidden_size=8,
                          aux_layers=(1, 3, 5))  # fmt: skip
     assert dump.meta.parts == ((0, 5),)
-    with pytest.raises(DumpError, match="bytes of rows"):
-        write_dump(shm_root, Target("w0", "r2"), rows[:-1].data.cast("B"), num_tokens=5,
-                   plan=plan, model="m", server="s")  # fmt: skip
+    short = write_dump(config(shm_root, plan), Target("w0", "r2"), [rows[:-1]], num_tokens=5,
+                       plan=plan)  # fmt: skip
+    assert [r.rid for r in short.rejects] == ["r2"] and short.committed == []
+    assert "uint8 (4, 64), expected uint8 (5, 64)" in short.rejects[0].reason
     assert not (shm_root / "w0" / "r2").exists()
 
 
@@ -126,15 +133,13 @@ def test_an_fp8_dump_is_encode_rows_of_its_rows(shm_root: Path) -> None:
     rng = np.random.default_rng(0)
     rows = torch.from_numpy(rng.standard_normal((5, 4, 8))).to(torch.bfloat16)
     bits = rows.view(torch.int16).numpy().view(np.uint16)
-    sections = [
-        t.view(torch.uint8).reshape(-1).numpy().data for t in encode_rows(rows, VLLM_FP8_AUX)
-    ]
+    sections = [t.view(torch.uint8).reshape(5, -1).numpy() for t in encode_rows(rows, VLLM_FP8_AUX)]
     target = Target("w0", "q", VLLM_FP8_AUX)
-    write_dump(shm_root, target, sections, num_tokens=5, plan=plan, model="m", server="vllm")
+    write_dump(config(shm_root, plan), target, sections, num_tokens=5, plan=plan)
     check_fp8_dump(shm_root / "w0" / "q", bits, VLLM_FP8_AUX, aux_layers=(1, 3, 5))
     meta = parse_meta((shm_root / "w0" / "q" / "meta.json").read_bytes())
     assert meta.final_state == "pre_norm"
-    with pytest.raises(DumpError, match="as float8_e4m3fn"):
-        write_dump(shm_root, Target("w0", "q2", VLLM_FP8_AUX), sections[:2], num_tokens=5,
-                   plan=plan, model="m", server="s")  # fmt: skip
+    cut = write_dump(config(shm_root, plan), Target("w0", "q2", VLLM_FP8_AUX), sections[:2],
+                     num_tokens=5, plan=plan)  # fmt: skip
+    assert "encoded into 2 sections" in cut.rejects[0].reason
     assert not (shm_root / "w0" / "q2").exists()

@@ -1,0 +1,93 @@
+"""The SGLang settings the hsx hook depends on, and every one that would make dumps wrong
+or missing, each with its fix (checked once, when the hook installs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hsx_async.errors import ConfigError
+from hsx_async.server.hook_core import ENV_AUX_LAYERS, HookConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """The SGLang settings the hook depends on, as the glue read them from the server."""
+
+    radix_cache: bool
+    attn_dp_size: int
+    pp_size: int
+    two_batch_overlap: bool
+    moe_a2a_backend: str
+    aux_capture: str | None
+    aux_layer_ids_flag: tuple[int, ...] | None
+    disaggregation_mode: str
+    attn_tp_size: int = 1
+
+
+def server_problems(settings: ServerSettings, config: HookConfig) -> list[str]:
+    """Every setting that would make dumps wrong or missing, each with its fix."""
+    problems: list[str] = []
+    if settings.radix_cache:
+        problems.append(
+            "add --disable-radix-cache: a prefix-cache hit skips the cached rows of a prompt"
+        )
+    if settings.attn_dp_size > 1 and settings.attn_tp_size > 1:
+        # Each DP rank pads its tokens to a multiple of the attention-TP size, and later
+        # chunks of a long prompt keep the pad rows: their rows would not match.
+        problems.append(
+            f"DP attention with attention-TP size {settings.attn_tp_size} (attention DP "
+            f"size {settings.attn_dp_size}) is not supported: pad rows shift later chunks. "
+            "Give --dp-size equal to --tp-size (attention-TP size 1, e.g. --tp 8 --dp 8 "
+            "--enable-dp-attention), or drop --enable-dp-attention"
+        )
+    if settings.pp_size > 1:
+        problems.append(
+            f"pipeline parallelism is not supported (--pp-size {settings.pp_size}): only the "
+            "last stage sees the aux layers"
+        )
+    if settings.two_batch_overlap:
+        problems.append("drop --enable-two-batch-overlap: it splits a pass into micro-batches")
+    if settings.moe_a2a_backend.startswith("deepep"):
+        problems.append(
+            f"--moe-a2a-backend {settings.moe_a2a_backend} is not supported (DeepEP): use "
+            "the default all-to-all backend"
+        )
+    if settings.disaggregation_mode not in ("null", "none", ""):
+        problems.append(
+            f"PD disaggregation (--disaggregation-mode {settings.disaggregation_mode}) is "
+            "not supported: its prefill results bypass the hooked processor"
+        )
+    problems.extend(_aux_capture_problems(settings, config))
+    return problems
+
+
+def _aux_capture_problems(settings: ServerSettings, config: HookConfig) -> list[str]:
+    if settings.aux_capture is None:
+        return [
+            "add --enable-return-aux-hidden-states --speculative-algorithm EAGLE3: without "
+            "aux capture the forward keeps no aux layers"
+        ]
+    problems = []
+    if settings.aux_capture != "eagle3":
+        problems.append(
+            f"aux capture convention is {settings.aux_capture!r}: use "
+            "--speculative-algorithm EAGLE3 with --enable-return-aux-hidden-states"
+        )
+    flag = settings.aux_layer_ids_flag
+    if flag is not None and len(flag) != len(config.aux_layers):
+        problems.append(
+            f"--return-aux-hidden-state-layer-ids names {len(flag)} layers but "
+            f"{ENV_AUX_LAYERS} names {len(config.aux_layers)}: drop the flag, the hook sets "
+            "the captured layers itself"
+        )
+    return problems
+
+
+def check_server_settings(settings: ServerSettings, config: HookConfig) -> None:
+    """Refuse to start on a server whose settings break dumps (all problems in one error)."""
+    problems = server_problems(settings, config)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ConfigError(
+            "", f"the hsx hook cannot dump hidden states from this SGLang server:\n{lines}"
+        )
