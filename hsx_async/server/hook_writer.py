@@ -14,10 +14,13 @@ rounding a float32 model's rows to bfloat16 (issue 28).
 - **Failure.** A failed write marks the rid's :class:`RequestDump` ``failed``: the lane
   skips the rid's later jobs and its commit, and the scheduler's next pass poisons the rid
   in the registry, exactly as a synchronous failure does. Other rids are untouched.
-- **Memory.** A pass's rows stay referenced until its last job is done; the bytes so held
-  are bounded by ``queue_bytes``. When a pass would exceed it, :meth:`submit` blocks (a log
-  line, and ``stats.stalls``/``stats.stall_s``) until the writers free room. A single pass
-  larger than the budget is let through when nothing else is queued.
+- **Memory.** A pass's rows stay referenced until its last job is done, and not a moment
+  longer: no writer thread keeps a reference to them once its job is done (each job's rows
+  live only in the frame that writes it), so what the writers hold is what the budget
+  counts (issue 24). The bytes so held are bounded by ``queue_bytes``. When a pass would
+  exceed it, :meth:`submit` blocks (a log line, and ``stats.stalls``/``stats.stall_s``)
+  until the writers free room. A single pass larger than the budget is let through when
+  nothing else is queued.
 - **Shutdown.** :meth:`close` stops intake, lets the writers drain until a deadline, then
   abandons what is left: an abandoned job writes nothing, so no part or ``meta.json``
   appears for it; a write in progress completes (each file is written under a hidden
@@ -170,18 +173,23 @@ class BackgroundWriter:
     def _run(self, lane: queue.SimpleQueue[_Item]) -> None:
         while (item := lane.get()) is not None:
             ticket, job = item
-            outcome: JobOutcome | None = None
-            try:
-                hidden = ticket.hidden
-                if self._abandon.is_set() or hidden is None:
-                    job.dump.failed = True
-                else:
-                    outcome = write_job(self.root, job, hidden, self.tamper)
-            except Exception:  # a bug, not an I/O error: keep the lane alive
-                job.dump.failed = True
-                logger.exception("hsx: dump writer failed on rid %s", job.write.rid)
-                outcome = JobOutcome(wrote=False, committed=False, reject=None)
+            outcome = self._write(ticket, job)
             self._done(ticket, job, outcome)
+
+    def _write(self, ticket: _Pass, job: PartJob) -> JobOutcome | None:
+        """Write one job (None: abandoned). The pass's rows are referenced only in this
+        frame, so none outlive the job: after :meth:`_done` of a pass's last job (and so
+        after :meth:`flush`) no writer thread holds any of its buffers."""
+        hidden = ticket.hidden
+        if self._abandon.is_set() or hidden is None:
+            job.dump.failed = True
+            return None
+        try:
+            return write_job(self.root, job, hidden, self.tamper)
+        except Exception:  # a bug, not an I/O error: keep the lane alive
+            job.dump.failed = True
+            logger.exception("hsx: dump writer failed on rid %s", job.write.rid)
+            return JobOutcome(wrote=False, committed=False, reject=None)
 
     def _done(self, ticket: _Pass, job: PartJob, outcome: JobOutcome | None) -> None:
         with self._cond:

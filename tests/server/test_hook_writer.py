@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,64 @@ def test_a_pass_larger_than_the_budget_passes_alone(
     dumper.dump_batch(*pass_of("big2", 50, 2))  # waits for the first, then goes
     assert writer.flush(WAIT_S)
     assert writer.stats.committed == 2 and writer.stats.peak_queued_bytes == 50 * ROW_BYTES
+
+
+def buffers_of_passes(
+    dumper: PrefillDumper, passes: int, rows: int, *, floats: bool = False
+) -> list[weakref.ref[np.ndarray]]:
+    """Hand ``passes`` passes, each one marked request, to ``dumper`` and keep only weak
+    references to their row buffers (the caller keeps none: like SGLang, which drops a
+    pass's result once it is processed)."""
+    refs = []
+    for p in range(passes):
+        aux, final = rows_of(p, rows)
+        if floats:  # a float32 model's rows, which the writers round (issue 28)
+            aux, final = aux.astype(np.float32), final.astype(np.float32)
+        refs += [weakref.ref(aux), weakref.ref(final)]
+        hidden = BatchHidden(aux, final, LAYERS)
+        dumper.dump_batch([view(f"p{p}", rows)], lambda h=hidden: h)  # type: ignore[misc]
+        del aux, final, hidden
+    return refs
+
+
+@pytest.mark.parametrize("floats", [False, True], ids=["bf16", "float32"])
+def test_no_writer_thread_holds_a_pass_after_flush(
+    shm_root: Path, closing: list[BackgroundWriter], floats: bool
+) -> None:
+    """Issue 24: HSX_WRITE_QUEUE_MB bounds what the writers hold, not only what the queue
+    counts. Each writer thread used to keep the rows of the last pass it wrote alive after
+    the queue had counted them free (a local of its loop outlived the job): with the
+    defaults, 4 GiB + 4 passes of pinned host memory, held while idle. After flush(),
+    every buffer handed over is free (no garbage collection needed: nothing refers to
+    them), on every thread, however many passes each one wrote."""
+    dumper, writer = make(shm_root, threads=4)
+    closing.append(writer)
+    refs = buffers_of_passes(dumper, 12, 3, floats=floats)
+    assert writer.flush(WAIT_S)
+    assert writer.stats.committed == 12 and writer.stats.queued_bytes == 0
+    assert len({writer._lane(f"p{p}") for p in range(12)}) > 1  # several threads wrote
+    alive = [r for r in refs if r() is not None]
+    assert alive == [], f"{len(alive)} of {len(refs)} row buffers still held after flush()"
+
+
+def test_a_pass_is_held_while_any_of_its_parts_waits(
+    shm_root: Path, monkeypatch: pytest.MonkeyPatch, closing: list[BackgroundWriter]
+) -> None:
+    """The other side of the bound: the rows stay alive (and counted) until the last part
+    of the pass is written, then go."""
+    gate = Gate(monkeypatch)
+    dumper, writer = make(shm_root, threads=2)
+    closing.append(writer)
+    aux, final = rows_of(0, 4)
+    refs = [weakref.ref(aux), weakref.ref(final)]
+    hidden = BatchHidden(aux, final, LAYERS)
+    dumper.dump_batch([view("a", 2), view("b", 2)], lambda h=hidden: h)  # type: ignore[misc]
+    del aux, final, hidden
+    assert gate.entered.wait(WAIT_S)
+    assert all(r() is not None for r in refs) and writer.stats.queued_bytes == 4 * ROW_BYTES
+    gate.opened.set()
+    assert writer.flush(WAIT_S)
+    assert [r() for r in refs] == [None, None] and writer.stats.queued_bytes == 0
 
 
 def test_held_bytes_count_the_whole_pass(shm_root: Path, closing: list[BackgroundWriter]) -> None:
