@@ -331,7 +331,7 @@ def _prefab_handler(index: dict[int, list[Path]], root: Path, model: Model) -> A
     from aiohttp import web
 
     from hsx_async.protocol import valid_ns, valid_rid
-    from hsx_async.server.fake.request import response_body
+    from hsx_async.server.front import generate_response
 
     async def generate(request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
@@ -347,7 +347,7 @@ def _prefab_handler(index: dict[int, list[Path]], root: Path, model: Model) -> A
             return web.Response(status=500, text=f"no prepared dump of {n} tokens left")
         else:
             await asyncio.to_thread(_publish, index[n].pop(), dest, n=n, model=model)
-        answer = orjson.dumps(response_body(rid, n, None))
+        answer = orjson.dumps(generate_response(rid, n))
         return web.Response(body=answer, content_type="application/json")
 
     return generate

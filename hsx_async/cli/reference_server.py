@@ -43,8 +43,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument(
         "--dump-root",
         type=Path,
-        default=Path(os.environ.get("HSX_DUMP_ROOT", "/dev/shm/hsx")),
-        help="where dumps go (default: $HSX_DUMP_ROOT or %(default)s)",
+        default=None,
+        help="where dumps go (default: $HSX_DUMP_ROOT, read as every hook reads it, or "
+        "/dev/shm/hsx)",
     )
     p.add_argument(
         "--chunk-size",

@@ -113,6 +113,12 @@ def write_meta(dir_fd: int, meta: DumpMeta) -> None:
     _write_atomic(dir_fd, META_NAME, [[byte_view(meta.to_json())]])
 
 
+def commit_meta(root: Path, ns: str, rid: str, meta: DumpMeta) -> None:
+    """A commit made apart from the last part's write (the fake server's late_meta)."""
+    with request_dir_fd(root, ns, rid) as dir_fd:
+        write_meta(dir_fd, meta)
+
+
 Chunks = Iterable[Sequence[memoryview]]
 
 

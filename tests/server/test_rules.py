@@ -13,15 +13,14 @@ from typing import Any
 import orjson
 import pytest
 
+from hsx_async.cli import build_parser
 from hsx_async.config import config_from_dict
 from hsx_async.errors import ConfigError, HsxRequestError
 from hsx_async.protocol import check_aux_layers, check_hsx_request, generate_body
 from hsx_async.server.fake.options import FakeOptions
-from hsx_async.server.fake.request import BadRequestError
-from hsx_async.server.fake.request import parse_generate as fake_parse
-from hsx_async.server.hook_core import DumpRegistry, HookConfig, ReqView
-from hsx_async.server.reference.http import BadRequest
-from hsx_async.server.reference.http import parse_generate as reference_parse
+from hsx_async.server.front import BadRequest, parse_generate
+from hsx_async.server.hook_core import DumpRegistry, HookConfig, ReqView, dump_root_from_env
+from hsx_async.server.reference.server import options_from_args as reference_options
 from hsx_async.server.reference.server import parse_aux_layers as reference_layers
 from hsx_async.server.sglang.hook import apply_capture_layers, wants_dump
 from hsx_async.server.vllm.core import layer_plan, marked_target
@@ -127,9 +126,10 @@ def _sglang_reason(ns: str, rid: str, max_new: int) -> str:
     return reject.reason
 
 
-def _http_reason(parse: Callable[[], Any], error: type[Exception]) -> str:
-    with pytest.raises(error) as got:
-        parse()
+def _http_reason(body: dict[str, Any], **model: Any) -> str:
+    """What the built-in servers' one front end answers (400) to ``body``."""
+    with pytest.raises(BadRequest) as got:
+        parse_generate(orjson.dumps(body), **model)
     return str(got.value)
 
 
@@ -144,10 +144,8 @@ def test_every_hook_and_server_refuses_a_bad_request_with_the_one_reason(
     body["sampling_params"]["max_new_tokens"] = max_new
     reasons = {
         "sglang": _sglang_reason(ns, rid, max_new),
-        "fake": _http_reason(lambda: fake_parse(orjson.dumps(body)), BadRequestError),
-        "reference": _http_reason(
-            lambda: reference_parse(body, vocab_size=10, max_positions=None), BadRequest
-        ),
+        "fake server": _http_reason(body, text_prompts=True),
+        "reference server": _http_reason(body, vocab_size=10, max_positions=64),
     }
     if max_new == 0:  # the vLLM form has no prefill-only field
         vllm = marked_target({"hsx_ns": ns, "hsx_rid": rid})
@@ -160,7 +158,52 @@ def test_a_good_request_passes_everywhere() -> None:
     assert check_hsx_request("w0", "r1", max_new_tokens=0) == ("w0", "r1")
     assert wants_dump("r1", {"hsx_ns": "w0"}, 0)
     assert DumpRegistry().plan([ReqView("r1", "w0", 2, 0, 0, 2)]).rejects == []
-    assert fake_parse(orjson.dumps(generate_body("r1", "w0", [1, 2]))).ns == "w0"
-    got = reference_parse(generate_body("r1", "w0", [1, 2]), vocab_size=10, max_positions=None)
-    assert got.ns == "w0"
+    assert parse_generate(orjson.dumps(generate_body("r1", "w0", [1, 2]))).ns == "w0"
     assert not isinstance(marked_target({"hsx_ns": "w0", "hsx_rid": "r1"}), str)
+
+
+# --------------------------------------------------------------------------------------
+# HSX_DUMP_ROOT, read one way
+# --------------------------------------------------------------------------------------
+
+
+def _reference_root(env: dict[str, str]) -> Path:
+    args = build_parser().parse_args(["reference-server"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("HSX_DUMP_ROOT", raising=False)
+        for key, value in env.items():
+            mp.setenv(key, value)
+        return reference_options(args).dump_root
+
+
+def _sglang_root(env: dict[str, str]) -> Path:
+    return HookConfig.from_env({"HSX_AUX_LAYERS": "1", **env}, server="s").dump_root
+
+
+ROOT_READERS: dict[str, Callable[[dict[str, str]], Path]] = {
+    "the one read": dump_root_from_env,
+    "SGLang hook": _sglang_root,
+    "reference server": _reference_root,
+}
+
+
+@pytest.mark.parametrize("reader", ROOT_READERS)
+@pytest.mark.parametrize(
+    ("env", "root"),
+    [
+        ({}, "/dev/shm/hsx"),
+        ({"HSX_DUMP_ROOT": " "}, "/dev/shm/hsx"),
+        ({"HSX_DUMP_ROOT": "/x/y"}, "/x/y"),
+    ],
+)
+def test_the_dump_root_is_read_one_way(reader: str, env: dict[str, str], root: str) -> None:
+    """It was read three ways: blank as the default (SGLang hook), blank as an error (the
+    vLLM connector, which now calls dump_root_from_env), and a read of its own (the
+    reference server's --dump-root default)."""
+    assert ROOT_READERS[reader](env) == Path(root)
+
+
+@pytest.mark.parametrize("reader", ROOT_READERS)
+def test_a_relative_dump_root_is_refused_everywhere(reader: str) -> None:
+    with pytest.raises(ConfigError, match="'shm/x' is relative; give the absolute dump root"):
+        ROOT_READERS[reader]({"HSX_DUMP_ROOT": "shm/x"})

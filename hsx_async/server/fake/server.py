@@ -3,8 +3,11 @@
 It dumps deterministic hidden states (:func:`expected_hidden_states`), batches and chunks
 prefill like SGLang, can simulate GPU latency, and injects faults on demand, so the
 client can be tested, benchmarked and tried without a GPU. Tests run it in-process with
-:func:`running_fake_server`. The pieces: ``fake_app`` (HTTP), ``fake_sched`` (passes and
-part writing), ``fake_content`` (the numbers), ``fake_options`` (options, faults, stats).
+:func:`running_fake_server`. The pieces: :mod:`.app` (HTTP, on the built-in servers' one
+front end and one scheduler), :mod:`.engine` (a pass's rows, dumped through the dumper and
+writer threads every hook uses), :mod:`.faults` (what a fault does: the fake's only
+difference from a hook), :mod:`.content` (the numbers), :mod:`.options` (options, the
+fault catalogue, stats).
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """One pass of the reference server, run in a worker thread: the packed forward of the
-scheduled slices, then the hook's own core writes the hsx requests' parts and commits.
+scheduled slices, then the dumper every hook uses writes the hsx requests' parts and
+commits (:class:`~hsx_async.server.sched.PassDumper` describes the slices to it as the
+SGLang glue describes a prefill batch, so planning, chunk continuity, refusals and aborts
+run the code that runs inside SGLang, on a real model's rows).
 
-Each slice is described to :class:`~hsx_async.server.dumper.PrefillDumper` as a
-:class:`~hsx_async.server.hook_core.ReqView`, exactly
-as the SGLang glue describes a request of a prefill batch, so planning, chunk continuity,
-refusals and aborts run the code that runs inside SGLang, on a real model's rows.
-
-Imports torch (through :mod:`.model`); :mod:`.server` imports it lazily.
+Imports torch (through :mod:`.model`).
 """
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,10 +17,10 @@ import torch
 from hsx_async.protocol import Storage
 from hsx_async.quantize import encode_rows
 from hsx_async.server.dumper import PrefillDumper
-from hsx_async.server.hook_core import HookConfig, ReqView, request_storage, uniform_storage
+from hsx_async.server.hook_core import HookConfig, uniform_storage
 from hsx_async.server.reference.model import PackedEngine, Segment, SegmentOutput
-from hsx_async.server.reference.sched import Job, Slice, SliceResult
 from hsx_async.server.rows import BatchHidden, EncodedPass, PassRows
+from hsx_async.server.sched import Job, PassDumper, Slice, SliceResult
 
 
 class PassRunner:
@@ -38,15 +35,11 @@ class PassRunner:
             dump_root=dump_root, aux_layers=engine.aux_layers, model=model_name, server=server_name
         )
         self.dumper = PrefillDumper(config)
-        # rids of marked requests the scheduler dropped (client gone, pass failed): told to
-        # the dumper as aborted at the next pass, as SGLang reports an aborted request.
-        # A deque: appended on the event loop, drained in the worker thread.
-        self._dropped: collections.deque[str] = collections.deque()
+        self._passes = PassDumper(self.dumper, len(engine.aux_layers) + 1)
 
     def drop(self, job: Job) -> None:
         """The scheduler removed ``job``: its dump, if unfinished, must never commit."""
-        if job.ns is not None:
-            self._dropped.append(job.rid)
+        self._passes.drop(job)
 
     def __call__(self, slices: Sequence[Slice]) -> list[SliceResult]:
         segments = [
@@ -54,22 +47,13 @@ class PassRunner:
             for s in slices
         ]
         outputs = self._engine.forward(segments)
-        layers = len(self._engine.aux_layers) + 1
-        views = self._aborted() + [_view(s, layers) for s in slices]
+        views = self._passes.views(slices)
         storage = uniform_storage(views)
-        report = self.dumper.dump_batch(views, lambda: self._hidden(outputs, storage))
-        errors = {r.rid: r.reason for r in report.rejects}
+        errors = self._passes.dump(views, lambda: self._hidden(outputs, storage))
         return [
             SliceResult(kv=out.kv, next_token=out.next_token, error=self._error(s, errors))
             for s, out in zip(slices, outputs, strict=True)
         ]
-
-    def _aborted(self) -> list[ReqView]:
-        views = []
-        while self._dropped:
-            rid = self._dropped.popleft()
-            views.append(ReqView(rid, "dropped", 0, 0, 0, 0, aborted=True))
-        return views
 
     def _hidden(self, outputs: Sequence[SegmentOutput], storage: Storage | None) -> PassRows:
         """The pass's rows in batch order: aux ``[T, K, H]`` and final ``[T, H]`` bits; or,
@@ -96,19 +80,3 @@ class PassRunner:
         if reason is None:
             return None
         return f"cannot write the dump of rid {s.job.rid} under {self._root}: {reason}"
-
-
-def _view(s: Slice, layers: int) -> ReqView:
-    job = s.job
-    storage, note = request_storage(job.custom_params, layers)
-    return ReqView(
-        rid=job.rid,
-        ns=job.ns,
-        num_tokens=job.prompt_len,
-        max_new_tokens=job.max_new_tokens,
-        start=s.start,
-        rows=s.end - s.start,
-        last_chunk=s.end >= job.prompt_len,
-        storage=storage,
-        storage_note=note,
-    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hsx_async.server.reference.http import Sampling
+from hsx_async.server.front import Sampling
 
 
 class TokenPicker:

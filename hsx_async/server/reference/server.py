@@ -3,8 +3,9 @@
 An aiohttp server that speaks PROTOCOL §2–3 like SGLang with the hsx hook, but computes
 the hidden states with a Hugging Face ``transformers`` causal LM: by default a tiny Llama
 built from a fixed seed (no download), or ``--model PATH`` for a local checkpoint. Requests
-are batched into packed forward passes and long prompts are prefilled in chunks
-(:mod:`.reference_sched`, :mod:`.reference_model`), so a dataset written through it can be
+are batched into packed forward passes and long prompts are prefilled in chunks (the one
+scheduler of the built-in servers, :mod:`hsx_async.server.sched`, behind the one
+SGLang-shaped front end, :mod:`hsx_async.server.front`), so a dataset written through it can be
 checked, row for row, against one plain forward pass of the same model
 (:func:`reference_hidden_states`).
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -24,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 import structlog
 import torch
 import uvloop
@@ -34,22 +35,26 @@ from hsx_async import __version__
 from hsx_async.errors import ConfigError
 from hsx_async.protocol import DEFAULT_DUMP_ROOT
 from hsx_async.protocol import parse_aux_layers as protocol_parse_aux_layers
-from hsx_async.server.reference import model as reference_model
-from hsx_async.server.reference.http import (
+from hsx_async.server.front import (
     BadRequest,
-    error_body,
+    error_response,
     generate_response,
+    json_response,
+    model_info,
     parse_generate,
+    server_info,
 )
+from hsx_async.server.hook_core import dump_root_from_env
+from hsx_async.server.reference import model as reference_model
 from hsx_async.server.reference.model import PackedEngine, default_aux_layers, text_config
 from hsx_async.server.reference.passes import PassRunner
 from hsx_async.server.reference.sampling import TokenPicker
-from hsx_async.server.reference.sched import (
+from hsx_async.server.sched import (
     DuplicateRid,
     Job,
     PassFailed,
-    ReferenceStats,
     Scheduler,
+    SchedulerStats,
     ServerClosing,
 )
 
@@ -157,35 +162,36 @@ async def _close_scheduler(app: web.Application) -> None:
     app[_STATE].scheduler.close()
 
 
-def _json(data: object, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
-
-
 async def _generate(request: web.Request) -> web.Response:
     state = request.app[_STATE]
     engine = state.engine
     try:
-        body = orjson.loads(await request.read())
-        req = parse_generate(body, vocab_size=engine.vocab_size, max_positions=engine.max_positions)
-    except orjson.JSONDecodeError as exc:
-        return _json(error_body(f"the request body is not JSON: {exc}"), 400)
+        req = parse_generate(
+            await request.read(), vocab_size=engine.vocab_size, max_positions=engine.max_positions
+        )
     except BadRequest as exc:
-        return _json(error_body(str(exc)), 400)
+        return error_response(400, str(exc))
     job = Job(
-        req.rid, list(req.input_ids), req.max_new_tokens, req.ns, custom_params=req.custom_params
+        req.rid,
+        list(req.input_ids),
+        req.max_new_tokens,
+        req.ns,
+        custom_params=req.custom_params,
+        stop_ids=req.sampling.stop_token_ids,
     )
-    job.stop_ids = req.sampling.stop_token_ids
     if req.max_new_tokens and not req.sampling.greedy:
         job.picker = TokenPicker(req.sampling)
     try:
         done = await state.scheduler.submit(job)
     except DuplicateRid as exc:
-        return _json(error_body(str(exc)), 400)
+        return error_response(400, str(exc))
     except ServerClosing as exc:
-        return _json(error_body(str(exc)), 503)
+        return error_response(503, str(exc))
     except PassFailed as exc:
-        return _json(error_body(str(exc)), 500)
-    return _json(generate_response(req.rid, done.prompt_tokens, done.output_ids, done.stopped))
+        return error_response(500, str(exc))
+    return json_response(
+        generate_response(req.rid, done.prompt_tokens, done.output_ids, done.stopped)
+    )
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -195,34 +201,34 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _model_info(request: web.Request) -> web.Response:
     state = request.app[_STATE]
-    return _json(
-        {
-            "model_path": state.model_name,
-            "tokenizer_path": None,
-            "is_generation": True,
-            "hidden_size": state.engine.hidden_size,
-            "hsx_aux_layers": list(state.engine.aux_layers),
-            "num_hidden_layers": state.engine.num_hidden_layers,
+    engine = state.engine
+    return json_response(
+        model_info(
+            state.model_name,
+            engine.hidden_size,
+            engine.aux_layers,
+            tokenizer_path=None,
+            num_hidden_layers=engine.num_hidden_layers,
             # What provenance.json records as the dataset's final norm (PROTOCOL §4).
-            "hsx_final_norm": state.engine.final_norm,
-        }
+            hsx_final_norm=engine.final_norm,
+        )
     )
 
 
 async def _server_info(request: web.Request) -> web.Response:
     state = request.app[_STATE]
-    return _json(
-        {
-            "version": __version__,
-            "server": SERVER_NAME,
-            "model_path": state.model_name,
-            "chunked_prefill_size": state.options.chunk_size,
-            "max_prefill_tokens": state.options.max_batch_tokens,
-            "disable_radix_cache": True,
-            "hsx_dump_root": str(state.options.dump_root),
-            "hsx_aux_layers": list(state.engine.aux_layers),
-            "hsx_reference_stats": state.scheduler.stats.to_json(),
-        }
+    return json_response(
+        server_info(
+            version=__version__,
+            model_path=state.model_name,
+            dump_root=state.options.dump_root,
+            hidden_size=state.engine.hidden_size,
+            aux_layers=state.engine.aux_layers,
+            chunk_size=state.options.chunk_size,
+            max_batch_tokens=state.options.max_batch_tokens,
+            server=SERVER_NAME,
+            hsx_reference_stats=state.scheduler.stats.to_json(),
+        )
     )
 
 
@@ -238,7 +244,7 @@ class ReferenceServer:
     scheduler: Scheduler  # pause()/resume()/wait_queued() to shape batches in a test
 
     @property
-    def stats(self) -> ReferenceStats:
+    def stats(self) -> SchedulerStats:
         return self.scheduler.stats
 
 
@@ -273,17 +279,22 @@ def parse_aux_layers(text: str) -> tuple[int, ...]:
     return protocol_parse_aux_layers(text, key="aux_layers")
 
 
-def reference_server_command(args: argparse.Namespace) -> int:
-    options = ReferenceOptions(
+def options_from_args(args: argparse.Namespace) -> ReferenceOptions:
+    """The command line's options; the dump root defaults to ``HSX_DUMP_ROOT``, read the
+    one way every hook reads it."""
+    return ReferenceOptions(
         model=args.model,
         aux_layers=None if args.aux_layers is None else parse_aux_layers(args.aux_layers),
-        dump_root=args.dump_root,
+        dump_root=args.dump_root or dump_root_from_env(os.environ),
         chunk_size=args.chunk_size,
         max_batch_tokens=args.max_batch_tokens,
         seed=args.seed,
         threads=args.threads,
     )
-    uvloop.run(_serve(options, args.host, args.port))
+
+
+def reference_server_command(args: argparse.Namespace) -> int:
+    uvloop.run(_serve(options_from_args(args), args.host, args.port))
     return 0
 
 

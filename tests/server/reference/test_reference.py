@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -22,7 +21,6 @@ from hsx_async.cli import build_parser, load_handler
 from hsx_async.errors import ConfigError
 from hsx_async.protocol import (
     BF16_STORAGE,
-    DEFAULT_DUMP_ROOT,
     FP8,
     PER_TOKEN_SLOT_OUTLIERS16,
     DumpMeta,
@@ -47,7 +45,14 @@ from hsx_async.server.reference.model import (
     build_default_model,
     default_aux_layers,
 )
-from hsx_async.server.reference.sched import (
+from hsx_async.server.reference.server import (
+    ReferenceOptions,
+    ReferenceServer,
+    parse_aux_layers,
+    reference_hidden_states,
+    running_reference_server,
+)
+from hsx_async.server.sched import (
     Completion,
     Job,
     Scheduler,
@@ -55,13 +60,6 @@ from hsx_async.server.reference.sched import (
     Slice,
     SliceResult,
     plan_pass,
-)
-from hsx_async.server.reference.server import (
-    ReferenceOptions,
-    ReferenceServer,
-    parse_aux_layers,
-    reference_hidden_states,
-    running_reference_server,
 )
 from tests.server.fp8 import check_fp8_dump
 
@@ -496,7 +494,8 @@ def test_cli_parser() -> None:
         ReferenceOptions.max_batch_tokens,
         ReferenceOptions.seed,
     )
-    assert str(defaults.dump_root) == os.environ.get("HSX_DUMP_ROOT", DEFAULT_DUMP_ROOT)
+    # HSX_DUMP_ROOT is read when the command runs, the one way every hook reads it.
+    assert defaults.dump_root is None
 
 
 def test_demo_samples_are_current_and_fit_the_tiny_model() -> None:
@@ -526,7 +525,7 @@ async def test_passes_go_through_the_hooks_core_and_drops_abort(shm_root: Path) 
     from hsx_async.protocol import parse_meta
     from hsx_async.server.reference.model import PackedEngine, build_default_model
     from hsx_async.server.reference.passes import PassRunner
-    from hsx_async.server.reference.sched import Slice
+    from hsx_async.server.sched import Slice
 
     engine = PackedEngine(build_default_model(0), TINY_AUX_LAYERS)
     runner = PassRunner(engine, shm_root, "tiny", "srv")

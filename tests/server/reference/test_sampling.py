@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 import torch
 
-from hsx_async.server.reference.http import BadRequest, Sampling, parse_sampling
+from hsx_async.server.front import BadRequest, Sampling, parse_sampling
 from hsx_async.server.reference.sampling import TokenPicker
 from hsx_async.server.reference.server import ReferenceOptions, running_reference_server
 
