@@ -74,6 +74,7 @@ from hsx_async.server.hook_core import (
     request_storage,
 )
 from hsx_async.server.hook_writer import BackgroundWriter
+from hsx_async.server.hooks import HOOKS
 from hsx_async.server.rows import BatchHidden, EncodedPass, PassRows
 from hsx_async.server.sglang.settings import ServerSettings, check_server_settings
 
@@ -82,7 +83,8 @@ logger = logging.getLogger(__name__)
 SGLANG_VERSION = "0.5.23"
 # Names the one other SGLang version the operator accepts (the hook refuses others).
 ENV_ALLOW_SGLANG_VERSION = "HSX_ALLOW_SGLANG_VERSION"
-HOOK_FACTORY = "hsx_async.server.sglang_hook:hsx_hook_factory"
+HOOK = HOOKS["sglang"]
+HOOK_FACTORY = HOOK.entry
 # At interpreter exit, the writers get this long to finish the queued parts; what is left
 # is abandoned (no meta.json for those requests: the client retries them).
 DRAIN_AT_EXIT_S = 10.0
@@ -296,7 +298,7 @@ def build_state(config: HookConfig, info: ServerInfo) -> HookState:
         )
     return HookState(
         config=config,
-        dumper=PrefillDumper(config, model=model, sink=background),
+        dumper=PrefillDumper(config, model=model, sink=background, final_state=HOOK.final_state),
         writer=writer,
         background=background,
     )

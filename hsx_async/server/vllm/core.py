@@ -33,7 +33,6 @@ from hsx_async.errors import ConfigError, DumpError, HsxRequestError
 from hsx_async.protocol import (
     BF16_STORAGE,
     CUSTOM_PARAM_NS,
-    PRE_NORM,
     Storage,
     check_aux_layers,
     check_hsx_request,
@@ -44,12 +43,13 @@ from hsx_async.protocol import (
 )
 from hsx_async.server.dumper import BatchReport, PrefillDumper
 from hsx_async.server.hook_core import HookConfig, ReqView
+from hsx_async.server.hooks import HOOKS
 from hsx_async.server.rows import EncodedPass
 
 # kv_transfer_params keys of a marked request (PROTOCOL §2, vLLM form).
 PARAM_NS = CUSTOM_PARAM_NS
 PARAM_RID = "hsx_rid"
-FINAL_STATE = PRE_NORM
+FINAL_STATE = HOOKS["vllm"].final_state  # the pre-norm state (see above)
 
 
 @dataclass(frozen=True, slots=True)
