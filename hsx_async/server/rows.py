@@ -34,8 +34,10 @@ _BLOCK_BYTES = 4 << 20
 @dataclass(frozen=True, slots=True)
 class BatchHidden:
     """A pass's hidden rows and their layers: ``aux`` ``[T, K*H]`` or ``[T, K, H]`` and
-    ``final`` ``[T, H]``, both little-endian bfloat16 bit patterns (2-byte integers) or
-    both floating point (float32/float16: rounded to bfloat16 when a part is written)."""
+    ``final`` ``[T, H]``, each little-endian bfloat16 bit patterns (2-byte integers) or
+    floating point (float32/float16: rounded to bfloat16 when a part is written). They
+    may differ: on a GPU the hook rounds the final rows it copies itself, while SGLang
+    copies the aux rows in the model's dtype."""
 
     aux: np.ndarray
     final: np.ndarray
@@ -47,8 +49,8 @@ class BatchHidden:
 
     @property
     def rounded(self) -> bool:
-        """The rows are floats that become bfloat16 only when a part is written."""
-        return bool(self.final.dtype.kind == "f")
+        """Some rows are floats that become bfloat16 only when a part is written."""
+        return bool(self.aux.dtype.kind == "f" or self.final.dtype.kind == "f")
 
 
 def _bits_or_floats(a: np.ndarray) -> str | None:
@@ -70,11 +72,10 @@ def check_hidden(hidden: BatchHidden, total_rows: int) -> None:
             f"hidden arrays have shapes {aux.shape} (aux) and {final.shape} (final); "
             "expected [T, K*H] or [T, K, H] and [T, H]"
         )
-    kinds = {_bits_or_floats(aux), _bits_or_floats(final)}
-    if len(kinds) != 1 or None in kinds:
+    if _bits_or_floats(aux) is None or _bits_or_floats(final) is None:
         raise DumpError(
             f"hidden arrays are {aux.dtype}/{final.dtype}, expected little-endian bfloat16 "
-            "bits, or float32/float16 values, both alike"
+            "bits or float32/float16 values"
         )
     if aux.shape[0] != total_rows or final.shape[0] != total_rows:
         raise DumpError(
@@ -198,28 +199,23 @@ def assemble_rows(hidden: BatchHidden, row: int, count: int) -> np.ndarray:
     patterns, C order, the aux layers in order, then the final hidden state (float rows
     rounded to bfloat16 on the way)."""
     k, h = len(hidden.aux_layers), hidden.hidden_size
-    aux = hidden.aux[row : row + count].reshape(count, k, h)
-    final = hidden.final[row : row + count]
-    if hidden.rounded:
-        return _rounded(aux, final)
     out = np.empty((count, k + 1, h), dtype=np.dtype("<u2"))
-    out[:, :k, :] = aux.view("<u2")
-    out[:, k, :] = final.view("<u2")
+    _put_bits(out[:, :k, :], hidden.aux[row : row + count].reshape(count, k, h))
+    _put_bits(out[:, k, :], hidden.final[row : row + count])
     return out
 
 
-def _rounded(aux: np.ndarray, final: np.ndarray) -> np.ndarray:
-    """float32/float16 rows ``[n, K, H]`` and ``[n, H]`` as ``[n, K+1, H]`` bfloat16 bit
-    patterns, rounded by torch as ``Tensor.to(torch.bfloat16)`` rounds (to nearest even):
-    the bytes a bfloat16 cast on the scheduler thread made before issue 28."""
+def _put_bits(dst: np.ndarray, src: np.ndarray) -> None:
+    """bfloat16 bit patterns into ``dst`` (2-byte, any strides): ``src``'s own, or its
+    float32/float16 values rounded by torch as ``Tensor.to(torch.bfloat16)`` rounds (to
+    nearest even): the bytes a bfloat16 cast on the scheduler thread made before issue 28."""
+    if src.dtype.kind != "f":
+        dst[...] = src.view("<u2")
+        return
     import torch  # noqa: PLC0415 (float rows come from torch: it is loaded already)
 
-    n, k, h = aux.shape
-    out = torch.empty((n, k + 1, h), dtype=torch.bfloat16)
-    out[:, :k, :].copy_(torch.from_numpy(_writable(aux)))
-    out[:, k, :].copy_(torch.from_numpy(_writable(final)))
-    bits: np.ndarray = out.view(torch.int16).numpy().view("<u2")
-    return bits
+    target = torch.from_numpy(dst.view(np.int16)).view(torch.bfloat16)
+    target.copy_(torch.from_numpy(_writable(src)))
 
 
 def _writable(a: np.ndarray) -> np.ndarray:
