@@ -236,6 +236,32 @@ def test_hook_smoke(tmp_path: Path, shm_root: Path) -> None:
     assert all(positive(v) for ratio in ratios.values() for v in ratio.values())
 
 
+def test_hook_gpu_smoke(tmp_path: Path, shm_root: Path) -> None:
+    """bench/hook_gpu.py on the CPU: the device path and the plain path, each with a bf16
+    and a float32 model, ran through the real glue and writers, committed every dump and
+    sit side by side in one result (no timing is asserted; on the CPU nothing crosses a
+    bus)."""
+    data = run_smoke("hook_gpu.py", tmp_path, shm_root)
+    assert data["device"] == "cpu" and data["target_gb_per_s"] == 2.0
+    rows = data["rows"]
+    assert [(r["device_stack"], r["dtype"]) for r in rows] == [
+        (False, "bfloat16"),
+        (True, "bfloat16"),
+        (False, "float32"),
+        (True, "float32"),
+    ]
+    for row in rows:
+        assert (
+            row["committed"]
+            == (data["settings"]["passes"] + data["settings"]["warmup"])
+            * (data["shape"]["requests_per_pass"])
+        )
+        assert positive(row["gb_per_s"]) and positive(row["sched_ms_per_gb"])
+        assert row["bus_bytes_per_dump_byte"] == 0  # the CPU: async_d2h copies nothing
+    assert set(data["ratios"]) == {"bfloat16", "float32"}
+    assert all(positive(v) for ratio in data["ratios"].values() for v in ratio.values())
+
+
 def test_prepare_smoke(tmp_path: Path, shm_root: Path) -> None:
     data = run_smoke("prepare.py", tmp_path, shm_root)
     runs = {r["name"]: r for r in data["runs"]}
