@@ -414,6 +414,39 @@ def test_device_stack_makes_one_copy_and_dumps_the_same_rows(
         background.close(10.0)
 
 
+@pytest.mark.parametrize("device_stack", [False, True], ids=["plain", "stack"])
+def test_a_float32_model_on_a_device_is_rounded_there_or_by_the_writers(
+    api: SglangApi,
+    shm_root: Path,
+    d2h_calls: list[torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+    device_stack: bool,
+) -> None:
+    """Issue 28: on a device, the hook rounds what it copies to bfloat16 there (the final
+    rows; the whole stack with HSX_DEVICE_STACK=1), SGLang copies the plain path's aux
+    rows as float32 and the writers round those; the scheduler thread rounds nothing.
+    Either way the dump holds the rows' bfloat16 rounding (CPU tensors posing as device
+    ones)."""
+    monkeypatch.setattr(sglang_hook, "_on_accelerator", lambda t: True)
+    cfg = dataclasses.replace(config(shm_root), device_stack=device_stack)
+    background = BackgroundWriter(shm_root, threads=2, queue_bytes=1 << 20)
+    st = HookState(cfg, PrefillDumper(cfg, model="tiny", sink=background), True)
+    st.background = background
+    install(st, api)
+    try:
+        runner = api.runner_cls(CausalLM())
+        x = torch.randn(6, H)
+        reqs = [api.req_cls("a", list(range(6)), params())]
+        _, result = run_pass(api, runner, reqs, [(0, 6)], x, dtype=torch.float32)
+        assert [t.dtype for t in d2h_calls] == [torch.bfloat16]  # the hook's own copy
+        out = result.logits_output
+        assert out.last_hidden_states.dtype == torch.bfloat16
+        assert out.hidden_states.dtype == (torch.bfloat16 if device_stack else torch.float32)
+        np.testing.assert_array_equal(dump_rows(shm_root, "a", 6), reference_rows(x))
+    finally:
+        background.close(10.0)
+
+
 def test_device_stack_needs_matching_shapes() -> None:
     d2h = lambda t: t  # noqa: E731
     assert sglang_hook.stack_to_host(None, torch.zeros(2, H), d2h) is None
