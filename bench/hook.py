@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -354,18 +355,32 @@ def median_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(
+    rows: list[dict[str, Any]],
+    path: Path,
+    *,
+    old: Callable[[dict[str, Any]], bool] = lambda row: bool(row["old"]),
+    sched_goal_ms: float | None = 20.0,
+    rate_target: float | None = None,
+) -> None:
+    """The scheduler thread's ms per GB (log scale) beside the sustained dump rate, the
+    rows ``old`` picks in red (bench/hook_gpu.py draws its table with it too)."""
     plt = common.pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [r["mode"] for r in rows]
-    colors = ["tab:red" if r["old"] else "tab:blue" for r in rows]
+    colors = ["tab:red" if old(r) else "tab:blue" for r in rows]
     left.barh(names, [max(r["sched_ms_per_gb"], 1e-3) for r in rows], color=colors)
-    left.axvline(20, color="k", linestyle="--", linewidth=1)
     left.set_xscale("log")
-    left.set_xlabel("scheduler thread in the hook, ms per GB (goal ≤ 20)")
+    goal = "" if sched_goal_ms is None else f" (goal ≤ {sched_goal_ms:g})"
+    left.set_xlabel(f"scheduler thread in the hook, ms per GB{goal}")
+    if sched_goal_ms is not None:
+        left.axvline(sched_goal_ms, color="k", linestyle="--", linewidth=1)
     left.invert_yaxis()
     right.barh(names, [r["gb_per_s"] for r in rows], color=colors)
-    right.set_xlabel("sustained dump rate, GB/s")
+    target = "" if rate_target is None else f" (target ≥ {rate_target:g})"
+    right.set_xlabel(f"sustained dump rate, GB/s{target}")
+    if rate_target is not None:
+        right.axvline(rate_target, color="k", linestyle="--", linewidth=1)
     right.set_yticklabels([])
     right.invert_yaxis()
     fig.tight_layout()

@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import common
+import hook  # bench/hook.py: collect() the committed dumps as the client would, plot()
 
 GB = 1e9
 NS = "gpu"
@@ -257,7 +258,7 @@ class Run:
             pending = self._step(p, pending, dirs)
             hook_wall += time.perf_counter() - t0
             hook_cpu += time.thread_time() - c0
-            dirs = collect(dirs)
+            dirs = hook.collect(dirs)
         t0, c0 = time.perf_counter(), time.thread_time()
         self._drain(pending, dirs)
         hook_wall += time.perf_counter() - t0
@@ -296,22 +297,11 @@ class Run:
         if pending is not None:
             self.process(*pending)
         assert self.writer.flush(600.0), "the writers did not drain"
-        left = collect(dirs)
+        left = hook.collect(dirs)
         assert not left, f"{len(left)} dumps never committed"
 
     def close(self) -> None:
         self.writer.close()
-
-
-def collect(dirs: list[Path]) -> list[Path]:
-    """Delete the committed dumps (the client's job); the rest are still being written."""
-    left = []
-    for d in dirs:
-        if (d / "meta.json").exists():
-            shutil.rmtree(d)
-        else:
-            left.append(d)
-    return left
 
 
 @contextlib.contextmanager
@@ -341,25 +331,6 @@ def run_mode(args: argparse.Namespace, mode: Mode, device: str, root: Path) -> d
         glue.uninstall(run.api)
         run.close()
     return row
-
-
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    plt = common.pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = [r["mode"] for r in rows]
-    colors = ["tab:blue" if r["device_stack"] else "tab:red" for r in rows]
-    left.barh(names, [r["gb_per_s"] for r in rows], color=colors)
-    left.axvline(TARGET_GB_PER_S, color="k", linestyle="--", linewidth=1)
-    left.set_xlabel(f"sustained dump rate, GB/s (target ≥ {TARGET_GB_PER_S:g})")
-    left.invert_yaxis()
-    right.barh(names, [max(r["sched_ms_per_gb"], 1e-3) for r in rows], color=colors)
-    right.set_xscale("log")
-    right.set_xlabel("scheduler thread in the hook, ms per GB")
-    right.set_yticklabels([])
-    right.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main() -> None:
@@ -451,7 +422,13 @@ def main() -> None:
     }
     results = Path(args.results_dir)
     common.save_results(results, "hook_gpu", data, [table])
-    plot(rows, results / "hook_gpu.png")
+    hook.plot(
+        rows,
+        results / "hook_gpu.png",
+        old=lambda row: not row["device_stack"],
+        sched_goal_ms=None,
+        rate_target=TARGET_GB_PER_S,
+    )
     print(orjson.dumps(ratios).decode())
 
 

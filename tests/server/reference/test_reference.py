@@ -53,13 +53,8 @@ from hsx_async.server.reference.server import (
     running_reference_server,
 )
 from hsx_async.server.sched import (
-    Completion,
     Job,
-    Scheduler,
-    ServerClosing,
     Slice,
-    SliceResult,
-    plan_pass,
 )
 from tests.server.fp8 import check_fp8_dump
 
@@ -321,31 +316,6 @@ async def test_failed_dump_fails_only_its_request(shm_root: Path, tmp_path: Path
     assert entries(tmp_path) == []
 
 
-async def test_cancelled_request_is_dropped_before_its_pass() -> None:
-    steps: list[int] = []
-
-    def step(slices: Sequence[Slice]) -> list[SliceResult]:
-        steps.append(len(slices))
-        return [SliceResult(kv=None, next_token=None) for _ in slices]
-
-    scheduler = Scheduler(step, chunk_size=4, max_batch_tokens=8)
-    runner = asyncio.create_task(scheduler.run())
-    scheduler.pause()
-    gone = asyncio.create_task(scheduler.submit(Job("gone", [1, 2, 3], 0, None)))
-    kept = asyncio.create_task(scheduler.submit(Job("kept", [1, 2, 3, 4, 5], 0, None)))
-    await scheduler.wait_queued(2)
-    gone.cancel()
-    scheduler.resume()
-    done = await kept
-    assert done == Completion(prompt_tokens=5, output_ids=[])
-    assert steps == [1, 1]  # "kept" in two chunks of at most 4 rows, "gone" never
-    assert scheduler.queued == 0
-    scheduler.close()
-    await runner
-    with pytest.raises(ServerClosing):
-        await scheduler.submit(Job("late", [1], 0, None))
-
-
 async def test_info_endpoints(shm_root: Path) -> None:
     async with serving(shm_root, chunk_size=32, max_batch_tokens=96) as (_, client):
         status, _ = await client.get("/health")
@@ -441,14 +411,6 @@ def test_ground_truth_layers() -> None:
     assert torch.equal(truth[:, 2], seen["head"].to(torch.bfloat16))
 
 
-def test_plan_pass() -> None:
-    assert plan_pass([40, 150, 100, 20], 64, 128) == [(0, 40), (1, 64), (2, 24)]
-    assert plan_pass([500], 64, 256) == [(0, 64)]
-    assert plan_pass([10, 10], 64, 15) == [(0, 10), (1, 5)]
-    assert plan_pass([1, 1, 1], 64, 2) == [(0, 1), (1, 1)]
-    assert plan_pass([], 64, 256) == []
-
-
 def test_aux_layer_choices() -> None:
     assert default_aux_layers(6) == TINY_AUX_LAYERS
     assert default_aux_layers(32) == (2, 16, 29)  # SGLang's EAGLE-3 default
@@ -525,7 +487,6 @@ async def test_passes_go_through_the_hooks_core_and_drops_abort(shm_root: Path) 
     from hsx_async.protocol import parse_meta
     from hsx_async.server.reference.model import PackedEngine, build_default_model
     from hsx_async.server.reference.passes import PassRunner
-    from hsx_async.server.sched import Slice
 
     engine = PackedEngine(build_default_model(0), TINY_AUX_LAYERS)
     runner = PassRunner(engine, shm_root, "tiny", "srv")

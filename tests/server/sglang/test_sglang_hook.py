@@ -385,18 +385,26 @@ def test_extend_lens_fall_back_to_the_batch(
     np.testing.assert_array_equal(dump_rows(shm_root, "r1", 3), reference_rows(x))
 
 
+def on_a_device(
+    api: SglangApi, root: Path, monkeypatch: pytest.MonkeyPatch, *, device_stack: bool
+) -> BackgroundWriter:
+    """The hook installed with two writer threads, taking CPU tensors for device ones."""
+    monkeypatch.setattr(sglang_hook, "_on_accelerator", lambda t: True)
+    cfg = dataclasses.replace(config(root), device_stack=device_stack)
+    background = BackgroundWriter(root, threads=2, queue_bytes=1 << 20)
+    st = HookState(cfg, PrefillDumper(cfg, model="tiny", sink=background), True)
+    st.background = background
+    install(st, api)
+    return background
+
+
 def test_device_stack_makes_one_copy_and_dumps_the_same_rows(
     api: SglangApi, shm_root: Path, d2h_calls: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """HSX_DEVICE_STACK=1, run on CPU tensors posing as device ones: the pass is laid out
     as [T, K+1, H] before ONE d2h copy, the logits output gets host views of it, and the
     parts come out as slices of that buffer, equal to the plain path's rows."""
-    monkeypatch.setattr(sglang_hook, "_on_accelerator", lambda t: True)
-    cfg = dataclasses.replace(config(shm_root), device_stack=True)
-    background = BackgroundWriter(shm_root, threads=2, queue_bytes=1 << 20)
-    st = HookState(cfg, PrefillDumper(cfg, model="tiny", sink=background), True)
-    st.background = background
-    install(st, api)
+    background = on_a_device(api, shm_root, monkeypatch, device_stack=True)
     try:
         runner = api.runner_cls(CausalLM())
         x = torch.randn(3 + 5, H)
@@ -427,12 +435,7 @@ def test_a_float32_model_on_a_device_is_rounded_there_or_by_the_writers(
     rows as float32 and the writers round those; the scheduler thread rounds nothing.
     Either way the dump holds the rows' bfloat16 rounding (CPU tensors posing as device
     ones)."""
-    monkeypatch.setattr(sglang_hook, "_on_accelerator", lambda t: True)
-    cfg = dataclasses.replace(config(shm_root), device_stack=device_stack)
-    background = BackgroundWriter(shm_root, threads=2, queue_bytes=1 << 20)
-    st = HookState(cfg, PrefillDumper(cfg, model="tiny", sink=background), True)
-    st.background = background
-    install(st, api)
+    background = on_a_device(api, shm_root, monkeypatch, device_stack=device_stack)
     try:
         runner = api.runner_cls(CausalLM())
         x = torch.randn(6, H)
