@@ -260,9 +260,15 @@ class ServerProcess:
     ``listening`` matches, its group 1 the URL: the reference server logs ``url=URL``)."""
 
     def __init__(
-        self, argv: Sequence[str], log_path: Path, *, listening: re.Pattern[bytes] = _LISTENING
+        self,
+        argv: Sequence[str],
+        log_path: Path,
+        *,
+        listening: re.Pattern[bytes] = _LISTENING,
+        cwd: Path = REPO,
     ) -> None:
         self.argv = list(argv)
+        self.cwd = cwd  # `python -m hsx_async` runs the hsx of this source tree
         self.log_path = log_path
         self.listening = listening
         self.url = ""
@@ -277,7 +283,7 @@ class ServerProcess:
             self.argv,
             stdout=subprocess.PIPE,
             stderr=self._log,
-            cwd=REPO,
+            cwd=self.cwd,
             env=child_env(),
             start_new_session=True,
         )

@@ -262,6 +262,18 @@ def test_hook_gpu_smoke(tmp_path: Path, shm_root: Path) -> None:
     assert all(positive(v) for ratio in data["ratios"].values() for v in ratio.values())
 
 
+def test_fake_server_smoke(tmp_path: Path, shm_root: Path) -> None:
+    """bench/fake_server.py: this checkout's fake server and another checkout's (here the
+    same tree), in alternating rounds, each drained by the null client."""
+    repo = BENCH.parent
+    data = run_smoke("fake_server.py", tmp_path, shm_root, "--compare-src", str(repo))
+    assert [r["name"] for r in data["rows"]] == ["this checkout", "other"]
+    for row in data["rows"]:
+        assert row["rounds"] == 1 and positive(row["gb_per_s"])
+        assert positive(row["server_cpu_s_per_gb"])
+    assert positive(data["ratio"])
+
+
 def test_prepare_smoke(tmp_path: Path, shm_root: Path) -> None:
     data = run_smoke("prepare.py", tmp_path, shm_root)
     runs = {r["name"]: r for r in data["runs"]}
