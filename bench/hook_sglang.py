@@ -203,7 +203,7 @@ def shares(raw: Path) -> dict[str, Any]:
         frames = stack.split(";")
         thread = frames[0]
         if "hsx-writer" in thread:
-            threads["writer active" if "run_job" in stack else "writer idle"] += n
+            threads["writer active" if "write_job" in stack else "writer idle"] += n
         elif "MainThread" in thread:
             main["total"] += n
             main["hsx"] += n * in_hsx(frames)
