@@ -32,12 +32,16 @@ CPU tensors: ``async_d2h`` then copies nothing (as SGLang's does on the CPU), an
 ``--smoke`` the glue is told the CPU is its device, so the device path's code (the stack,
 the rounding) runs too. Those figures measure nothing about a GPU.
 
-On the lent device (an H200 image with torch and numpy, without orjson/tomli_w), carry
-their wheels: here, ``echo /.whl/ >> .git/info/exclude`` and ``python3 -m pip download
---no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
-manylinux_2_17_x86_64 -d .whl orjson tomli_w``; there, with ``carry=[".whl"]``:
-``python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 python3 bench/hook_gpu.py --results-dir $OUT``.
+On a lent device (the H200 image has torch and numpy, not orjson/tomli_w), carry their
+wheels. The device tool sends the checkout its session started in (main, where this
+script lands), so in that checkout: ``echo /.whl/ >> .git/info/exclude`` and
+``python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
+--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+--platform manylinux2014_x86_64 -d .whl orjson tomli_w``; then one call, with
+``carry=[".whl"]`` and ``timeout_s=420``: ``python3 -m pip install -q --no-index --no-deps
+--no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export
+PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && python3 bench/hook_gpu.py --results-dir
+$OUT``. The table, the JSON and the plot come back from ``$OUT``.
 """
 
 from __future__ import annotations
