@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -106,21 +106,47 @@ class QuarantineEntry:
         return orjson.dumps(record) + b"\n"
 
 
+def _parse_line(raw: bytes, path: Path, number: int) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise DatasetError(
+            f"{path}:{number} is not valid JSON; the log is corrupt. Move the line "
+            "aside (its sample will be redone) and run again"
+        ) from None
+
+
 def _split_lines(data: bytes, path: Path) -> tuple[list[tuple[int, Any]], int]:
     """Parsed complete lines (with 1-based numbers) and the length of the complete prefix."""
     complete = data.rfind(b"\n") + 1
     records = []
     for number, raw in enumerate(data[:complete].splitlines(), start=1):
-        if not raw.strip():
-            continue
-        try:
-            records.append((number, orjson.loads(raw)))
-        except orjson.JSONDecodeError:
-            raise DatasetError(
-                f"{path}:{number} is not valid JSON; the log is corrupt. Move the line "
-                "aside (its sample will be redone) and run again"
-            ) from None
+        if raw.strip():
+            records.append((number, _parse_line(raw, path, number)))
     return records, complete
+
+
+def iter_log(path: Path) -> Iterator[tuple[int, Any]]:
+    """The records of one log's complete lines, as :func:`read_log` reads them (1-based
+    numbers; a torn last line left out; a line that is not JSON is the same
+    :class:`DatasetError`), one line at a time: for a log whose lines are large (a
+    regenerated conversation each), where the whole file is not to be held."""
+    try:
+        fh = path.open("rb")
+    except FileNotFoundError:
+        return
+    with fh:
+        for number, raw in enumerate(fh, start=1):
+            if not raw.endswith(b"\n"):
+                return  # torn: AppendLog cuts it when the log is opened to append
+            if raw.strip():
+                yield number, _parse_line(raw, path, number)
+
+
+def quarantine_entries(path: Path) -> Iterator[QuarantineEntry]:
+    """The entries of one quarantine log (any name: ``hsx regenerate``'s too), streamed."""
+    for n, rec in iter_log(path):
+        yield _quarantine_entry(rec, f"{path}:{n}")
 
 
 def _id_of(value: object, where: str) -> SampleId:

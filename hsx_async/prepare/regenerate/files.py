@@ -19,6 +19,7 @@ import orjson
 
 from hsx_async.dataset.durable import exclusive_lock, write_atomic
 from hsx_async.dataset.layout import canonical_id
+from hsx_async.dataset.manifest import iter_log, quarantine_entries
 from hsx_async.errors import ConfigError, DatasetError
 
 
@@ -44,28 +45,28 @@ class RegenPaths:
         )
 
 
-def logged(path: Path) -> tuple[set[str], set[int]]:
-    """Ids and lines already in an output or quarantine file (complete lines only; a
-    repeated id's quarantine line does not own the id)."""
+def written_ids(path: Path) -> set[str]:
+    """The ids of the conversations already in an output file (complete lines only),
+    read as every hsx log is read (:func:`~hsx_async.dataset.manifest.iter_log`)."""
     ids: set[str] = set()
-    lines: set[int] = set()
-    if not path.exists():
-        return ids, lines
-    with path.open("rb") as fh:
-        for raw in fh:
-            if not raw.endswith(b"\n"):
-                break  # a torn last line: AppendLog cuts it on open
-            try:
-                rec = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                raise DatasetError(f"{path}: a line is not JSON; this is not hsx output") from None
-            if not isinstance(rec, dict):
-                raise DatasetError(f"{path}: a line is not a JSON object; this is not hsx output")
-            if rec.get("id") is not None and "duplicate_of" not in rec:
-                ids.add(canonical_id(rec["id"]))
-            if isinstance(rec.get("line"), int):
-                lines.add(rec["line"])
-    return ids, lines
+    for number, rec in iter_log(path):
+        if not isinstance(rec, dict):
+            raise DatasetError(
+                f"{path}:{number} is not a JSON object; this is not hsx regenerate output: "
+                "give another --out"
+            )
+        if rec.get("id") is not None:
+            ids.add(canonical_id(rec["id"]))
+    return ids
+
+
+def quarantined(path: Path) -> tuple[set[str], set[int]]:
+    """The ids a quarantine file owns and its 0-based input lines, by the rule of a run's
+    resume (:func:`~hsx_async.dataset.manifest.load_done`: a repeated id's line does not
+    own the id)."""
+    entries = list(quarantine_entries(path))
+    ids = {canonical_id(q.own_id) for q in entries if q.own_id is not None}
+    return ids, {q.line for q in entries}
 
 
 @contextlib.contextmanager

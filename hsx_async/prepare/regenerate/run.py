@@ -24,7 +24,13 @@ from hsx_async.dataset.durable import write_atomic
 from hsx_async.dataset.manifest import AppendLog
 from hsx_async.errors import ArgumentError, ConfigError, HsxError, first_error
 from hsx_async.logs import configure_logging
-from hsx_async.prepare.regenerate.files import RegenPaths, check_meta, logged, output_lock
+from hsx_async.prepare.regenerate.files import (
+    RegenPaths,
+    check_meta,
+    output_lock,
+    quarantined,
+    written_ids,
+)
 from hsx_async.prepare.regenerate.serving import DecodeAdmission
 from hsx_async.prepare.regenerate.summary import RegenStats, RegenSummary
 from hsx_async.prepare.regenerate.turns import Done, Logs, Turns
@@ -104,8 +110,8 @@ class Regenerator:
         self._started = time.monotonic()
         with output_lock(paths):
             await asyncio.to_thread(check_meta, paths.meta, self.meta)
-            out_ids, _ = await asyncio.to_thread(logged, paths.out)
-            q_ids, q_lines = await asyncio.to_thread(logged, paths.quarantine)
+            out_ids = await asyncio.to_thread(written_ids, paths.out)
+            q_ids, q_lines = await asyncio.to_thread(quarantined, paths.quarantine)
             done = Done(out_ids | q_ids, q_lines)
             out = await asyncio.to_thread(AppendLog, paths.out)
             quarantine = await asyncio.to_thread(AppendLog, paths.quarantine)
