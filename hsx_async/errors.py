@@ -16,6 +16,7 @@
     ├── RequestError           one attempt's HTTP call failed (retried)
     ├── NoServerError          no server has been reachable for too long
     ├── DatasetError           the output directory is inconsistent or belongs to another run
+    │   └── LiveError          a live reader cannot go on (no sample for too long, server gone)
     ├── WriteError             a dataset file could not be written durably
     │   └── DiskFullError      ENOSPC: free space or lower the reserve
     └── ForcedExit             a second stop signal: exit now (resume stays safe)
@@ -128,6 +129,11 @@ class NoServerError(HsxError):
 
 class DatasetError(HsxError):
     """The output directory cannot be used as it is."""
+
+
+class LiveError(DatasetError):
+    """A live dataset reader gave up: nothing arrived within its wait, or its server stayed
+    unreachable past the deadline. Its leases lapse; a restart goes on where it stopped."""
 
 
 class WriteError(HsxError):

@@ -8,6 +8,7 @@ import errno
 import fcntl
 import os
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -16,16 +17,15 @@ from hsx_async.errors import DatasetError, DiskFullError, WriteError
 
 
 @contextlib.contextmanager
-def exclusive_lock(path: Path, busy: str) -> Iterator[None]:
+def exclusive_lock(path: Path, busy: str, *, wait: float = 0.0) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``path`` (created if needed) for the block; another
-    holder makes it raise :class:`DatasetError` with ``busy``, at once. The kernel drops
-    the lock when the process dies, so a crash never leaves a stale one."""
+    holder makes it raise :class:`DatasetError` with ``busy`` — at once, or after waiting
+    up to ``wait`` seconds for it to let go (short critical sections shared by several
+    processes). The kernel drops the lock when the process dies, so a crash never leaves
+    a stale one."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DatasetError(busy) from None
+        _flock(fd, busy, wait)
         yield
     finally:
         os.close(fd)
@@ -44,6 +44,21 @@ def is_locked(path: Path) -> bool:
     finally:
         os.close(fd)  # also drops the shared lock taken
     return False
+
+
+def _flock(fd: int, busy: str, wait: float) -> None:
+    deadline = time.monotonic() + wait
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise DatasetError(busy) from None
+        else:
+            return
+        time.sleep(pause)  # a poll on another process's lock: no event to wait for
+        pause = min(pause * 2, 0.05)
 
 
 def fsync_dir(path: Path) -> None:

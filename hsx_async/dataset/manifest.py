@@ -201,13 +201,28 @@ def read_log(path: Path) -> tuple[list[tuple[int, Any]], bool]:
     return records, complete < len(data)
 
 
-def read_manifest(out_dir: Path) -> list[ManifestEntry]:
-    """Every manifest entry of the directory (all shards)."""
-    return [
+def read_manifest(out_dir: Path, *, retired: bool = False) -> list[ManifestEntry]:
+    """Every manifest entry of the directory (all shards) whose file the dataset still
+    holds; ``retired=True`` adds the samples a bounded spool deleted once every consumer
+    had them (``retired.jsonl``, PROTOCOL §6): they are done, but their files are gone."""
+    entries = [
         _manifest_entry(rec, f"{path}:{n}")
         for path in log_files(out_dir, MANIFEST)
         for n, rec in read_log(path)[0]
     ]
+    if retired:
+        return entries
+    gone = retired_paths(out_dir)
+    return [e for e in entries if e.path not in gone] if gone else entries
+
+
+RETIRED = "retired.jsonl"
+
+
+def retired_paths(out_dir: Path) -> set[str]:
+    """Paths of the samples ``retired.jsonl`` records as deleted from the spool."""
+    records, _ = read_log(out_dir / RETIRED)
+    return {rec["path"] for _, rec in records if isinstance(rec, dict) and "path" in rec}
 
 
 def read_quarantine(out_dir: Path) -> list[QuarantineEntry]:
@@ -231,11 +246,70 @@ class DoneSet:
 
 
 def load_done(out_dir: Path) -> DoneSet:
-    manifest = read_manifest(out_dir)
+    """Done: every id in a manifest (retired ones too: a spool deleted their files once
+    consumed) or owned by a quarantine line. ``manifest``: the entries whose files the
+    dataset holds."""
+    manifest = read_manifest(out_dir, retired=True)
     quarantine = read_quarantine(out_dir)
     ids = {canonical_id(e.id) for e in manifest}
     ids.update(canonical_id(q.own_id) for q in quarantine if q.own_id is not None)
-    return DoneSet(frozenset(ids), frozenset(q.line for q in quarantine), tuple(manifest))
+    gone = retired_paths(out_dir)
+    held = tuple(e for e in manifest if e.path not in gone)
+    return DoneSet(frozenset(ids), frozenset(q.line for q in quarantine), held)
+
+
+class LogTail:
+    """The complete lines appended to one log since the last :meth:`read`, for a reader
+    that follows a log another process writes (a live dataset, the spool). Blocking.
+
+    A torn last line is left for the next read. A log replaced or cut short (``hsx verify
+    --repair`` rewrites a manifest atomically) is read again from its start, and
+    :attr:`restarted` says so: the caller then forgets what it had from this log.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._inode: tuple[int, int] | None = None
+        self._line = 0
+        self.restarted = False
+
+    def read(self) -> list[tuple[int, Any]]:
+        """New complete records, with their 1-based line numbers."""
+        self.restarted = False
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return []
+        try:
+            st = os.fstat(fd)
+            inode = (st.st_dev, st.st_ino)
+            if self._inode is not None and (inode != self._inode or st.st_size < self._offset):
+                self._offset, self._line, self.restarted = 0, 0, True
+            self._inode = inode
+            data = _read_from(fd, self._offset, st.st_size)
+        finally:
+            os.close(fd)
+        records, complete = _split_lines(data, self.path)
+        self._offset += complete
+        base, self._line = self._line, self._line + data[:complete].count(b"\n")
+        return [(base + n, rec) for n, rec in records]
+
+
+def _read_from(fd: int, offset: int, size: int) -> bytes:
+    chunks = []
+    while offset < size:
+        chunk = os.pread(fd, min(size - offset, 8 << 20), offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def manifest_entry(rec: Any, where: str) -> ManifestEntry:
+    """One manifest record checked as :func:`read_manifest` checks each line."""
+    return _manifest_entry(rec, where)
 
 
 class AppendLog:
