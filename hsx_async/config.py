@@ -100,6 +100,12 @@ class OutputConfig:
     dtype: Literal["bfloat16", "float8_e4m3fn"] = "bfloat16"
     quantize: Literal["all", "aux"] = "all"
     scales: Literal["per_token_slot_outliers16", "per_token_slot"] = "per_token_slot_outliers16"
+    # Training while extracting (PROTOCOL §6): "keep" every sample file, or delete each
+    # once every consumer named in `consumers` acknowledged it ("acked"); with
+    # spool_limit > 0 intake pauses while the files held plus those in flight would pass it.
+    retention: Literal["keep", "acked"] = "keep"
+    spool_limit: Size = Size(0)
+    consumers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -434,11 +440,49 @@ def validate(c: Config) -> None:
         f"({c.input.max_tokens} tokens × {c.model.row_bytes} bytes = {one_sample}); "
         "raise dump.shm_budget or lower input.max_tokens",
     )
+    _check_spool(c)
     _check(
         _listen_ok(c.daemon.metrics_listen),
         "daemon.metrics_listen",
         f'{c.daemon.metrics_listen!r} is not HOST:PORT (or "" to disable)',
     )
+
+
+def _check_spool(c: Config) -> None:
+    out = c.output
+    for i, name in enumerate(out.consumers):
+        why = f"{name!r} must match {NS_PATTERN} (letters, digits, '._-', ≤ 64 chars)"
+        _check(valid_ns(name), f"output.consumers[{i}]", why)
+    _check(len(set(out.consumers)) == len(out.consumers), "output.consumers", "lists a name twice")
+    _check(
+        out.retention == "keep" or bool(out.consumers),
+        "output.consumers",
+        'retention = "acked" deletes a sample once every consumer listed here acknowledged '
+        'it: name at least one (e.g. ["drafter"])',
+    )
+    _check(
+        not out.spool_limit or out.retention == "acked",
+        "output.spool_limit",
+        'needs retention = "acked" (with "keep" the spool never shrinks: intake would pause '
+        "for good); set it, or drop spool_limit",
+    )
+    one_file = spool_bytes_bound(c, c.input.max_tokens)
+    _check(
+        not out.spool_limit or out.spool_limit >= one_file,
+        "output.spool_limit",
+        f"{out.spool_limit} bytes cannot hold one sample file of input.max_tokens "
+        f"({c.input.max_tokens} tokens: up to {one_file} bytes); raise it or lower "
+        "input.max_tokens",
+    )
+
+
+SAMPLE_FILE_OVERHEAD = 8192  # a sample file's header and its alignment padding, at most
+
+
+def spool_bytes_bound(c: Config, tokens: int) -> int:
+    """At most the bytes of one sample file of ``tokens`` tokens (hidden states in the
+    dataset's storage, int64 ids, the uint8 mask, the padded header)."""
+    return tokens * (c.dataset_bytes_per_token + 9) + SAMPLE_FILE_OVERHEAD
 
 
 def _url_ok(url: str) -> bool:

@@ -46,6 +46,7 @@ import orjson
 from hsx_async.dataset.durable import exclusive_lock, fsync_dir, write_atomic
 from hsx_async.dataset.manifest import AppendLog, LogTail
 from hsx_async.errors import DatasetError
+from hsx_async.protocol import NS_PATTERN, valid_ns
 
 REGISTRY = "consumers.json"
 CONSUMERS_DIR = "consumers"
@@ -55,20 +56,20 @@ KEEP: Final = "keep"
 ACKED: Final = "acked"
 Retention = Literal["keep", "acked"]
 RETENTIONS: tuple[str, ...] = (KEEP, ACKED)
-NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
-_NAME = re.compile(NAME_PATTERN)
 _OWNER = re.compile(r"[0-9a-f]{8,64}")
 LOCK_WAIT_S = 30.0  # a lease or ack holds the lock for one read and one fsynced append
 MAX_IDS_PER_LINE = 4096
 Ids = set[str] | frozenset[str]
 
 
-def check_name(name: object, what: str = "consumer") -> str:
-    """A consumer name is a directory name: letters, digits and ``._-``, 1–64 characters."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+def check_name(name: object) -> str:
+    """A consumer name becomes a directory name: the rule of a dump namespace (PROTOCOL §2:
+    letters, digits and ``._-``, 1–64 characters), the same function."""
+    if not valid_ns(name):
         raise DatasetError(
-            f"{what} name {name!r} must match {NAME_PATTERN} (letters, digits, '._-', ≤ 64)"
+            f"consumer name {name!r} must match {NS_PATTERN} (letters, digits, '._-', ≤ 64)"
         )
+    assert isinstance(name, str)
     return name
 
 
@@ -389,6 +390,4 @@ def consumer_names(out_dir: Path) -> list[str]:
     base = out_dir / CONSUMERS_DIR
     if not base.is_dir():
         return []
-    return sorted(
-        p.name for p in base.iterdir() if _NAME.fullmatch(p.name) and (p / LOG_NAME).is_file()
-    )
+    return sorted(p.name for p in base.iterdir() if valid_ns(p.name) and (p / LOG_NAME).is_file())

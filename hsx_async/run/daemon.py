@@ -50,6 +50,7 @@ from hsx_async.run.preflight import operator_problem
 from hsx_async.run.reload import reload_config
 from hsx_async.run.report import RunRecorder, Tick, write_report
 from hsx_async.run.signals import DrainExpired, Stopper
+from hsx_async.run.spool import Spool, wants_spool
 from hsx_async.run.startup import job_record, prepare_output
 from hsx_async.run.status import RunStatus, StatusCollector, take_status
 from hsx_async.run.workers import Workers, namespace_base, probe_namespace
@@ -128,6 +129,9 @@ class Daemon:
         self.on_server_change: list[Callable[[Server, bool], None]] = []
         self.metrics.registry.register(StatusCollector(self.snapshot))
         self.guard.on_change.append(self._intake_changed)
+        self.spool = Spool(config) if wants_spool(config) else None
+        if self.spool is not None and self.spool.limit:
+            self.guard.limits.append(self.spool)  # a full spool pauses intake as ENOSPC does
         self.recorder = RunRecorder(
             config.output.dir, config.shard.index, config.shard.count, self._tick
         )
@@ -271,6 +275,8 @@ class Daemon:
         if self.admission is not None:
             tg.create_task(self.admission.run(), name="hsx-admission")
         tg.create_task(self.guard.run(), name="hsx-disk-guard")
+        if self.spool is not None:
+            tg.create_task(self.spool.run(self.guard), name="hsx-spool")
         tg.create_task(feeder.count(self.guard), name="hsx-count")
         tg.create_task(self._reload_loop(), name="hsx-reload")
         tg.create_task(self.recorder.run(), name="hsx-events")
@@ -333,9 +339,7 @@ class Daemon:
 
     def _intake_changed(self, open_: bool) -> None:
         """The disk guard paused or resumed intake: systemd's status line says so."""
-        self.notifier.status(
-            "intake resumed" if open_ else "intake paused: output disk below output.disk_reserve"
-        )
+        self.notifier.status("intake resumed" if open_ else f"intake paused: {self.guard.reason}")
 
     async def _finish(self, pipeline: Pipeline) -> None:
         await pipeline.drained()
@@ -417,6 +421,7 @@ class Daemon:
             guard=self.guard,
             stopping=self.stop_requested.is_set(),
             shm_budget=self.config.dump.shm_budget,
+            spool=self.spool,
         )
 
     def status(self) -> dict[str, Any]:

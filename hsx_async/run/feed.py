@@ -76,6 +76,8 @@ class Feeder:
         )
         self.pending = (samples, tokens)
         need = tokens * cfg.dataset_bytes_per_token
+        if cfg.output.spool_limit:  # a bounded spool never holds more
+            need = min(need, cfg.output.spool_limit)
         free = await asyncio.to_thread(guard.free_fn, cfg.output.dir)
         log.info(
             "input_counted", samples=samples, tokens=tokens, estimated_bytes=need, free_bytes=free

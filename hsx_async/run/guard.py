@@ -4,6 +4,11 @@ Samples already in flight still finish (their dumps sit in RAM and must go somew
 only new samples wait. ENOSPC in the middle of a write trips the guard at once: the
 writer removes its temp file, the sample is queued again, and nothing partial is ever
 visible under a final name or in the manifest.
+
+The same pause serves the *limits* that may hold intake besides free space: a bounded
+spool (:mod:`hsx_async.run.spool`) refuses a sample whose file would not fit; the worker
+puts it back first in line and intake stays closed, as after ENOSPC, until the limit has
+room again (:meth:`DiskGuard.reevaluate`).
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ import asyncio
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import structlog
+
+from hsx_async.run.source import Sample
 
 log = structlog.get_logger("hsx.guard")
 
@@ -24,6 +32,22 @@ HYSTERESIS = 1.05
 
 def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
+
+
+class IntakeLimit(Protocol):
+    """Something besides free space that may hold intake (the spool)."""
+
+    def admit(self, sample: Sample) -> bool:
+        """Take room for ``sample``'s file now; False when it does not fit."""
+        ...
+
+    def holds(self) -> str:
+        """Why intake must stay closed ('' when it may open)."""
+        ...
+
+    def fix(self) -> str:
+        """What the operator can do while it holds."""
+        ...
 
 
 class DiskGuard:
@@ -40,6 +64,8 @@ class DiskGuard:
         # Called with True (resumed) or False (paused) at each change: the daemon puts it
         # in systemd's status line; code embedding a Daemon may listen too.
         self.on_change: list[Callable[[bool], None]] = []
+        self.limits: list[IntakeLimit] = []
+        self.reason = ""  # why intake is paused ('' while open)
 
     @property
     def paused(self) -> bool:
@@ -55,8 +81,12 @@ class DiskGuard:
         self._announce(open_, **why)
 
     def _announce(self, open_: bool, **why: object) -> None:
+        held = "" if open_ else self._held()
+        self.reason = "" if open_ else held or "output disk below output.disk_reserve"
         if open_:
             log.warning("intake_resumed", free=self.free, reserve=self.reserve, **why)
+        elif held:
+            log.warning("intake_paused_limit", reason=held, fix=self._fix(), **why)
         else:
             log.error(
                 "intake_paused_disk_low",
@@ -70,14 +100,35 @@ class DiskGuard:
         for callback in self.on_change:
             callback(open_)
 
+    def _held(self) -> str:
+        return next((why for limit in self.limits if (why := limit.holds())), "")
+
+    def _fix(self) -> str:
+        return next((limit.fix() for limit in self.limits if limit.holds()), "")
+
     def apply(self, free: int) -> bool:
-        """Open or close intake for a measured free space; returns whether it is open."""
+        """Open or close intake for a measured free space (and the limits); returns
+        whether it is open."""
         self.free = free
-        if self.free < self.reserve:
+        measured = free >= 0
+        if (measured and self.free < self.reserve) or self._held():
             self._set(False)
-        elif self.free >= self.reserve * HYSTERESIS:
+        elif not measured or self.free >= self.reserve * HYSTERESIS:
             self._set(True)
         return self.open.is_set()
+
+    def reevaluate(self) -> bool:
+        """A limit changed (the spool freed room): apply the last measured free space."""
+        return self.apply(self.free)
+
+    def admit(self, sample: Sample) -> bool:
+        """Take room for ``sample`` in every limit. False: it does not fit, intake is
+        closed now (as on ENOSPC) and the caller puts the sample back in line."""
+        for limit in self.limits:
+            if not limit.admit(sample):
+                self._set(False)
+                return False
+        return True
 
     async def trip(self, reason: str) -> None:
         """Close intake now (ENOSPC seen); :meth:`run` reopens it when space returns.

@@ -103,7 +103,11 @@ def progress_line(s: dict[str, Any]) -> str:
     done = s["done"] + s["quarantined"] + s["skipped"]
     share = f"{done}/{total}" if total else str(done)
     pct = f" {100 * done / total:5.1f}%" if total else ""
-    paused = " PAUSED (disk)" if s.get("paused") else ""
+    spool = s.get("spool") or {}
+    paused = " PAUSED (spool full)" if spool.get("waiting") else " PAUSED (disk)"
+    paused = paused if s.get("paused") else ""
+    if spool.get("limit"):
+        paused = f" | spool {human_bytes(spool['held'])}/{human_bytes(spool['limit'])}" + paused
     return (
         f"{share} samples{pct} | {s['tokens_per_s']:,.0f} tok/s | "
         f"{human_bytes(s['bytes_per_s'])}/s | {human_bytes(s['bytes'])} | "

@@ -23,6 +23,7 @@ from hsx_async.dataset.provenance import (
 from hsx_async.run.identity import Identity, JobRecord
 from hsx_async.run.resume import check_entries, clean_orphans
 from hsx_async.run.source import fingerprint_input
+from hsx_async.run.spool import prepare_spool
 
 log = structlog.get_logger("hsx.startup")
 
@@ -80,6 +81,7 @@ def prepare_output(
         stack.callback(quarantine.close)
         check_entries(out, done.manifest)
         clean_orphans(out, done.manifest, shard)
+        prepare_spool(config)  # the consumers' registry; a cut-short retirement finished
     return done, manifest, quarantine
 
 

@@ -18,6 +18,7 @@ from hsx_async.run.client import Server, ServerPool
 from hsx_async.run.guard import DiskGuard
 from hsx_async.run.metrics import Metrics
 from hsx_async.run.pool import Pipeline
+from hsx_async.run.spool import ConsumerLag, Spool
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,38 @@ class ServerStatus:
     last_error: str
     out_of_rotation: str  # why it is out (its fault kind and reason), '' while in
     model: str  # what it was admitted as ('' before)
+
+
+@dataclass(frozen=True, slots=True)
+class SpoolStatus:
+    """A bounded spool (PROTOCOL §6), as the run follows it."""
+
+    held: int  # bytes: committed files not yet deleted + room of the samples in flight
+    limit: int  # output.spool_limit (0: none)
+    peak: int  # the most ``held`` reached this run
+    retired: int  # samples of this shard the spool deleted (read this run)
+    paused_s: float  # seconds intake waited for room this run
+    waiting: bool  # a sample waits for room now (intake paused by the spool)
+    consumers: tuple[ConsumerLag, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out["consumers"] = [
+            {name: getattr(c, name) for name in c.__dataclass_fields__} for c in self.consumers
+        ]
+        return out
+
+
+def spool_status(spool: Spool) -> SpoolStatus:
+    return SpoolStatus(
+        held=spool.used,
+        limit=spool.limit,
+        peak=spool.peak,
+        retired=spool.retired,
+        paused_s=round(spool.paused_seconds(), 3),
+        waiting=spool.blocked > 0,
+        consumers=tuple(spool.consumers),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +88,7 @@ class RunStatus:
     disk_reserve: int  # output.disk_reserve
     stopping: bool
     servers: tuple[ServerStatus, ...]  # those in the config (retired ones left out)
+    spool: SpoolStatus | None = None  # with [output].consumers or retention "acked"
 
     @property
     def remaining_samples(self) -> int:
@@ -67,6 +101,7 @@ class RunStatus:
         out["servers"] = [
             {name: getattr(s, name) for name in s.__dataclass_fields__} for s in self.servers
         ]
+        out["spool"] = None if self.spool is None else self.spool.as_dict()
         return out
 
 
@@ -79,6 +114,7 @@ def take_status(
     guard: DiskGuard,
     stopping: bool,
     shm_budget: int,
+    spool: Spool | None = None,
 ) -> RunStatus:
     """The snapshot of a run from its parts (``pipeline`` None before it starts)."""
     t = metrics.totals
@@ -114,6 +150,7 @@ def take_status(
         servers=tuple(
             server_status(s) for s in (servers.servers if servers else []) if not s.retired
         ),
+        spool=None if spool is None else spool_status(spool),
     )
 
 
@@ -142,8 +179,37 @@ _GAUGES: dict[str, tuple[str, Callable[[RunStatus], float]]] = {
         "Estimated seconds to finish",
         lambda s: s.eta_s if s.eta_s is not None else -1,
     ),
+    "hsx_spool_bytes": (
+        "Bytes the spool holds: sample files not yet deleted + room of samples in flight",
+        lambda s: s.spool.held if s.spool else 0,
+    ),
+    "hsx_spool_limit_bytes": (
+        "output.spool_limit (0: none): intake pauses rather than pass it",
+        lambda s: s.spool.limit if s.spool else 0,
+    ),
+    "hsx_spool_retired_samples": (
+        "Samples the spool deleted once every consumer acknowledged them (seen this run)",
+        lambda s: s.spool.retired if s.spool else 0,
+    ),
+    "hsx_spool_paused_seconds": (
+        "Seconds intake waited for spool room this run",
+        lambda s: s.spool.paused_s if s.spool else 0,
+    ),
 }
 _SERVER_UP = ("hsx_server_up", "1 if the server is in rotation")
+# Per registered consumer (output.consumers): a handful of series.
+_CONSUMER: dict[str, tuple[str, Callable[[ConsumerLag], float]]] = {
+    "hsx_consumer_lag_samples": (
+        "Committed samples the consumer has not acknowledged",
+        lambda c: c.lag,
+    ),
+    "hsx_consumer_acked_samples": ("Samples the consumer acknowledged", lambda c: c.acked),
+    "hsx_consumer_leases": ("Samples leased to the consumer's ranks now", lambda c: c.leased),
+    "hsx_consumer_duplicate_acks": (
+        "Acknowledgements of samples already acknowledged (a lease_timeout too short)",
+        lambda c: c.duplicate_acks,
+    ),
+}
 
 
 class StatusCollector(Collector):
@@ -156,6 +222,8 @@ class StatusCollector(Collector):
         for name, (doc, _) in _GAUGES.items():
             yield GaugeMetricFamily(name, doc)
         yield GaugeMetricFamily(*_SERVER_UP, labels=["server"])
+        for name, (doc, _) in _CONSUMER.items():
+            yield GaugeMetricFamily(name, doc, labels=["consumer"])
 
     def collect(self) -> Iterator[Metric]:
         status = self.snapshot()
@@ -165,3 +233,9 @@ class StatusCollector(Collector):
         for server in status.servers:
             up.add_metric([server.url], 1 if server.healthy else 0)
         yield up
+        consumers = status.spool.consumers if status.spool else ()
+        for name, (doc, read) in _CONSUMER.items():
+            family = GaugeMetricFamily(name, doc, labels=["consumer"])
+            for consumer in consumers:
+                family.add_metric([consumer.name], read(consumer))
+            yield family

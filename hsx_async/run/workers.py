@@ -128,6 +128,15 @@ class Intake:
         """Something a worker at the end of input waits for changed."""
         self._changed.set()
 
+    async def changed(self, also: asyncio.Future[Any]) -> None:
+        """Until :meth:`wake` (a stop, a requeue) or ``also`` is done."""
+        self._changed.clear()
+        wake: asyncio.Future[Any] = asyncio.ensure_future(self._changed.wait())
+        try:
+            await asyncio.wait({wake, also}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wake.cancel()
+
     async def after_eof(self, in_flight: Callable[[], int]) -> bool:
         """At the end of input (the EOF put back for the next worker), wait while samples
         are still in flight: the writers may hand one back. True: one is waiting."""
@@ -227,7 +236,7 @@ class Workers:
             # The check and the decrement in `finally` run without an await between
             # them, so exactly the surplus retires after a shrink.
             while self.workers_running <= self.target_workers:
-                await self.guard.open.wait()  # the disk guard pauses intake here
+                await self._intake_open()  # the disk guard pauses intake here
                 item = await self.intake.next()
                 if isinstance(item, EndOfInput):
                     if await self.intake.after_eof(lambda: self.in_flight):
@@ -242,7 +251,22 @@ class Workers:
                 self.workers_done.set()
             log.debug("worker_exit", worker=index, ns=ns)
 
+    async def _intake_open(self) -> None:
+        """Until the guard lets samples in, or a stop makes waiting pointless (a paused
+        run drains at once: what is queued is redone on resume)."""
+        if self.guard.open.is_set() or self.intake.stopping:
+            return
+        opened: asyncio.Future[Any] = asyncio.ensure_future(self.guard.open.wait())
+        try:
+            while not (opened.done() or self.intake.stopping):
+                await self.intake.changed(opened)
+        finally:
+            opened.cancel()
+
     async def _process(self, sample: Sample, ns: str, ns_dir: Path) -> None:
+        if not self.guard.admit(sample):  # a full spool: back first in line, intake paused
+            self.intake.requeue(sample)
+            return
         need = sample.num_tokens * self.config.model.row_bytes
         await self.budget.acquire(need)
         self.in_flight += 1

@@ -28,7 +28,7 @@ STATUS_KEYS = [
     "done", "quarantined", "skipped", "retried", "attempts_failed", "tokens", "bytes",
     "tokens_per_s", "bytes_per_s", "total_samples", "remaining_tokens", "eta_s", "in_flight",
     "workers", "shm_used", "shm_budget", "writer_queue", "paused", "free_disk", "disk_reserve",
-    "stopping", "servers",
+    "stopping", "servers", "spool",
 ]  # fmt: skip
 
 
