@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from hsx_async.config import ConfigError
 from hsx_async.dataset.consumers import ConsumerLog, read_registry
 from hsx_async.dataset.live import HSX_ID, LiveDataset
 from hsx_async.dataset.manifest import read_manifest
+from hsx_async.errors import ConfigError
 from hsx_async.run.daemon import Daemon
 from hsx_async.run.source import Sample
 from hsx_async.run.spool import file_bytes
