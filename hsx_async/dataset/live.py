@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 from torch.utils.data import IterableDataset
@@ -60,9 +60,12 @@ from torch.utils.data import IterableDataset
 from hsx_async.dataset.consumers import ACKED, ConsumerLog, check_name, read_registry
 from hsx_async.dataset.follow import DatasetFollower
 from hsx_async.dataset.manifest import ManifestEntry
-from hsx_async.dataset.provenance import dataset_storage, read_provenance
 from hsx_async.dataset.spool import RETIRE_EPOCH, Retirer
 from hsx_async.errors import DatasetError, LiveError
+from hsx_async.protocol import BF16
+
+if TYPE_CHECKING:
+    from hsx_async.dataset.export.plan import DatasetFacts
 
 log = structlog.get_logger("hsx.live")
 
@@ -89,7 +92,7 @@ class Source(Protocol):
     def ack(self, owner: str, epoch: int, ids: Sequence[str]) -> None: ...
     def release(self, owner: str, epoch: int, ids: Sequence[str]) -> None: ...
     def renew(self, owner: str, until: float) -> None: ...
-    def facts_dir(self) -> Path: ...  # a directory whose provenance.json is the dataset's
+    def facts(self, entry: ManifestEntry) -> DatasetFacts: ...  # as the export sees it
 
 
 class LocalSource:
@@ -162,8 +165,10 @@ class LocalSource:
     def renew(self, owner: str, until: float) -> None:
         self.log.renew(owner=owner, until=until)
 
-    def facts_dir(self) -> Path:
-        return self.out_dir
+    def facts(self, entry: ManifestEntry) -> DatasetFacts:
+        from hsx_async.dataset.export.plan import dataset_facts  # noqa: PLC0415 - light, lazy
+
+        return dataset_facts(self.out_dir, [entry])
 
 
 def open_source(source: str | Path, consumer: str, *, epoch: int, cache_dir: Path | None) -> Source:
@@ -265,7 +270,7 @@ class LiveDataset(IterableDataset[dict[str, Any]]):
         path, temporary = source.fetch(entry)
         try:
             if self._reader is None:
-                self._reader = make_reader(self.view, source.facts_dir(), self.model)
+                self._reader = make_reader(self.view, source.facts(entry), self.model)
             sample = self._reader(path, entry)
         finally:
             if temporary:
@@ -349,44 +354,30 @@ class LiveCollator:
 
 
 def make_reader(
-    view: str, facts_dir: Path, model: Path | None
+    view: str, facts: DatasetFacts, model: Path | None
 ) -> Callable[[Path, ManifestEntry], dict[str, Any]]:
-    """The function that reads one sample file in ``view``'s layout; the final state is
-    converted with the export's own plan (``hsx export --format <view>``)."""
+    """The function that reads one sample file in ``view``'s layout: ``"hsx"``, or an
+    export format's own in-memory sample (:class:`~.export.format.ExportFormat`
+    ``tensors``), planned as ``hsx export --format <view> --dtype bfloat16`` plans it."""
     from hsx_async.dataset import reader  # noqa: PLC0415 - torch once a sample is read
 
     if view == "hsx":
-        prov = read_provenance(facts_dir)
-        expect = None if prov is None else dataset_storage(prov)
+        expect = None if facts.provenance is None else facts.storage
 
         def read_hsx(path: Path, entry: ManifestEntry) -> dict[str, Any]:
             return dict(reader.read_sample(path, num_tokens=entry.num_tokens, expect=expect))
 
         return read_hsx
-    from hsx_async.dataset import export  # noqa: PLC0415 - torch once a sample is read
+    from hsx_async.dataset.export import export_format  # noqa: PLC0415 - torch on first use
+    from hsx_async.dataset.export.plan import (  # noqa: PLC0415 - torch on first use
+        ExportPlan,
+        find_target,
+        plan_conversion,
+    )
 
-    facts = export.dataset_facts(facts_dir, [])
-    export.check_aux_count(view, facts)
-    target = export.find_target(model, facts)
-    conv = export.plan_conversion(view, facts, target, model is not None)
-    if view == "specforge":
-        return lambda path, entry: dict(export._specforge_record(path, entry, conv))
-
-    def read_speculators(path: Path, entry: ManifestEntry) -> dict[str, Any]:
-        import torch  # noqa: PLC0415
-
-        header, stored = reader.read_hidden(
-            path, (reader.INPUT_IDS, reader.LOSS_MASK), num_tokens=entry.num_tokens
-        )
-        mask = stored.get(reader.LOSS_MASK)
-        return {
-            "hidden_states": export._speculators_bf16(header, stored, conv),
-            "token_ids": stored[reader.INPUT_IDS],
-            "loss_mask": (
-                torch.ones(entry.num_tokens, dtype=torch.int64)
-                if mask is None
-                else mask.to(torch.int64)
-            ),
-        }
-
-    return read_speculators
+    fmt = export_format(view)
+    fmt.check_aux(facts)
+    target = find_target(model, facts)
+    conv = plan_conversion(fmt.name, fmt.final_state, facts, target, model is not None)
+    plan = ExportPlan(conv, BF16, 0)
+    return lambda path, entry: dict(fmt.tensors(path, entry, plan))

@@ -32,7 +32,6 @@ from hsx_async.dataset.consumers import (
     read_registry,
     record_registry,
 )
-from hsx_async.dataset.inspection import human_bytes
 from hsx_async.dataset.layout import build_layout, canonical_id
 from hsx_async.dataset.manifest import (
     MANIFEST,
@@ -47,6 +46,7 @@ from hsx_async.dataset.spool import Retirer, finish_retirement, read_retired
 from hsx_async.protocol import POST_NORM
 from hsx_async.run.guard import DiskGuard
 from hsx_async.run.source import Sample
+from hsx_async.units import human_bytes
 
 log = structlog.get_logger("hsx.spool")
 

@@ -37,10 +37,13 @@ def _toy(finished: list[int], aux_counts: list[int]) -> ExportFormat:
     def relpath(index: int, group_size: int) -> str:
         return f"toy/{index // group_size}/{index}.bin"
 
-    def write(source: Path, entry: ManifestEntry, plan: ExportPlan, tmp: Path) -> None:
+    def tensors(source: Path, entry: ManifestEntry, plan: ExportPlan) -> dict[str, Any]:
         header, stored = reader.read_hidden(source, num_tokens=entry.num_tokens)
         final, _aux = reader.split_layers(reader.hidden_bf16(header, stored))
-        final = plan.conv.apply(header.metadata, final)
+        return {"final": plan.conv.apply(header.metadata, final)}
+
+    def write(source: Path, entry: ManifestEntry, plan: ExportPlan, tmp: Path) -> None:
+        final = tensors(source, entry, plan)["final"]
         tmp.write_bytes(final.contiguous().view(torch.uint8).numpy().tobytes())
 
     def dtype_rule(asked: str, facts: DatasetFacts, conv: FinalConversion) -> tuple[str, str]:
@@ -63,6 +66,7 @@ def _toy(finished: list[int], aux_counts: list[int]) -> ExportFormat:
         final_state=POST_NORM,
         relpath=relpath,
         write=write,
+        tensors=tensors,
         dtype_rule=dtype_rule,
         hint=hint,
         check_aux=check_aux,

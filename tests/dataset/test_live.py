@@ -212,3 +212,33 @@ def test_arguments_are_checked() -> None:
             LiveDataset("/nonexistent", consumer="train", **kwargs)
     with pytest.raises(DatasetError, match="must match"):
         LiveDataset("/nonexistent", consumer="../x")
+
+
+def test_trainer_views_are_the_exports_samples(tmp_path: Path) -> None:
+    """view="specforge" / "speculators" hand over exactly what ``hsx export`` writes for
+    that trainer (the same code), the final state converted with the model's norm."""
+    from safetensors.torch import load_file
+
+    from hsx_async.dataset.export import export_dataset, read_export_log
+    from tests.dataset.test_export import model_dir
+
+    src = tmp_path / "out"
+    write_dataset(src, num_samples=4, hidden_size=16)
+    mark_input(src, 4)
+    model, _ = model_dir(tmp_path / "model", 16)
+    for view, load in (("specforge", _torch_load), ("speculators", load_file)):
+        dest = tmp_path / view
+        export_dataset(src, dest, fmt=view, model=model)
+        exported = {r.id: load(dest / r.path) for r in read_export_log(dest).values()}
+        live = {s[HSX_ID]: s for s in LiveDataset(src, consumer=view, view=view, model=model)}
+        assert sorted(live) == sorted(exported)
+        for sample_id, sample in live.items():
+            for key, tensor in exported[sample_id].items():
+                assert torch.equal(sample[key], tensor), (view, key)
+    with pytest.raises(DatasetError, match="give --model PATH"):
+        next(iter(LiveDataset(src, consumer="x", view="speculators")))
+
+
+def _torch_load(path: Path) -> dict[str, torch.Tensor]:
+    loaded: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
+    return loaded

@@ -26,6 +26,10 @@ TMP_PREFIX = ".hsx-tmp-"  # a file under this name is never a complete output
 RelPath = Callable[[int, int], str]
 # (the sample file in the dataset, its manifest entry, the plan, the temp file to fill).
 WriteSample = Callable[[Path, ManifestEntry, ExportPlan, Path], None]
+# (the sample file, its manifest entry, the plan) → the sample in the trainer's layout in
+# memory, bfloat16: what the format's writer saves, and what the live reader hands a
+# trainer (:mod:`hsx_async.dataset.live`, ``view=<format>``).
+SampleTensors = Callable[[Path, ManifestEntry, ExportPlan], dict[str, Any]]
 # (asked dtype, dataset facts, conversion) → (dtype written, why auto chose bfloat16).
 DtypeRule = Callable[[str, DatasetFacts, FinalConversion], tuple[str, str]]
 # (dataset dir, destination, manifest entries, sample id → index), once all are written.
@@ -54,6 +58,7 @@ class ExportFormat:
     final_state: str  # the kind the trainer reads from the last layer slot
     relpath: RelPath
     write: WriteSample
+    tensors: SampleTensors
     dtype_rule: DtypeRule
     hint: Hint
     check_aux: Callable[[DatasetFacts], None] = any_aux_count  # refuses before writing

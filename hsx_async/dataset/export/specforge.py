@@ -47,15 +47,16 @@ def specforge_relpath(index: int, group_size: int = GROUP_SIZE) -> str:
     return f"rows_{group}-{group + group_size}/data_{index}.ckpt"
 
 
-def _record(
-    sample_path: Path, entry: ManifestEntry, conv: FinalConversion
+def sample_tensors(
+    sample_path: Path, entry: ManifestEntry, plan: ExportPlan
 ) -> dict[str, torch.Tensor]:
+    """The sample as SpecForge's ``OfflineCaptureLayout`` holds it (what is saved)."""
     header, stored = dataset.read_hidden(
         sample_path, (dataset.INPUT_IDS, dataset.LOSS_MASK), num_tokens=entry.num_tokens
     )
     # bf16 [T, L, H]: the mapping itself, or an FP8 sample dequantized (SpecForge has no FP8).
     final, aux = dataset.split_layers(dataset.hidden_bf16(header, stored))
-    final = conv.apply(header.metadata, final)
+    final = plan.conv.apply(header.metadata, final)
     mask = stored.get(dataset.LOSS_MASK)
     # clone(): torch.save writes a tensor's whole storage, and these views share the
     # mapping of the entire sample file.
@@ -73,7 +74,7 @@ def _record(
 
 
 def write_sample(sample_path: Path, entry: ManifestEntry, plan: ExportPlan, tmp: Path) -> None:
-    record = _record(sample_path, entry, plan.conv)
+    record = sample_tensors(sample_path, entry, plan)
     with tmp.open("wb") as fh:
         torch.save(record, fh)
 
@@ -113,6 +114,7 @@ FORMAT = ExportFormat(
     final_state=POST_NORM,
     relpath=specforge_relpath,
     write=write_sample,
+    tensors=sample_tensors,
     dtype_rule=dtype_rule,
     hint=hint,
     check_aux=check_aux,

@@ -94,6 +94,27 @@ def write_sample(sample_path: Path, entry: ManifestEntry, plan: ExportPlan, tmp:
     save_file(tensors, str(tmp), metadata=meta)
 
 
+def sample_tensors(
+    sample_path: Path, entry: ManifestEntry, plan: ExportPlan
+) -> dict[str, torch.Tensor]:
+    """The sample as hs-connectors' ``FileTransfer`` hands it to speculators (bf16
+    ``hidden_states`` [T, L, H], final state converted, and ``token_ids``), plus the
+    ``loss_mask`` (int64) its dataset row holds."""
+    header, stored = dataset.read_hidden(
+        sample_path, (dataset.INPUT_IDS, dataset.LOSS_MASK), num_tokens=entry.num_tokens
+    )
+    mask = stored.get(dataset.LOSS_MASK)
+    return {
+        "hidden_states": _bf16_hidden(header, stored, plan.conv),
+        "token_ids": stored[dataset.INPUT_IDS],
+        "loss_mask": (
+            torch.ones(entry.num_tokens, dtype=torch.int64)
+            if mask is None
+            else mask.to(torch.int64)
+        ),
+    }
+
+
 def _bf16_hidden(
     header: SampleHeader, stored: dict[str, torch.Tensor], conv: FinalConversion
 ) -> torch.Tensor:
@@ -257,6 +278,7 @@ FORMAT = ExportFormat(
     final_state=PRE_NORM,
     relpath=speculators_relpath,
     write=write_sample,
+    tensors=sample_tensors,
     dtype_rule=fp8_dtype_rule,
     hint=hint,
     finish=finish,
