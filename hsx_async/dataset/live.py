@@ -52,15 +52,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from torch.utils.data import IterableDataset
 
-from hsx_async.dataset.consumers import ACKED, ConsumerLog, check_name, read_registry
-from hsx_async.dataset.follow import DatasetFollower
+from hsx_async.dataset.consumers import check_name
 from hsx_async.dataset.manifest import ManifestEntry
-from hsx_async.dataset.spool import RETIRE_EPOCH, Retirer
+from hsx_async.dataset.sources import Source, open_source
 from hsx_async.errors import DatasetError, LiveError
 from hsx_async.protocol import BF16
 
@@ -73,106 +72,6 @@ HSX_ID = "hsx_id"
 HSX_IDS = "hsx_ids"
 VIEWS = ("hsx", "specforge", "speculators")
 DEFAULT_LEASE_S = 600.0
-
-
-@dataclass(frozen=True, slots=True)
-class Leased:
-    """One lease call's answer: the samples now this owner's, and whether the epoch holds
-    nothing more for it (extraction complete, everything acknowledged or leased)."""
-
-    entries: list[ManifestEntry]
-    ended: bool
-
-
-class Source(Protocol):
-    """Where a live reader leases, fetches and acknowledges (local or ``hsx serve``)."""
-
-    def lease(self, owner: str, rank: int, epoch: int, count: int, timeout: float) -> Leased: ...
-    def fetch(self, entry: ManifestEntry) -> tuple[Path, bool]: ...  # (file, a temp copy)
-    def ack(self, owner: str, epoch: int, ids: Sequence[str]) -> None: ...
-    def release(self, owner: str, epoch: int, ids: Sequence[str]) -> None: ...
-    def renew(self, owner: str, until: float) -> None: ...
-    def facts(self, entry: ManifestEntry) -> DatasetFacts: ...  # as the export sees it
-
-
-class LocalSource:
-    """A dataset this process can open (a local disk or a shared file system). The same
-    object serves remote readers inside ``hsx serve``. Blocking."""
-
-    def __init__(self, out_dir: Path, consumer: str, *, epoch: int = 0) -> None:
-        self.out_dir = out_dir
-        self.consumer = check_name(consumer)
-        self.follower = DatasetFollower(out_dir)
-        self.log = ConsumerLog(out_dir, consumer)
-        self._registry_seen = False
-        self._retirer: Retirer | None = None
-        self._epoch = epoch
-
-    def _check_registry(self) -> None:
-        if self._registry_seen:
-            return
-        registry = read_registry(self.out_dir)
-        if registry is None:
-            return  # not written yet (no run started), or a dataset that keeps everything
-        self._registry_seen = True
-        if registry.retention != ACKED:
-            return
-        if self.consumer not in registry.consumers:
-            raise DatasetError(
-                f"consumer {self.consumer!r} is not registered in {self.out_dir}/consumers.json "
-                f"(retention acked, consumers: {', '.join(registry.consumers)}): the spool "
-                "deletes samples once those have them, so this one would miss samples. Use "
-                "one of those names, or add it to [output].consumers before the run starts"
-            )
-        if self._epoch != RETIRE_EPOCH:
-            raise DatasetError(
-                f"epoch {self._epoch}: with retention acked the spool deletes each sample "
-                "after epoch 0; train further epochs from a dataset with retention keep"
-            )
-        self._retirer = Retirer(self.out_dir, registry)
-
-    def lease(self, owner: str, rank: int, epoch: int, count: int, timeout: float) -> Leased:
-        self._check_registry()
-        followed = self.follower.refresh()
-        present = followed.present
-        ids = self.log.lease(
-            owner=owner, rank=rank, epoch=epoch, order=followed.order, present=present,
-            count=count, timeout=timeout,
-        )  # fmt: skip
-        if ids:
-            return Leased([followed.entries[i] for i in ids], ended=False)
-        return Leased([], ended=followed.complete and self._all_taken(epoch, present))
-
-    def _all_taken(self, epoch: int, present: set[str]) -> bool:
-        state, now = self.log.state, time.time()
-        return all(
-            state.is_acked(epoch, s) or state.live_lease(epoch, s, now) is not None for s in present
-        )
-
-    def fetch(self, entry: ManifestEntry) -> tuple[Path, bool]:
-        return self.out_dir / entry.path, False
-
-    def ack(self, owner: str, epoch: int, ids: Sequence[str]) -> None:
-        self._check_registry()
-        self.log.ack(owner=owner, epoch=epoch, ids=ids)
-        if self._retirer is not None and epoch == RETIRE_EPOCH:
-            entries = self.follower.refresh().entries
-            self._retirer.retire([entries[i] for i in ids if i in entries])
-
-    def release(self, owner: str, epoch: int, ids: Sequence[str]) -> None:
-        self.log.release(owner=owner, epoch=epoch, ids=ids)
-
-    def renew(self, owner: str, until: float) -> None:
-        self.log.renew(owner=owner, until=until)
-
-    def facts(self, entry: ManifestEntry) -> DatasetFacts:
-        from hsx_async.dataset.export.plan import dataset_facts  # noqa: PLC0415 - light, lazy
-
-        return dataset_facts(self.out_dir, [entry])
-
-
-def open_source(source: str | Path, consumer: str, *, epoch: int, cache_dir: Path | None) -> Source:
-    return LocalSource(Path(source), consumer, epoch=epoch)
 
 
 class LiveDataset(IterableDataset[dict[str, Any]]):
@@ -223,9 +122,7 @@ class LiveDataset(IterableDataset[dict[str, Any]]):
     @property
     def source(self) -> Source:
         if self._source is None:
-            self._source = open_source(
-                self.source_spec, self.consumer, epoch=self.epoch, cache_dir=self.cache_dir
-            )
+            self._source = open_source(self.source_spec, self.consumer, cache_dir=self.cache_dir)
         return self._source
 
     # -- the iteration (in the process that iterates: main, or a DataLoader worker) -------
@@ -282,7 +179,7 @@ class LiveDataset(IterableDataset[dict[str, Any]]):
 
     def done(self, batch_or_ids: Any) -> None:
         """The step that used these samples finished (a batch from :class:`LiveCollator`,
-        a sample, or ids): they await :meth:`ack`. Renews this owner's leases."""
+        a sample, samples or ids): they await :meth:`ack`. Renews this owner's leases."""
         self._pending.extend(sample_ids(batch_or_ids))
         now = time.time()
         if now - self._renewed > self.lease_timeout / 4:
@@ -331,7 +228,7 @@ def sample_ids(batch_or_ids: Any) -> list[str]:
         raise ValueError(f"a batch without {HSX_IDS!r}: collate with LiveCollator")
     if isinstance(batch_or_ids, str):
         return [batch_or_ids]
-    return [str(i) for i in batch_or_ids]
+    return [str(i[HSX_ID]) if isinstance(i, dict) else str(i) for i in batch_or_ids]
 
 
 @dataclass(frozen=True, slots=True)

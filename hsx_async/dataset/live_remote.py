@@ -1,0 +1,257 @@
+"""A live reader's source on another node: ``hsx serve`` over HTTP (PROTOCOL §6.4).
+
+The same leases and acknowledgements as a local reader, made by the server in the same
+logs. A sample file travels as the manifest names it and is checked on arrival — its size
+and its XXH3-64 against the manifest line — before it is read, written into a private
+directory (on ``/dev/shm`` when there is one) and unlinked as soon as it is mapped, so at
+most ``prefetch`` files per process sit there. Blocking (``http.client``: the reader runs
+in a trainer's process or its DataLoader workers, which have no event loop).
+
+Faults: a lost connection, a 5xx or a file that arrives torn is retried with backoff
+until the server has been unreachable for ``unreachable_timeout`` seconds, then
+:class:`~hsx_async.errors.LiveError`; a repeated call carries the same ``call`` id, so the
+server does not apply it twice. A 4xx is the request's fault: raised at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import secrets
+import shutil
+import tempfile
+import time
+import urllib.parse
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from hsx_async.dataset.consumers import check_name
+from hsx_async.dataset.manifest import ManifestEntry, hash_file, manifest_entry
+from hsx_async.dataset.sources import Leased
+from hsx_async.dataset.wire import (
+    ACK,
+    FILE,
+    INFO,
+    LEASE,
+    MAX_LEASE,
+    MAX_RESPONSE,
+    MAX_WAIT_S,
+    RELEASE,
+    RENEW,
+    WIRE_VERSION,
+)
+from hsx_async.errors import DatasetError, LiveError
+from hsx_async.protocol import Storage
+
+if TYPE_CHECKING:
+    from hsx_async.dataset.export.plan import DatasetFacts
+
+UNREACHABLE_S = 600.0
+REQUEST_S = 60.0  # one call (a lease's long poll is at most MAX_WAIT_S of it)
+_CHUNK = 1 << 20
+_TORN_RETRIES = 3
+
+
+class _Retry(Exception):
+    """A fault worth another try (connection, 5xx, a torn file)."""
+
+
+class RemoteSource:
+    def __init__(
+        self,
+        url: str,
+        consumer: str,
+        *,
+        cache_dir: Path | None = None,
+        unreachable_timeout: float = UNREACHABLE_S,
+        request_timeout: float = REQUEST_S,
+    ) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise DatasetError(f"{url!r} is not an http(s)://HOST:PORT of hsx serve")
+        self.url = url.rstrip("/")
+        self._parts = parts
+        self.consumer = check_name(consumer)
+        self.unreachable_timeout = unreachable_timeout
+        self.request_timeout = request_timeout
+        self._held: list[http.client.HTTPConnection] = []  # the open connection, if any
+        weakref.finalize(self, _close_all, self._held)
+        self._facts: DatasetFacts | None = None
+        self._cache_parent = cache_dir
+        self._cache: Path | None = None
+
+    # -- HTTP with retries ------------------------------------------------------------------
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if not self._held:
+            cls = (
+                http.client.HTTPSConnection
+                if self._parts.scheme == "https"
+                else http.client.HTTPConnection
+            )
+            host, port = self._parts.hostname or "", self._parts.port
+            self._held.append(cls(host, port, timeout=self.request_timeout))
+        return self._held[0]
+
+    def _drop(self) -> None:
+        _close_all(self._held)
+
+    def close(self) -> None:
+        self._drop()
+
+    def _retrying(self, what: str, attempt: Any) -> Any:
+        """``attempt()`` until it succeeds, a 4xx, or ``unreachable_timeout`` of faults."""
+        deadline = time.monotonic() + self.unreachable_timeout
+        pause, last = 0.05, ""
+        while True:
+            try:
+                return attempt()
+            except (_Retry, OSError, http.client.HTTPException) as exc:
+                self._drop()
+                last = str(exc) or type(exc).__name__
+            if time.monotonic() + pause > deadline:
+                raise LiveError(
+                    f"{self.url}: {what} failed for {self.unreachable_timeout:.0f} s (last: "
+                    f"{last}); is hsx serve running there?"
+                )
+            time.sleep(pause)  # backoff before another try of a remote call
+            pause = min(pause * 2, 5.0)
+
+    def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else orjson.dumps(body)
+
+        def attempt() -> Any:
+            conn = self._connection()
+            headers = {"Content-Type": "application/json"} if data is not None else {}
+            conn.request(method, path, body=data, headers=headers)
+            response = conn.getresponse()
+            raw = response.read(MAX_RESPONSE + 1)
+            if len(raw) > MAX_RESPONSE:
+                raise DatasetError(f"{self.url}{path}: answer over {MAX_RESPONSE} bytes")
+            self._check_status(path, response.status, raw)
+            return orjson.loads(raw)
+
+        return self._retrying(f"{method} {path}", attempt)
+
+    def _check_status(self, path: str, status: int, raw: bytes) -> None:
+        if status >= 500:
+            raise _Retry(f"HTTP {status}")
+        if status >= 400:
+            try:
+                message = orjson.loads(raw).get("error", "")
+            except (orjson.JSONDecodeError, AttributeError):
+                message = raw[:200].decode("utf-8", "replace")
+            raise DatasetError(f"{self.url}{path}: {message} (HTTP {status})")
+
+    def _call(self, path: str, owner: str, **fields: Any) -> Any:
+        body = {"consumer": self.consumer, "owner": owner, "call": secrets.token_hex(8), **fields}
+        return self._json("POST", path, body)
+
+    # -- the Source protocol ----------------------------------------------------------------
+
+    def lease(self, owner: str, rank: int, epoch: int, count: int, timeout: float) -> Leased:
+        answer = self._call(
+            LEASE, owner, rank=rank, epoch=epoch, count=min(count, MAX_LEASE),
+            timeout=timeout, wait=MAX_WAIT_S / 2,
+        )  # fmt: skip
+        entries = [manifest_entry(rec, f"{self.url}{LEASE}") for rec in answer["entries"]]
+        return Leased(entries, ended=bool(answer["ended"]))
+
+    def ack(self, owner: str, epoch: int, ids: list[str] | Any) -> None:
+        self._call(ACK, owner, epoch=epoch, ids=list(ids))
+
+    def release(self, owner: str, epoch: int, ids: list[str] | Any) -> None:
+        self._call(RELEASE, owner, epoch=epoch, ids=list(ids))
+
+    def renew(self, owner: str, until: float) -> None:
+        self._call(RENEW, owner, timeout=max(0.0, until - time.time()))
+
+    def fetch(self, entry: ManifestEntry) -> tuple[Path, bool]:
+        """The sample file, whole and as its manifest line hashes it, in the cache."""
+        target = self._cache_dir() / f".{secrets.token_hex(8)}.safetensors"
+        query = urllib.parse.urlencode({"path": entry.path})
+        for _ in range(_TORN_RETRIES):
+            self._retrying(
+                f"GET {entry.path}", lambda: self._download(f"{FILE}?{query}", entry, target)
+            )
+            size, digest = _hash(target)
+            if (size, digest) == (entry.size, entry.xxh3_64):
+                return target, True
+            target.unlink(missing_ok=True)  # torn on the way (or changed): again
+        raise DatasetError(
+            f"{self.url}: {entry.path} arrived {_TORN_RETRIES} times with another size or "
+            f"XXH3-64 than its manifest line ({entry.size} bytes, {entry.xxh3_64}); run "
+            "hsx verify on the serving node"
+        )
+
+    def _download(self, path: str, entry: ManifestEntry, target: Path) -> None:
+        conn = self._connection()
+        conn.request("GET", path)
+        response = conn.getresponse()
+        if response.status != 200:
+            self._check_status(path, response.status, response.read(64 << 10))
+            raise _Retry(f"HTTP {response.status}")
+        length = int(response.getheader("Content-Length") or -1)
+        if length != entry.size:
+            response.close()
+            raise _Retry(f"{entry.path}: {length} bytes announced, {entry.size} expected")
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            left = length
+            while left:
+                chunk = response.read(min(_CHUNK, left))
+                if not chunk:
+                    raise _Retry(f"{entry.path}: cut after {length - left} of {length} bytes")
+                out.write(chunk)
+                left -= len(chunk)
+
+    def facts(self, entry: ManifestEntry) -> DatasetFacts:
+        if self._facts is None:
+            from hsx_async.dataset.export.plan import DatasetFacts  # noqa: PLC0415 - lazy
+
+            info = self._json("GET", INFO)
+            if info.get("protocol") != WIRE_VERSION:
+                raise DatasetError(
+                    f"{self.url} speaks protocol {info.get('protocol')!r}, this reader "
+                    f"{WIRE_VERSION}: run the same hsx version on both nodes"
+                )
+            f = info["facts"]
+            aux = f.get("aux_layers")
+            storage = f.get("storage") or {}
+            self._facts = DatasetFacts(
+                aux_layers=None if aux is None else tuple(aux),
+                hidden_size=f.get("hidden_size"),
+                final_state=f["final_state"],
+                provenance=f.get("provenance"),
+                storage=Storage(
+                    storage.get("dtype", "bfloat16"), tuple(storage.get("quantized", ()))
+                ),
+            )
+        return self._facts
+
+    def _cache_dir(self) -> Path:
+        if self._cache is None:
+            parent = self._cache_parent or _default_cache_parent()
+            parent.mkdir(parents=True, exist_ok=True)
+            self._cache = Path(tempfile.mkdtemp(prefix="hsx-live-", dir=parent))
+            weakref.finalize(self, shutil.rmtree, self._cache, True)
+        return self._cache
+
+
+def _close_all(held: list[http.client.HTTPConnection]) -> None:
+    while held:
+        with contextlib.suppress(OSError):
+            held.pop().close()
+
+
+def _default_cache_parent() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _hash(path: Path) -> tuple[int, str]:
+    return hash_file(path)  # the manifest's own hash of a whole file

@@ -1,0 +1,1 @@
+"""Serving a live dataset to trainers on other nodes: ``hsx serve`` (PROTOCOL §6.4)."""

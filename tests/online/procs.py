@@ -1,0 +1,89 @@
+"""Processes for the online tests: ``hsx serve`` and consumer drivers, each a real child
+process on 127.0.0.1, read through their JSON-line stdout with bounded waits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("consumer_driver.py")
+WAIT_S = 60.0
+
+
+class Child:
+    """A child process whose stdout lines are read as they come."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, name: str) -> None:
+        self.proc = proc
+        self.name = name
+        self.lines: list[str] = []
+
+    @classmethod
+    async def start(cls, name: str, *argv: str) -> Child:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, *argv, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL, cwd=REPO, env=env,
+        )  # fmt: skip
+        return cls(proc, name)
+
+    async def line(self, timeout: float = WAIT_S) -> str:
+        assert self.proc.stdout is not None
+        raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not raw:
+            raise EOFError(f"{self.name} ended (exit {await self.proc.wait()})")
+        text = raw.decode().rstrip("\n")
+        self.lines.append(text)
+        return text
+
+    async def until(self, key: str, timeout: float = WAIT_S) -> dict[str, Any]:
+        """The next JSON event with ``key`` (the ones before it are kept in ``events``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            event = json.loads(await self.line(max(0.1, deadline - loop.time())))
+            if key in event:
+                return dict(event)
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.lines if line.startswith("{")]
+
+    def got(self) -> list[str]:
+        return [e["got"] for e in self.events if "got" in e]
+
+    def acked(self) -> list[str]:
+        return [i for e in self.events if "acked" in e for i in e["acked"]]
+
+    async def finish(self, timeout: float = WAIT_S) -> int:
+        """Read to the end; the exit code."""
+        with contextlib.suppress(EOFError):
+            while True:
+                await self.line(timeout)
+        return await asyncio.wait_for(self.proc.wait(), timeout)
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGKILL)
+            await asyncio.wait_for(self.proc.wait(), WAIT_S)
+
+
+async def start_server(out: Path, port: int) -> tuple[Child, str]:
+    child = await Child.start("hsx serve", "-m", "hsx_async", "serve", str(out),
+                              "--listen", f"127.0.0.1:{port}")  # fmt: skip
+    line = await child.line()
+    assert line.startswith("hsx serve:"), line
+    return child, line.rsplit(" on ", 1)[1]
+
+
+async def start_consumer(source: str, *args: str) -> Child:
+    child = await Child.start("consumer", str(DRIVER), source, *args)
+    await child.until("owner")
+    return child

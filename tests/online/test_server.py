@@ -1,0 +1,226 @@
+"""``hsx serve`` on 127.0.0.1, for real: remote readers get every sample exactly once and
+byte for byte, through a server restart, a consumer that vanishes and a transfer cut
+short; every endpoint refuses what breaks its bounds (PROTOCOL §6.4).
+
+The server and the consumers are child processes; samples are written as the pipeline
+writes them (tests/dataset_factory.py). A run and the spool together: tests/run/test_online.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+
+from hsx_async.dataset.consumers import ACKED, ConsumerLog, Registry, record_registry
+from hsx_async.dataset.live import HSX_ID, LiveDataset
+from hsx_async.dataset.live_remote import RemoteSource
+from hsx_async.dataset.manifest import read_manifest
+from hsx_async.errors import DatasetError, LiveError
+from tests.dataset.test_live import mark_input
+from tests.dataset_factory import write_dataset
+from tests.e2e import free_port
+from tests.online.procs import Child, start_consumer, start_server
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[tuple[Path, str, Child]]:
+    out = tmp_path / "out"
+    write_dataset(out, num_samples=10, hidden_size=32)
+    mark_input(out, 10)
+    server, url = await start_server(out, free_port())
+    try:
+        yield out, url, server
+    finally:
+        await server.kill()
+
+
+def _ids(out: Path) -> list[str]:
+    return sorted(str(e.id) for e in read_manifest(out, retired=True))
+
+
+async def test_remote_samples_equal_local_ones_and_ranks_split_them(
+    served: tuple[Path, str, Child],
+) -> None:
+    out, url, _ = served
+    local = {s[HSX_ID]: s for s in LiveDataset(out, consumer="check")}
+    remote = await asyncio.to_thread(
+        lambda: {s[HSX_ID]: s for s in LiveDataset(url, consumer="check2")}
+    )
+    assert sorted(remote) == sorted(local) == _ids(out)
+    for key, sample in remote.items():
+        for name, tensor in local[key].items():
+            if name != HSX_ID:
+                assert torch.equal(sample[name], tensor), (key, name)
+    ranks = [await start_consumer(url, "--rank", str(r), "--world", "3") for r in range(3)]
+    assert [await c.finish() for c in ranks] == [0, 0, 0]
+    got = [i for c in ranks for i in c.got()]
+    assert sorted(got) == _ids(out) and len(set(got)) == len(got)  # each to exactly one rank
+    assert sorted(i for c in ranks for i in c.acked()) == _ids(out)
+
+
+async def test_a_server_killed_and_started_again_loses_nothing(
+    served: tuple[Path, str, Child],
+) -> None:
+    out, url, server = served
+    port = int(url.rsplit(":", 1)[1])
+    live = LiveDataset(url, consumer="train", prefetch=2, lease_timeout=600)
+    it = iter(live)
+    first = [await asyncio.to_thread(next, it) for _ in range(3)]
+    live.done(first)
+    await asyncio.to_thread(live.ack)
+    await server.kill()
+    # The reader retries through the gap: its next lease waits for the new server.
+    rest_task = asyncio.create_task(asyncio.to_thread(lambda: [s[HSX_ID] for s in it]))
+    again, _ = await start_server(out, port)
+    try:
+        rest = await asyncio.wait_for(rest_task, 60)
+        live.done(rest)
+        await asyncio.to_thread(live.ack)
+    finally:
+        await again.kill()
+    ids = [s[HSX_ID] for s in first] + rest
+    assert sorted(ids) == _ids(out) and len(set(ids)) == len(ids)
+    state = ConsumerLog(out, "train").refresh()
+    assert state.acked[0] == set(ids) and state.duplicate_acks == 0
+
+
+async def test_a_vanished_consumer_s_samples_go_to_another_after_the_timeout(
+    served: tuple[Path, str, Child],
+) -> None:
+    out, url, _ = served
+    gone = await start_consumer(url, "--rank", "0", "--world", "2", "--prefetch", "4",
+                                "--hold-after", "2", "--lease-timeout", "1.5")  # fmt: skip
+    await gone.until("holding")
+    await gone.kill()  # two acknowledged, two more leased and never used
+    other = await start_consumer(url, "--rank", "1", "--world", "2", "--lease-timeout", "1.5")
+    assert await other.finish() == 0
+    assert not set(gone.acked()) & set(other.got())  # nothing acknowledged comes back
+    assert sorted(gone.acked() + other.got()) == _ids(out)
+
+
+class _CuttingProxy:
+    """A TCP proxy to ``port`` that cuts the first ``cuts`` file transfers short: once a
+    ``GET /v1/file`` passes, the answer is cut after a few KB and the connection closed."""
+
+    def __init__(self, port: int, cuts: int) -> None:
+        self.target, self.cuts, self.cut = port, cuts, 0
+        self.loop = asyncio.new_event_loop()
+        self.port = free_port()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        armed = asyncio.Event()
+
+        async def upstream() -> None:
+            while chunk := await reader.read(1 << 16):
+                if b"GET /v1/file" in chunk and self.cut < self.cuts:
+                    self.cut += 1
+                    armed.set()
+                up_writer.write(chunk)
+                await up_writer.drain()
+            up_writer.close()
+
+        async def downstream() -> None:
+            budget = None
+            while chunk := await up_reader.read(1 << 16):
+                if armed.is_set() and budget is None:
+                    budget = 5000
+                if budget is not None:
+                    writer.write(chunk[:budget])
+                    await writer.drain()
+                    budget -= len(chunk)
+                    if budget <= 0:
+                        break
+                    continue
+                writer.write(chunk)
+                await writer.drain()
+            writer.close()
+            up_writer.close()
+
+        await asyncio.gather(upstream(), downstream(), return_exceptions=True)
+
+    def __enter__(self) -> _CuttingProxy:
+        self._thread.start()
+        server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._handle, "127.0.0.1", self.port), self.loop
+        ).result(10)
+        self._server = server
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.loop.call_soon_threadsafe(self._server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+async def test_a_transfer_cut_short_is_fetched_again_and_checked(
+    served: tuple[Path, str, Child],
+) -> None:
+    out, url, _ = served
+    with _CuttingProxy(int(url.rsplit(":", 1)[1]), cuts=3) as proxy:
+        ids = await asyncio.to_thread(
+            lambda: [s[HSX_ID] for s in LiveDataset(f"http://127.0.0.1:{proxy.port}", consumer="t")]
+        )
+        assert proxy.cut == 3
+    assert sorted(ids) == _ids(out)
+
+
+def _post(url: str, path: str, body: bytes) -> tuple[int, bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("POST" if body else "GET", path, body=body or None)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def _body(**fields: object) -> bytes:
+    base = {"consumer": "train", "owner": "ab" * 8, "call": "cd" * 8}
+    return orjson.dumps(base | fields)
+
+
+async def test_bad_requests_are_refused_with_a_reason(served: tuple[Path, str, Child]) -> None:
+    out, url, _ = served
+    lease = {"rank": 0, "epoch": 0, "timeout": 10, "wait": 0}
+    cases: list[tuple[str, bytes, int, str]] = [
+        ("/v1/lease", b"{not json", 400, "not JSON"),
+        ("/v1/lease", _body(**lease, count=100_000), 400, "'count'"),
+        ("/v1/lease", _body(**lease, count=1, consumer="../x"), 400, "must match"),
+        ("/v1/lease", _body(**lease, count=1, call="short"), 400, "'call'"),
+        ("/v1/ack", _body(epoch=0, ids=["x"] * 5000), 400, "at most 4096"),
+        ("/v1/ack", b"x" * (2 << 20), 413, ""),
+        ("/v1/file?path=../../etc/passwd", b"", 400, "not of the dataset's form"),
+        ("/v1/file?path=data/00/nope.safetensors", b"", 404, "no such sample"),
+    ]
+    for path, body, status, reason in cases:
+        got, text = await asyncio.to_thread(_post, url, path, body)
+        assert got == status, (path, got, text[:200])
+        assert reason.encode() in text, (path, text[:200])
+    record_registry(out, Registry(ACKED, ("a",), 0), retired=0)
+    got, text = await asyncio.to_thread(
+        _post, url, "/v1/lease", _body(**lease, count=1, consumer="b")
+    )
+    assert got == 409 and b"'b' is not registered" in text
+    with pytest.raises(DatasetError, match="not registered"):
+        await asyncio.to_thread(lambda: next(iter(LiveDataset(url, consumer="b"))))
+
+
+def test_an_unreachable_server_ends_in_a_live_error(tmp_path: Path) -> None:
+    source = RemoteSource(f"http://127.0.0.1:{free_port()}", "train", unreachable_timeout=0.5)
+    with pytest.raises(LiveError, match="is hsx serve running there"):
+        source.lease("ab" * 8, 0, 0, 1, 10.0)
+    with pytest.raises(DatasetError, match="not an http"):
+        RemoteSource("ftp://x", "train")
