@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
+import xxhash
 
 from hsx_async.dataset.consumers import check_name
-from hsx_async.dataset.manifest import ManifestEntry, hash_file, manifest_entry
+from hsx_async.dataset.manifest import ManifestEntry, manifest_entry
 from hsx_async.dataset.sources import Leased
 from hsx_async.dataset.wire import (
     ACK,
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 
 UNREACHABLE_S = 600.0
 REQUEST_S = 60.0  # one call (a lease's long poll is at most MAX_WAIT_S of it)
-_CHUNK = 1 << 20
+_CHUNK = 4 << 20
 _TORN_RETRIES = 3
 
 
@@ -83,6 +84,7 @@ class RemoteSource:
         self._facts: DatasetFacts | None = None
         self._cache_parent = cache_dir
         self._cache: Path | None = None
+        self._chunk: memoryview | None = None  # one reused receive buffer
 
     # -- HTTP with retries ------------------------------------------------------------------
 
@@ -173,22 +175,22 @@ class RemoteSource:
     def fetch(self, entry: ManifestEntry) -> tuple[Path, bool]:
         """The sample file, whole and as its manifest line hashes it, in the cache."""
         target = self._cache_dir() / f".{secrets.token_hex(8)}.safetensors"
-        query = urllib.parse.urlencode({"path": entry.path})
+        query = f"{FILE}?{urllib.parse.urlencode({'path': entry.path})}"
         for _ in range(_TORN_RETRIES):
-            self._retrying(
-                f"GET {entry.path}", lambda: self._download(f"{FILE}?{query}", entry, target)
+            digest = self._retrying(
+                f"GET {entry.path}", lambda: self._download(query, entry, target)
             )
-            size, digest = _hash(target)
-            if (size, digest) == (entry.size, entry.xxh3_64):
+            if digest == entry.xxh3_64:
                 return target, True
-            target.unlink(missing_ok=True)  # torn on the way (or changed): again
+            target.unlink(missing_ok=True)  # changed on the way: again
         raise DatasetError(
-            f"{self.url}: {entry.path} arrived {_TORN_RETRIES} times with another size or "
-            f"XXH3-64 than its manifest line ({entry.size} bytes, {entry.xxh3_64}); run "
-            "hsx verify on the serving node"
+            f"{self.url}: {entry.path} arrived {_TORN_RETRIES} times with another XXH3-64 "
+            f"than its manifest line ({entry.xxh3_64}); run hsx verify on the serving node"
         )
 
-    def _download(self, path: str, entry: ManifestEntry, target: Path) -> None:
+    def _download(self, path: str, entry: ManifestEntry, target: Path) -> str:
+        """One GET of the file into ``target``, hashed on the way (one pass, one reused
+        buffer); its XXH3-64. A short or over-long answer is retried."""
         conn = self._connection()
         conn.request("GET", path)
         response = conn.getresponse()
@@ -199,15 +201,25 @@ class RemoteSource:
         if length != entry.size:
             response.close()
             raise _Retry(f"{entry.path}: {length} bytes announced, {entry.size} expected")
+        view, hasher = self._buffer(), xxhash.xxh3_64()
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as out:
+        try:
             left = length
             while left:
-                chunk = response.read(min(_CHUNK, left))
-                if not chunk:
+                n = response.readinto(view[: min(len(view), left)])
+                if not n:
                     raise _Retry(f"{entry.path}: cut after {length - left} of {length} bytes")
-                out.write(chunk)
-                left -= len(chunk)
+                hasher.update(view[:n])
+                _write_all(fd, view[:n])
+                left -= n
+        finally:
+            os.close(fd)
+        return str(hasher.hexdigest())
+
+    def _buffer(self) -> memoryview:
+        if self._chunk is None:
+            self._chunk = memoryview(bytearray(_CHUNK))
+        return self._chunk
 
     def facts(self, entry: ManifestEntry) -> DatasetFacts:
         if self._facts is None:
@@ -253,5 +265,6 @@ def _default_cache_parent() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def _hash(path: Path) -> tuple[int, str]:
-    return hash_file(path)  # the manifest's own hash of a whole file
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view) :]

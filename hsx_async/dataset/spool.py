@@ -42,7 +42,7 @@ def read_retired(out_dir: Path) -> dict[str, int]:
     }
 
 
-def _unlink(out_dir: Path, paths: Iterable[str]) -> int:
+def delete_retired(out_dir: Path, paths: Iterable[str]) -> int:
     """Delete retired files still present; fsync their buckets. The count deleted."""
     removed, buckets = 0, set()
     for rel in paths:
@@ -64,7 +64,7 @@ def _unlink(out_dir: Path, paths: Iterable[str]) -> int:
 def finish_retirement(out_dir: Path) -> int:
     """Delete the files of retired samples a crash left (blocking): the count deleted."""
     retired = read_retired(out_dir)
-    return _unlink(out_dir, retired) if retired else 0
+    return delete_retired(out_dir, retired) if retired else 0
 
 
 class Retirer:
@@ -119,5 +119,5 @@ class Retirer:
                 finally:
                     log.close()
                 self.refresh_retired()
-        _unlink(self.out_dir, [e.path for e in done])
+        delete_retired(self.out_dir, [e.path for e in done])
         return done

@@ -42,7 +42,7 @@ from hsx_async.dataset.manifest import (
     manifest_entry,
     read_manifest,
 )
-from hsx_async.dataset.spool import Retirer, finish_retirement, read_retired
+from hsx_async.dataset.spool import Retirer, delete_retired, finish_retirement, read_retired
 from hsx_async.protocol import POST_NORM
 from hsx_async.run.guard import DiskGuard
 from hsx_async.run.source import Sample
@@ -111,6 +111,7 @@ class Spool:
         self.consumers: list[ConsumerLag] = []
         self._paused_since: float | None = None
         self._committed: set[str] = set()
+        self._retired_paths: set[str] = set()  # every retired path seen
         self._logs = {n: ConsumerLog(out, n) for n in self.registry.consumers}
         self._manifest = LogTail(out / log_name(MANIFEST, shard.index, shard.count))
         self._quarantine = LogTail(out / log_name(QUARANTINE, shard.index, shard.count))
@@ -186,9 +187,7 @@ class Spool:
             if isinstance(rec, dict) and isinstance(rec.get("path"), str):
                 seen.retired.append(rec["path"])
         for path in self.retiring | set(seen.retired):
-            try:
-                os.lstat(self._out / path)
-            except FileNotFoundError:
+            if self._gone(path):
                 seen.gone.add(path)
         now = time.monotonic()
         if self._logs and now - self._lags_at >= LAG_S:
@@ -196,6 +195,17 @@ class Spool:
             committed = self._committed | {key for key, _, _ in seen.committed}
             seen.consumers = self._lags(committed)
         return seen
+
+    def _gone(self, path: str) -> bool:
+        """Whether a retired sample's file is gone; one still there (its retirer was killed
+        between the retired line and the unlink) is deleted now: the line is durable, so
+        deleting is what the rule says."""
+        try:
+            os.lstat(self._out / path)
+        except FileNotFoundError:
+            return True
+        delete_retired(self._out, [path])
+        return False
 
     def _lags(self, committed: set[str]) -> list[ConsumerLag]:
         now, lags = time.time(), []
@@ -209,10 +219,15 @@ class Spool:
         return lags
 
     def apply(self, seen: _Seen) -> None:
+        # A sample may be committed, consumed and retired between the two reads of one
+        # look: its retired line can come first. Both orders end in `retiring`.
+        self._retired_paths.update(seen.retired)
         for key, path, size in seen.committed:
             self.reserved.pop(key, None)
             self.held[path] = size
             self._committed.add(key)
+            if path in self._retired_paths:
+                self.retiring.add(path)
         for key in seen.quarantined:
             self.reserved.pop(key, None)
         self.retiring.update(p for p in seen.retired if p in self.held)

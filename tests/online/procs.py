@@ -26,11 +26,13 @@ class Child:
         self.lines: list[str] = []
 
     @classmethod
-    async def start(cls, name: str, *argv: str) -> Child:
+    async def start(cls, name: str, *argv: str, logs: bool = False) -> Child:
+        """``logs``: its stderr (an hsx command's JSON log lines) is read with stdout."""
         env = {**os.environ, "PYTHONPATH": str(REPO)}
+        stderr = asyncio.subprocess.STDOUT if logs else asyncio.subprocess.DEVNULL
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, *argv, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL, cwd=REPO, env=env,
+            sys.executable, *argv, stdout=asyncio.subprocess.PIPE, stderr=stderr, cwd=REPO,
+            env=env, limit=1 << 20,
         )  # fmt: skip
         return cls(proc, name)
 
@@ -43,18 +45,25 @@ class Child:
         self.lines.append(text)
         return text
 
-    async def until(self, key: str, timeout: float = WAIT_S) -> dict[str, Any]:
-        """The next JSON event with ``key`` (the ones before it are kept in ``events``)."""
+    async def until(self, key: str, timeout: float = WAIT_S, value: Any = None) -> dict[str, Any]:
+        """The next JSON event with ``key`` (set to ``value``, when given); the lines
+        before it are kept (``events``)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            event = json.loads(await self.line(max(0.1, deadline - loop.time())))
-            if key in event:
+            line = await self.line(max(0.1, deadline - loop.time()))
+            if not line.startswith("{"):
+                continue
+            event = json.loads(line)
+            if key in event and (value is None or event[key] == value):
                 return dict(event)
 
     @property
     def events(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.lines if line.startswith("{")]
+
+    def count(self, key: str, value: Any) -> int:
+        return sum(1 for e in self.events if e.get(key) == value)
 
     def got(self) -> list[str]:
         return [e["got"] for e in self.events if "got" in e]

@@ -13,15 +13,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from hsx_async.dataset.consumers import ConsumerLog, read_registry
 from hsx_async.dataset.live import HSX_ID, LiveDataset
-from hsx_async.dataset.manifest import read_manifest
+from hsx_async.dataset.manifest import RETIRED, read_manifest
 from hsx_async.errors import ConfigError
 from hsx_async.run.daemon import Daemon
 from hsx_async.run.source import Sample
-from hsx_async.run.spool import file_bytes
+from hsx_async.run.spool import Spool, _Seen, file_bytes
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
 from tests.e2e import make_config, shm_leftovers, write_samples
 
@@ -178,3 +179,35 @@ def test_spool_settings_are_checked(
     samples = write_samples(tmp_path / "in.jsonl", 1)
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
         make_config(tmp_path, samples.path, ["http://127.0.0.1:1"], shm_root, output=output)
+
+
+def test_the_spool_frees_a_sample_however_its_lines_are_seen(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    """A sample can be committed, consumed and retired between the two reads of one look
+    (its retired line first): it is freed all the same. A retired file a killed retirer
+    left behind is deleted by the run, whose room it holds."""
+    samples = write_samples(tmp_path / "in.jsonl", 1, max_len=8)
+    config = _spool_config(tmp_path, samples.path, "http://127.0.0.1:1", shm_root, 1 << 20,
+                           max_tokens=8)  # fmt: skip
+    spool = Spool(config)
+    rel = "data/aa/x.safetensors"
+    spool.apply(_Seen(retired=[rel]))
+    spool.apply(_Seen(committed=[("x", rel, 1000)]))
+    assert spool.used == 1000 and spool.retiring == {rel}
+    spool.apply(_Seen(gone={rel}))
+    assert spool.used == 0 and spool.retired == 1
+    # A retired line whose unlink never ran: the next look deletes the file.
+    out = config.output.dir
+    left = out / "data" / "bb" / "y.safetensors"
+    left.parent.mkdir(parents=True)
+    left.write_bytes(b"x" * 100)
+    (out / "manifest.jsonl").write_bytes(
+        orjson.dumps({"id": "y", "path": "data/bb/y.safetensors", "num_tokens": 1,
+                      "bytes": 100, "xxh3_64": "0" * 16}) + b"\n"
+    )  # fmt: skip
+    (out / RETIRED).write_bytes(orjson.dumps({"id": "y", "path": "data/bb/y.safetensors"}) + b"\n")
+    spool.apply(spool.look())
+    assert not left.exists()
+    spool.apply(spool.look())
+    assert spool.used == 0 and spool.retired == 2
