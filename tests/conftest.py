@@ -4,6 +4,7 @@ that the fixture removes, whatever the test's outcome."""
 from __future__ import annotations
 
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,12 +29,14 @@ def shm_root() -> Iterator[Path]:
 @pytest.fixture(scope="session", autouse=True)
 def _no_shm_left_by_kills() -> Iterator[None]:
     """What processes killed during the session (crash tests, stopped servers) could not
-    unlink in /dev/shm is removed at its end."""
+    unlink in /dev/shm is removed at its end (a killed live reader's cache too)."""
     from tests.shm import LEAKED_BY_KILLS, remove_left_shm, shm_names
 
     before = shm_names()
     yield
     remove_left_shm(before, LEAKED_BY_KILLS)
+    if "hsx_async.dataset.live_remote" in sys.modules:  # live readers killed by a test
+        sys.modules["hsx_async.dataset.live_remote"].sweep_caches(SHM)
 
 
 @pytest.fixture(autouse=True)

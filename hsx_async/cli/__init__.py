@@ -32,6 +32,7 @@ from hsx_async.cli import (
     report,
     run,
     samples,
+    serve,
     status,
     verify,
 )
@@ -52,6 +53,7 @@ COMMANDS = (
     demo,
     samples,
     export,
+    serve,
     inspect,
     fake_server,
     reference_server,

@@ -41,6 +41,7 @@ from hsx_async.dataset.manifest import (
 from hsx_async.dataset.provenance import PROVENANCE, dataset_storage, read_provenance, shard_lock
 from hsx_async.dataset.quarantine import after_attempts, retried_before
 from hsx_async.dataset.running import Running, running_runs
+from hsx_async.dataset.spool import spool_lines
 from hsx_async.errors import DatasetError, DumpError
 from hsx_async.logs import configure_logging
 from hsx_async.protocol import (
@@ -73,6 +74,7 @@ class Status:
     retriable: int = 0  # quarantined after attempts: `hsx quarantine --retry` puts them back
     retried: int = 0  # put back by earlier retries (the history)
     out: str = ""
+    spool: tuple[str, ...] = ()  # a bounded spool and its consumers (PROTOCOL §6)
 
     @property
     def remaining(self) -> int | None:
@@ -112,6 +114,7 @@ class Status:
                 f"quarantined: {self.quarantined:,}{self._retry_text()}",
                 f"remaining:   {self._remaining_text()}",
                 f"manifests:   {self.shards}",
+                *self.spool,
                 *(_running_line(r) for r in self.running),
             ]
         )
@@ -125,7 +128,8 @@ def _running_line(run: Running) -> str:
     eta = eta_text(s.get("eta_s")) if isinstance(s.get("eta_s"), int | float) else "?"
     rate = s.get("tokens_per_s")
     rate_text = f"{rate:,.0f} tok/s" if isinstance(rate, int | float) else "? tok/s"
-    paused = ", PAUSED (disk)" if s.get("paused") else ""
+    waiting = (s.get("spool") or {}).get("waiting")
+    paused = ", PAUSED (spool full)" if waiting else ", PAUSED (disk)" if s.get("paused") else ""
     return (
         f"running:     shard {run.shard}: {rate_text}, "
         f"{human_bytes(float(s.get('bytes_per_s') or 0))}/s, {s.get('in_flight', '?')} in "
@@ -156,7 +160,7 @@ def require_dataset(out_dir: Path) -> None:
 
 def dataset_status(out_dir: Path) -> Status:
     require_dataset(out_dir)
-    manifest = read_manifest(out_dir)
+    manifest = read_manifest(out_dir, retired=True)  # a spool's deleted samples are done
     prov = read_provenance(out_dir) or {}
     counted = prov.get("input_samples")
     quarantine = read_quarantine(out_dir)
@@ -173,6 +177,7 @@ def dataset_status(out_dir: Path) -> Status:
         retriable=sum(after_attempts(q.reason) for q in quarantine),
         retried=retried_before(out_dir),
         out=str(out_dir),
+        spool=tuple(spool_lines(out_dir)),
     )
 
 

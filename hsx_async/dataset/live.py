@@ -52,19 +52,19 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from torch.utils.data import IterableDataset
 
+from hsx_async.dataset import reader
 from hsx_async.dataset.consumers import check_name
+from hsx_async.dataset.export import export_format
+from hsx_async.dataset.export.plan import DatasetFacts, ExportPlan, find_target, plan_conversion
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.dataset.sources import Source, open_source
 from hsx_async.errors import DatasetError, LiveError
 from hsx_async.protocol import BF16
-
-if TYPE_CHECKING:
-    from hsx_async.dataset.export.plan import DatasetFacts
 
 log = structlog.get_logger("hsx.live")
 
@@ -256,8 +256,6 @@ def make_reader(
     """The function that reads one sample file in ``view``'s layout: ``"hsx"``, or an
     export format's own in-memory sample (:class:`~.export.format.ExportFormat`
     ``tensors``), planned as ``hsx export --format <view> --dtype bfloat16`` plans it."""
-    from hsx_async.dataset import reader  # noqa: PLC0415 - torch once a sample is read
-
     if view == "hsx":
         expect = None if facts.provenance is None else facts.storage
 
@@ -265,13 +263,6 @@ def make_reader(
             return dict(reader.read_sample(path, num_tokens=entry.num_tokens, expect=expect))
 
         return read_hsx
-    from hsx_async.dataset.export import export_format  # noqa: PLC0415 - torch on first use
-    from hsx_async.dataset.export.plan import (  # noqa: PLC0415 - torch on first use
-        ExportPlan,
-        find_target,
-        plan_conversion,
-    )
-
     fmt = export_format(view)
     fmt.check_aux(facts)
     target = find_target(model, facts)

@@ -3,8 +3,11 @@
 The same leases and acknowledgements as a local reader, made by the server in the same
 logs. A sample file travels as the manifest names it and is checked on arrival — its size
 and its XXH3-64 against the manifest line — before it is read, written into a private
-directory (on ``/dev/shm`` when there is one) and unlinked as soon as it is mapped, so at
-most ``prefetch`` files per process sit there. Blocking (``http.client``: the reader runs
+directory (``hsx-live-<pid>-*``, on ``/dev/shm`` when there is one) and unlinked as soon as
+it is mapped, so at most ``prefetch`` files per process sit there. The directory goes with
+:meth:`RemoteSource.close`, the source's collection or the end of its process (a DataLoader
+worker's too); one that a killed process left is removed by the next reader that makes its
+own there (:func:`sweep_caches`: its process is gone). Blocking (``http.client``: the reader runs
 in a trainer's process or its DataLoader workers, which have no event loop).
 
 Faults: a lost connection, a 5xx or a file that arrives torn is retried with backoff
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import multiprocessing.util
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -25,12 +30,13 @@ import time
 import urllib.parse
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 import xxhash
 
 from hsx_async.dataset.consumers import check_name
+from hsx_async.dataset.export.plan import DatasetFacts
 from hsx_async.dataset.manifest import ManifestEntry, manifest_entry
 from hsx_async.dataset.sources import Leased
 from hsx_async.dataset.wire import (
@@ -48,13 +54,13 @@ from hsx_async.dataset.wire import (
 from hsx_async.errors import DatasetError, LiveError
 from hsx_async.protocol import Storage
 
-if TYPE_CHECKING:
-    from hsx_async.dataset.export.plan import DatasetFacts
-
 UNREACHABLE_S = 600.0
 REQUEST_S = 60.0  # one call (a lease's long poll is at most MAX_WAIT_S of it)
+RELEASE_S = 5.0  # a release is best effort: the leases lapse anyway
 _CHUNK = 4 << 20
 _TORN_RETRIES = 3
+CACHE_PREFIX = "hsx-live-"
+_CACHE_NAME = re.compile(rf"{CACHE_PREFIX}(\d+)-")
 
 
 class _Retry(Exception):
@@ -84,6 +90,7 @@ class RemoteSource:
         self._facts: DatasetFacts | None = None
         self._cache_parent = cache_dir
         self._cache: Path | None = None
+        self._removers: tuple[Any, ...] = ()  # the cache's finalizers (each runs once)
         self._chunk: memoryview | None = None  # one reused receive buffer
 
     # -- HTTP with retries ------------------------------------------------------------------
@@ -103,11 +110,18 @@ class RemoteSource:
         _close_all(self._held)
 
     def close(self) -> None:
+        """Close the connection and remove the cache directory (a later fetch makes a
+        new one)."""
         self._drop()
+        for remove in self._removers:
+            remove()
+        self._cache, self._removers = None, ()
 
-    def _retrying(self, what: str, attempt: Any) -> Any:
-        """``attempt()`` until it succeeds, a 4xx, or ``unreachable_timeout`` of faults."""
-        deadline = time.monotonic() + self.unreachable_timeout
+    def _retrying(self, what: str, attempt: Any, *, patience: float | None = None) -> Any:
+        """``attempt()`` until it succeeds, a 4xx, or ``patience`` (default
+        ``unreachable_timeout``) seconds of faults."""
+        patience = self.unreachable_timeout if patience is None else patience
+        deadline = time.monotonic() + patience
         pause, last = 0.05, ""
         while True:
             try:
@@ -117,13 +131,20 @@ class RemoteSource:
                 last = str(exc) or type(exc).__name__
             if time.monotonic() + pause > deadline:
                 raise LiveError(
-                    f"{self.url}: {what} failed for {self.unreachable_timeout:.0f} s (last: "
-                    f"{last}); is hsx serve running there?"
+                    f"{self.url}: {what} failed for {patience:.0f} s (last: {last}); is hsx "
+                    "serve running there?"
                 )
             time.sleep(pause)  # backoff before another try of a remote call
             pause = min(pause * 2, 5.0)
 
-    def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _json(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        patience: float | None = None,
+    ) -> Any:
         data = None if body is None else orjson.dumps(body)
 
         def attempt() -> Any:
@@ -137,7 +158,7 @@ class RemoteSource:
             self._check_status(path, response.status, raw)
             return orjson.loads(raw)
 
-        return self._retrying(f"{method} {path}", attempt)
+        return self._retrying(f"{method} {path}", attempt, patience=patience)
 
     def _check_status(self, path: str, status: int, raw: bytes) -> None:
         if status >= 500:
@@ -149,9 +170,9 @@ class RemoteSource:
                 message = raw[:200].decode("utf-8", "replace")
             raise DatasetError(f"{self.url}{path}: {message} (HTTP {status})")
 
-    def _call(self, path: str, owner: str, **fields: Any) -> Any:
+    def _call(self, path: str, owner: str, *, patience: float | None = None, **fields: Any) -> Any:
         body = {"consumer": self.consumer, "owner": owner, "call": secrets.token_hex(8), **fields}
-        return self._json("POST", path, body)
+        return self._json("POST", path, body, patience=patience)
 
     # -- the Source protocol ----------------------------------------------------------------
 
@@ -167,7 +188,8 @@ class RemoteSource:
         self._call(ACK, owner, epoch=epoch, ids=list(ids))
 
     def release(self, owner: str, epoch: int, ids: list[str] | Any) -> None:
-        self._call(RELEASE, owner, epoch=epoch, ids=list(ids))
+        """Best effort (a reader stopping early): the leases lapse anyway."""
+        self._call(RELEASE, owner, patience=RELEASE_S, epoch=epoch, ids=list(ids))
 
     def renew(self, owner: str, until: float) -> None:
         self._call(RENEW, owner, timeout=max(0.0, until - time.time()))
@@ -223,8 +245,6 @@ class RemoteSource:
 
     def facts(self, entry: ManifestEntry) -> DatasetFacts:
         if self._facts is None:
-            from hsx_async.dataset.export.plan import DatasetFacts  # noqa: PLC0415 - lazy
-
             info = self._json("GET", INFO)
             if info.get("protocol") != WIRE_VERSION:
                 raise DatasetError(
@@ -249,8 +269,16 @@ class RemoteSource:
         if self._cache is None:
             parent = self._cache_parent or _default_cache_parent()
             parent.mkdir(parents=True, exist_ok=True)
-            self._cache = Path(tempfile.mkdtemp(prefix="hsx-live-", dir=parent))
-            weakref.finalize(self, shutil.rmtree, self._cache, True)
+            sweep_caches(parent)
+            cache = Path(tempfile.mkdtemp(prefix=f"{CACHE_PREFIX}{os.getpid()}-", dir=parent))
+            self._removers = (
+                weakref.finalize(self, shutil.rmtree, cache, True),  # collected, or at exit
+                # a DataLoader worker ends without atexit; multiprocessing runs these
+                multiprocessing.util.Finalize(
+                    None, shutil.rmtree, args=(cache, True), exitpriority=0
+                ),
+            )
+            self._cache = cache
         return self._cache
 
 
@@ -258,6 +286,34 @@ def _close_all(held: list[http.client.HTTPConnection]) -> None:
     while held:
         with contextlib.suppress(OSError):
             held.pop().close()
+
+
+def sweep_caches(parent: Path) -> list[Path]:
+    """Remove the cache directories in ``parent`` that this user's processes left and
+    that no process of theirs owns any longer (a reader killed with SIGKILL); the removed.
+    A process of another user, or one this one cannot see, keeps its directory."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for path in parent.iterdir():
+            match = _CACHE_NAME.match(path.name)
+            if match is None or int(match[1]) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                if path.lstat().st_uid != os.getuid() or _alive(int(match[1])):
+                    continue
+                shutil.rmtree(path)
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _default_cache_parent() -> Path:

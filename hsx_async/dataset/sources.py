@@ -1,8 +1,7 @@
 """Where a live reader leases, fetches and acknowledges (PROTOCOL §6): the output
 directory itself (this node, or a shared file system: :class:`LocalSource`, also what
 ``hsx serve`` runs for remote readers), or ``hsx serve`` on the node that holds it
-(:class:`~hsx_async.dataset.live_remote.RemoteSource`). No torch here: ``hsx serve`` and
-``hsx --help`` import this module.
+(:class:`~hsx_async.dataset.live_remote.RemoteSource`).
 """
 
 from __future__ import annotations
@@ -11,16 +10,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from hsx_async.dataset.consumers import ACKED, ConsumerLog, check_name, read_registry
+from hsx_async.dataset.export.plan import DatasetFacts, dataset_facts
 from hsx_async.dataset.follow import DatasetFollower
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.dataset.spool import RETIRE_EPOCH, Retirer
 from hsx_async.errors import DatasetError
-
-if TYPE_CHECKING:
-    from hsx_async.dataset.export.plan import DatasetFacts
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +114,6 @@ class LocalSource:
         self.log.renew(owner=owner, until=until)
 
     def facts(self, entry: ManifestEntry) -> DatasetFacts:
-        from hsx_async.dataset.export.plan import dataset_facts  # noqa: PLC0415 - light, lazy
-
         return dataset_facts(self.out_dir, [entry])
 
 
@@ -126,7 +121,7 @@ def open_source(source: str | Path, consumer: str, *, cache_dir: Path | None) ->
     """A local (or shared-file-system) output directory, or ``http(s)://`` ``hsx serve``."""
     text = str(source)
     if text.startswith(("http://", "https://")):
-        from hsx_async.dataset.live_remote import RemoteSource  # noqa: PLC0415 - URLs only
+        from hsx_async.dataset.live_remote import RemoteSource  # noqa: PLC0415 - it imports us
 
         return RemoteSource(text, consumer, cache_dir=cache_dir)
     return LocalSource(Path(source), consumer)

@@ -18,15 +18,32 @@ Every acknowledgement (local or through ``hsx serve``) retires what it completes
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import orjson
 
-from hsx_async.dataset.consumers import ACKED, CONSUMERS_DIR, ConsumerLog, Registry
+from hsx_async.dataset.consumers import (
+    ACKED,
+    CONSUMERS_DIR,
+    KEEP,
+    ConsumerLog,
+    Registry,
+    consumer_names,
+    read_registry,
+)
 from hsx_async.dataset.durable import exclusive_lock, fsync_dir
 from hsx_async.dataset.layout import canonical_id
-from hsx_async.dataset.manifest import RETIRED, AppendLog, LogTail, ManifestEntry, read_log
+from hsx_async.dataset.manifest import (
+    RETIRED,
+    AppendLog,
+    LogTail,
+    ManifestEntry,
+    read_log,
+    read_manifest,
+)
+from hsx_async.units import human_bytes
 
 RETIRE_LOCK = ".retire.lock"
 RETIRE_EPOCH = 0  # a spool deletes after the first epoch: later ones need retention "keep"
@@ -121,3 +138,36 @@ class Retirer:
                 self.refresh_retired()
         delete_retired(self.out_dir, [e.path for e in done])
         return done
+
+
+def spool_lines(out_dir: Path) -> list[str]:
+    """What ``hsx status`` says of the spool and its consumers ([] when none): the
+    retention, the bytes the sample files hold now against the limit, the samples
+    deleted, and each consumer's acknowledged, lagging and leased samples (blocking)."""
+    registry = read_registry(out_dir)
+    names = sorted(set(registry.consumers if registry else ()) | set(consumer_names(out_dir)))
+    if registry is None and not names:
+        return []
+    entries = read_manifest(out_dir, retired=True)
+    retired = read_retired(out_dir)
+    held = sum(e.size for e in entries if e.path not in retired)
+    committed = {canonical_id(e.id) for e in entries}
+    if registry is None or registry.retention == KEEP:
+        head = f"spool:       keep every sample; {human_bytes(held)} on disk"
+    else:
+        limit = f" of {human_bytes(registry.spool_limit)}" if registry.spool_limit else ""
+        head = (
+            f"spool:       delete once {', '.join(registry.consumers)} acknowledged; "
+            f"{human_bytes(held)}{limit} held, {len(retired):,} samples deleted"
+        )
+    lines, now = [head], time.time()
+    for name in names:
+        state = ConsumerLog(out_dir, name).refresh()
+        acked = len(state.acked.get(RETIRE_EPOCH, set()) & committed)
+        leased = sum(state.held(RETIRE_EPOCH, now).values())
+        extra = f", {state.duplicate_acks:,} acknowledged twice" if state.duplicate_acks else ""
+        lines.append(
+            f"consumer:    {name}: {acked:,} acknowledged, {len(committed) - acked:,} behind, "
+            f"{leased:,} leased now{extra}"
+        )
+    return lines

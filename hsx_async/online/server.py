@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from hsx_async.config import listen_address
 from hsx_async.dataset.consumers import read_registry
+from hsx_async.dataset.export.plan import dataset_facts
 from hsx_async.dataset.follow import DatasetFollower
 from hsx_async.dataset.layout import manifest_path_problem
 from hsx_async.dataset.manifest import ManifestEntry
@@ -54,10 +55,10 @@ from hsx_async.dataset.wire import (
     renew_timeout,
 )
 from hsx_async.errors import DatasetError
+from hsx_async.logs import configure_logging
 
 log = structlog.get_logger("hsx.serve")
 
-DEFAULT_LISTEN = "127.0.0.1:9470"
 LONG_POLL_S = 0.2  # between looks while a lease waits for a sample
 MAX_STREAMS = 8
 
@@ -166,8 +167,6 @@ class LiveServer:
 
     async def info(self) -> dict[str, Any]:
         def facts() -> dict[str, Any]:
-            from hsx_async.dataset.export.plan import dataset_facts  # noqa: PLC0415 - lazy
-
             followed = self.follower.refresh()
             first = [followed.entries[followed.order[0]]] if followed.order else []
             f = dataset_facts(self.out_dir, first)
@@ -320,9 +319,8 @@ async def serve(
         await runner.cleanup()
 
 
-def _command(args: argparse.Namespace) -> int:
-    from hsx_async.logs import configure_logging  # noqa: PLC0415
-
+def serve_command(args: argparse.Namespace) -> int:
+    """``hsx serve`` (``hsx_async.cli.serve``)."""
     configure_logging("auto", "info")
     out = Path(args.out)
 
@@ -336,19 +334,4 @@ def _command(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_cli(sub: Any) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="serve a live dataset (leases, acks, sample files) to trainers on other nodes",
-    )
-    p.add_argument("out", help="the output directory ([output].dir of the run)")
-    p.add_argument(
-        "--listen",
-        default=DEFAULT_LISTEN,
-        help=f"HOST:PORT to listen on (default {DEFAULT_LISTEN}; 0.0.0.0:PORT for other nodes)",
-    )
-    p.add_argument("--max-streams", type=int, default=MAX_STREAMS, help="sample files sent at once")
-    p.set_defaults(handler=_command)
-
-
-__all__ = ["LiveServer", "build_app", "register_cli", "serve"]
+__all__ = ["LiveServer", "build_app", "serve", "serve_command"]

@@ -8,8 +8,9 @@ import argparse
 
 import pytest
 
-from hsx_async.cli import build_parser, export, load_handler
+from hsx_async.cli import build_parser, export, load_handler, serve
 from hsx_async.dataset import export as dataset_export
+from hsx_async.online import server as live_server
 from hsx_async.protocol import DEFAULT_DUMP_ROOT
 from hsx_async.server.fake.options import FakeOptions
 
@@ -36,3 +37,8 @@ def test_export_choices_are_the_exporters() -> None:
 def test_fake_server_dump_root_is_the_protocols() -> None:
     assert str(FakeOptions().dump_root) == DEFAULT_DUMP_ROOT
     assert _commands()["fake-server"].get_default("dump_root").as_posix() == DEFAULT_DUMP_ROOT
+
+
+def test_serve_defaults_are_the_server_s() -> None:
+    assert serve.MAX_STREAMS == live_server.MAX_STREAMS
+    assert _commands()["serve"].get_default("max_streams") == live_server.MAX_STREAMS

@@ -17,9 +17,11 @@ from hsx_async.dataset.consumers import (
     read_registry,
     record_registry,
 )
+from hsx_async.dataset.inspection import dataset_status
 from hsx_async.dataset.manifest import RETIRED, load_done, read_manifest
-from hsx_async.dataset.spool import Retirer, finish_retirement, read_retired
+from hsx_async.dataset.spool import Retirer, finish_retirement, read_retired, spool_lines
 from hsx_async.errors import DatasetError
+from hsx_async.units import human_bytes
 from tests.dataset_factory import write_dataset
 
 OWNER_A, OWNER_B, OWNER_A2 = "a" * 16, "b" * 16, "c" * 16
@@ -186,3 +188,24 @@ def test_keep_retires_nothing_and_a_crash_mid_retirement_is_finished(tmp_path: P
     assert finish_retirement(tmp_path) == 1
     assert not written[0].path.exists() and written[1].path.exists()
     assert finish_retirement(tmp_path) == 0
+
+
+def test_status_says_the_spool_and_each_consumer_s_lag_and_leases(tmp_path: Path) -> None:
+    write_dataset(tmp_path, num_samples=4)
+    entries = read_manifest(tmp_path)
+    ids = [str(e.id) for e in entries]
+    assert spool_lines(tmp_path) == []  # no consumer, no spool: nothing said
+    record_registry(tmp_path, Registry(ACKED, ("a", "b"), 1 << 30), retired=0)
+    ConsumerLog(tmp_path, "a").ack(owner=OWNER_A, epoch=0, ids=ids[:2])
+    ConsumerLog(tmp_path, "b").ack(owner=OWNER_B, epoch=0, ids=ids[:1])
+    ConsumerLog(tmp_path, "b").lease(
+        owner=OWNER_B, rank=0, epoch=0, order=ids, present=set(ids), count=2, timeout=600
+    )
+    Retirer(tmp_path, Registry(ACKED, ("a", "b"), 1 << 30)).retire(entries)  # ids[0]
+    held = sum(e.size for e in entries[1:])
+    text = dataset_status(tmp_path).format()
+    assert f"{human_bytes(held)} of 1.0 GiB held, 1 samples deleted" in text
+    assert "delete once a, b acknowledged" in text
+    assert "consumer:    a: 2 acknowledged, 2 behind, 0 leased now" in text
+    assert "consumer:    b: 1 acknowledged, 3 behind, 2 leased now" in text
+    assert "done:        4" in text  # a deleted sample is done, not missing

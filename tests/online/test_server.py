@@ -9,7 +9,10 @@ writes them (tests/dataset_factory.py). A run and the spool together: tests/run/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
+import os
+import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,9 +23,10 @@ import torch
 
 from hsx_async.dataset.consumers import ACKED, ConsumerLog, Registry, record_registry
 from hsx_async.dataset.live import HSX_ID, LiveDataset
-from hsx_async.dataset.live_remote import RemoteSource
+from hsx_async.dataset.live_remote import CACHE_PREFIX, RemoteSource
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.errors import DatasetError, LiveError
+from tests.conftest import SHM
 from tests.dataset.test_live import mark_input
 from tests.dataset_factory import write_dataset
 from tests.e2e import free_port
@@ -105,6 +109,30 @@ async def test_a_vanished_consumer_s_samples_go_to_another_after_the_timeout(
     assert await other.finish() == 0
     assert not set(gone.acked()) & set(other.got())  # nothing acknowledged comes back
     assert sorted(gone.acked() + other.got()) == _ids(out)
+    # The killed reader's cache went with the next reader's; that one's with its exit.
+    assert not list(SHM.glob(f"{CACHE_PREFIX}{gone.proc.pid}-*"))
+    assert not list(SHM.glob(f"{CACHE_PREFIX}{other.proc.pid}-*"))
+
+
+async def test_a_reader_s_cache_goes_with_close_and_a_dead_reader_s_with_the_next(
+    served: tuple[Path, str, Child], tmp_path: Path
+) -> None:
+    out, url, _ = served
+    dead = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    assert await asyncio.wait_for(dead.wait(), 60) == 0  # its pid is no one's now
+    left = tmp_path / f"{CACHE_PREFIX}{dead.pid}-abc"
+    left.mkdir()
+    (left / ".x.safetensors").write_bytes(b"half a file")
+    alive = tmp_path / f"{CACHE_PREFIX}{os.getppid()}-abc"  # a live process's: kept
+    alive.mkdir()
+    source = RemoteSource(url, "train", cache_dir=tmp_path)
+    entry = read_manifest(out)[0]
+    path, temporary = await asyncio.to_thread(source.fetch, entry)
+    assert temporary and path.stat().st_size == entry.size
+    assert path.parent.name.startswith(f"{CACHE_PREFIX}{os.getpid()}-")
+    assert not left.exists() and alive.is_dir()
+    source.close()
+    assert not path.parent.exists()
 
 
 class _CuttingProxy:
@@ -118,36 +146,35 @@ class _CuttingProxy:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
-        armed = asyncio.Event()
-
-        async def upstream() -> None:
-            while chunk := await reader.read(1 << 16):
-                if b"GET /v1/file" in chunk and self.cut < self.cuts:
-                    self.cut += 1
-                    armed.set()
-                up_writer.write(chunk)
-                await up_writer.drain()
-            up_writer.close()
-
-        async def downstream() -> None:
-            budget = None
+        """One request per connection (``Connection: close`` upstream): the answer is
+        forwarded to its end, or cut after 5000 bytes; then the connection closes (the
+        reader's next call on it is refused, and retried on a new one)."""
+        up_writer: asyncio.StreamWriter | None = None
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+            body = await reader.readexactly(length)
+            cut = head.startswith(b"GET /v1/file") and self.cut < self.cuts
+            self.cut += int(cut)
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+            up_writer.write(head[:-2] + b"Connection: close\r\n\r\n" + body)
+            sent = 0
             while chunk := await up_reader.read(1 << 16):
-                if armed.is_set() and budget is None:
-                    budget = 5000
-                if budget is not None:
-                    writer.write(chunk[:budget])
-                    await writer.drain()
-                    budget -= len(chunk)
-                    if budget <= 0:
-                        break
-                    continue
+                if cut and sent + len(chunk) > 5000:
+                    writer.write(chunk[: 5000 - sent])
+                    break
                 writer.write(chunk)
+                sent += len(chunk)
                 await writer.drain()
-            writer.close()
-            up_writer.close()
-
-        await asyncio.gather(upstream(), downstream(), return_exceptions=True)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the reader went away: its retry comes on a new connection
+        finally:
+            for stream in (writer, up_writer):
+                if stream is not None:
+                    stream.close()
+                    with contextlib.suppress(OSError):
+                        await stream.wait_closed()
 
     def __enter__(self) -> _CuttingProxy:
         self._thread.start()
@@ -157,8 +184,15 @@ class _CuttingProxy:
         self._server = server
         return self
 
+    async def _shutdown(self) -> None:
+        self._server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()  # connections the reader kept open for its next call
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def __exit__(self, *_: object) -> None:
-        self.loop.call_soon_threadsafe(self._server.close)
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()

@@ -24,7 +24,7 @@ from hsx_async.run.daemon import Daemon
 from hsx_async.run.source import Sample
 from hsx_async.run.spool import Spool, _Seen, file_bytes
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
-from tests.e2e import make_config, shm_leftovers, write_samples
+from tests.e2e import make_config, shm_leftovers, when_done, write_samples
 
 pytestmark = pytest.mark.timeout(120)
 H, AUX = 64, (1, 3, 5)
@@ -144,8 +144,10 @@ async def test_a_full_spool_pauses_until_acknowledged_then_a_stop_drains_at_once
         daemon = Daemon(config)
         paused = asyncio.Event()
         daemon.guard.on_change.append(lambda open_: None if open_ else paused.set())
+        first = when_done(daemon, 1)
         run = asyncio.create_task(daemon.run())
         await asyncio.wait_for(paused.wait(), 30)
+        await asyncio.wait_for(first.wait(), 30)  # what fits is written; the rest waits
         status = daemon.status()
         assert status["paused"] and status["spool"]["waiting"]
         assert status["spool"]["held"] <= limit
