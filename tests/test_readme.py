@@ -54,8 +54,8 @@ def _isolation() -> list[str] | None:
 
 # The fixed places the tryout uses: without private namespaces it may run on the host
 # only while they are free, and they are removed afterwards.
-TRYOUT_PORTS = (30000, 9464)
-TRYOUT_DIRS = (Path("/tmp/hsx-small"), Path("/dev/shm/hsx-small"))
+TRYOUT_PORTS = (30000, 9464, 9470)
+TRYOUT_DIRS = (Path("/tmp/hsx-small"), Path("/dev/shm/hsx-small"), Path("/tmp/hsx-online"))
 
 
 def _host_is_free() -> bool:
@@ -132,6 +132,24 @@ def test_readme_tryout_runs_as_written() -> None:
     assert re.search(r"^done:\s+500 samples", proc.stdout, re.M), out[-4000:]
     assert re.search(r"^remaining:\s+0\b", proc.stdout, re.M), out[-4000:]
     assert "Traceback" not in out
+
+
+@pytest.mark.timeout(240)
+def test_readme_online_job_runs_as_written() -> None:
+    """Training while extracting, as written: the trainer gets every sample through hsx
+    serve while hsx run extracts under a spool of ~8% of the dataset."""
+    block = fenced_block("### Training while extracting")
+    assert "hsx serve" in block and "LiveDataset" in block and "small-online.toml" in block
+    proc = _run_tryout(block)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "TRYOUT-DONE" in proc.stdout, out[-4000:]
+    assert re.search(r"^trained on 200 samples$", proc.stdout, re.M), out[-4000:]
+    assert re.search(r"^200 samples written, 0 quarantined", proc.stdout, re.M), out[-4000:]
+    assert "0 B of 4.0 MiB held, 200 samples deleted" in proc.stdout, out[-4000:]
+    assert "drafter: 200 acknowledged, 0 behind, 0 leased now" in proc.stdout, out[-4000:]
+    assert "intake_paused_limit" in out, out[-4000:]  # the spool, not the disk, paused it
+    assert "Traceback" not in out and "Unhandled exception" not in out
 
 
 # -- the GPU launch line -------------------------------------------------------------------

@@ -3,7 +3,8 @@ manifest, durable writes, provenance, the training-side reader, verify/audit, ex
 merge. Nothing here imports :mod:`hsx_async.run`.
 
 ``from hsx_async.dataset import HiddenStateDataset`` works for every name of
-:mod:`hsx_async.dataset.reader`'s ``__all__``, loaded on first use: ``hsx run`` imports
+:mod:`hsx_async.dataset.reader`'s ``__all__`` (and ``LiveDataset`` for those of
+:mod:`hsx_async.dataset.live`'s), loaded on first use: ``hsx run`` imports
 this package's file modules (``manifest``, ``durable``, ``provenance``), and a bf16 run
 never imports torch, which the reader needs (``tests/run/test_writer.py``).
 """
@@ -14,11 +15,14 @@ import importlib
 import importlib.util
 from typing import Any
 
+_LAZY = ("hsx_async.dataset.reader", "hsx_async.dataset.live")
+
 
 def __getattr__(name: str) -> Any:
     # A submodule (``from hsx_async.dataset import manifest``) is never looked up in the reader.
     if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is None:
-        reader = importlib.import_module("hsx_async.dataset.reader")
-        if name in reader.__all__:
-            return getattr(reader, name)
+        for home in _LAZY:
+            module = importlib.import_module(home)
+            if name in module.__all__:
+                return getattr(module, name)
     raise AttributeError(f"module 'hsx_async.dataset' has no attribute {name!r}")

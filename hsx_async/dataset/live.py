@@ -269,3 +269,6 @@ def make_reader(
     conv = plan_conversion(fmt.name, fmt.final_state, facts, target, model is not None)
     plan = ExportPlan(conv, BF16, 0)
     return lambda path, entry: dict(fmt.tensors(path, entry, plan))
+
+
+__all__ = ["HSX_ID", "HSX_IDS", "LiveCollator", "LiveDataset", "make_reader", "sample_ids"]

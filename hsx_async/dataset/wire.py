@@ -37,7 +37,7 @@ from typing import Any
 from hsx_async.dataset.consumers import check_name, check_owner
 from hsx_async.errors import DatasetError
 
-WIRE_VERSION = 4  # the PROTOCOL version that defines it
+WIRE_VERSION = 5  # the PROTOCOL version that defines it
 MAX_BODY = 1 << 20  # bytes of a request body (an ack of MAX_IDS long ids)
 MAX_RESPONSE = 8 << 20  # bytes of a JSON answer (a lease's manifest lines, the facts)
 MAX_LEASE = 256

@@ -254,7 +254,7 @@ def build_app(server: LiveServer) -> web.Application:
         except FileNotFoundError:
             return web.json_response({"error": "no such sample in the dataset"}, status=404)
         async with server.streams:  # sent while held: at most max_streams at once
-            response = web.FileResponse(path, chunk_size=1 << 20)
+            response = _SentFile(path, chunk_size=1 << 20)
             await response.prepare(request)
             server.files_sent.inc()
             server.bytes_sent.inc(entry.size)
@@ -277,6 +277,17 @@ def build_app(server: LiveServer) -> web.Application:
 
 def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
+
+
+class _SentFile(web.FileResponse):
+    """A file response sent inside the handler (so that the stream limit holds while it
+    is sent): aiohttp's own prepare after the handler then has nothing left to do (a
+    FileResponse would open and send the file again, and fail)."""
+
+    async def prepare(self, request: web.BaseRequest) -> Any:
+        if self.prepared:
+            return None
+        return await super().prepare(request)
 
 
 async def serve(

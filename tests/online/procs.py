@@ -85,11 +85,19 @@ class Child:
 
 
 async def start_server(out: Path, port: int) -> tuple[Child, str]:
+    """``hsx serve`` with its log lines read too (:func:`faults` says what went wrong)."""
     child = await Child.start("hsx serve", "-m", "hsx_async", "serve", str(out),
-                              "--listen", f"127.0.0.1:{port}")  # fmt: skip
-    line = await child.line()
-    assert line.startswith("hsx serve:"), line
+                              "--listen", f"127.0.0.1:{port}", logs=True)  # fmt: skip
+    while not (line := await child.line()).startswith("hsx serve:"):
+        assert line.startswith("{"), line
     return child, line.rsplit(" on ", 1)[1]
+
+
+async def server_faults(child: Child) -> list[str]:
+    """Once the server is stopped: the lines of its output that are not its own JSON
+    log events or its start line (a traceback, aiohttp's "Unhandled exception")."""
+    await child.finish()
+    return [ln for ln in child.lines if ln and not ln.startswith(("{", "hsx serve:"))]
 
 
 async def start_consumer(source: str, *args: str) -> Child:

@@ -14,6 +14,7 @@ import http.client
 import os
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from tests.conftest import SHM
 from tests.dataset.test_live import mark_input
 from tests.dataset_factory import write_dataset
 from tests.e2e import free_port
-from tests.online.procs import Child, start_consumer, start_server
+from tests.online.procs import Child, server_faults, start_consumer, start_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,6 +46,7 @@ async def served(tmp_path: Path) -> AsyncIterator[tuple[Path, str, Child]]:
         yield out, url, server
     finally:
         await server.kill()
+    assert await server_faults(server) == []  # no request failed inside the server
 
 
 def _ids(out: Path) -> list[str]:
@@ -91,6 +93,7 @@ async def test_a_server_killed_and_started_again_loses_nothing(
         await asyncio.to_thread(live.ack)
     finally:
         await again.kill()
+    assert await server_faults(again) == []
     ids = [s[HSX_ID] for s in first] + rest
     assert sorted(ids) == _ids(out) and len(set(ids)) == len(ids)
     state = ConsumerLog(out, "train").refresh()
@@ -105,6 +108,15 @@ async def test_a_vanished_consumer_s_samples_go_to_another_after_the_timeout(
                                 "--hold-after", "2", "--lease-timeout", "1.5")  # fmt: skip
     await gone.until("holding")
     await gone.kill()  # two acknowledged, two more leased and never used
+    # A rank whose epoch ends while a peer's leases are live does not wait for them (the
+    # peers would wait for each other's last acks): start the other once they lapsed.
+    log = ConsumerLog(out, "train")
+    for _ in range(200):
+        if not log.refresh().held(0, time.time()):
+            break
+        await asyncio.sleep(0.05)  # a poll of the log's lease times, bounded
+    else:
+        raise AssertionError("the killed consumer's leases never lapsed")
     other = await start_consumer(url, "--rank", "1", "--world", "2", "--lease-timeout", "1.5")
     assert await other.finish() == 0
     assert not set(gone.acked()) & set(other.got())  # nothing acknowledged comes back

@@ -34,7 +34,7 @@ from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.server.reference.server import ReferenceOptions, running_reference_server
 from tests.e2e import config_raw, free_port, shm_leftovers, write_config
-from tests.online.procs import Child, start_consumer, start_server
+from tests.online.procs import Child, server_faults, start_consumer, start_server
 from tests.run.test_spool import DiskWatch, data_bytes
 
 pytestmark = pytest.mark.timeout(300)
@@ -189,3 +189,5 @@ async def test_train_while_extracting_exactly_once_under_random_kills(
         again = set(consumer.got()) & online.acked_before(index)
         assert not again, (index, sorted(again), note)
     assert shm_leftovers(shm_root) == []
+    if server is not None:
+        assert await server_faults(server) == [], note  # no request failed inside it
