@@ -1,4 +1,5 @@
-"""The hsx protocol, version 4 (``PROTOCOL.md``): names, patterns and dump checks.
+"""The hsx protocol (``PROTOCOL.md``, version 5; requests, dumps and files as in version 4,
+``PROTOCOL_VERSION``): names, patterns and dump checks.
 
 Pure functions only: nothing here touches a socket or a file. The client, the built-in
 servers and the SGLang hook all import this module, so a rule lives in exactly one place.
