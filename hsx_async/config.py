@@ -442,7 +442,7 @@ def validate(c: Config) -> None:
     )
     _check_spool(c)
     _check(
-        _listen_ok(c.daemon.metrics_listen),
+        listen_ok(c.daemon.metrics_listen),
         "daemon.metrics_listen",
         f'{c.daemon.metrics_listen!r} is not HOST:PORT (or "" to disable)',
     )
@@ -499,7 +499,8 @@ def _url_ok(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
-def _listen_ok(value: str) -> bool:
+def listen_ok(value: str) -> bool:
+    """HOST:PORT (or "": none), the rule of every --listen and *_listen."""
     if value == "":
         return True
     host, sep, port = value.rpartition(":")

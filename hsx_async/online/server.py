@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hsx_async.config import listen_address
+from hsx_async.config import listen_address, listen_ok
 from hsx_async.dataset.consumers import read_registry
 from hsx_async.dataset.export.plan import dataset_facts
 from hsx_async.dataset.follow import DatasetFollower
@@ -300,6 +300,10 @@ async def serve(
 ) -> None:
     """Serve until ``stop`` is set (or SIGINT/SIGTERM when none is given)."""
     server = LiveServer(out_dir, max_streams=max_streams)
+    if not listen or not listen_ok(listen):
+        raise DatasetError(
+            f"--listen {listen!r} is not HOST:PORT (e.g. 127.0.0.1:9470, 0.0.0.0:9470)"
+        )
     host, port = listen_address(listen)
     runner = web.AppRunner(build_app(server), access_log=None)
     await runner.setup()

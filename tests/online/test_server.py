@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import http.client
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -270,3 +271,13 @@ def test_an_unreachable_server_ends_in_a_live_error(tmp_path: Path) -> None:
         source.lease("ab" * 8, 0, 0, 1, 10.0)
     with pytest.raises(DatasetError, match="not an http"):
         RemoteSource("ftp://x", "train")
+
+
+@pytest.mark.parametrize("listen", ["nonsense", "127.0.0.1:99999", "127.0.0.1:"])
+def test_a_bad_listen_address_is_one_line_exit_2(tmp_path: Path, listen: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hsx_async", "serve", str(tmp_path), "--listen", listen],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "is not HOST:PORT" in proc.stderr and "Traceback" not in proc.stderr
