@@ -132,9 +132,10 @@ class SpecForgeTrainer:
         raw = {k: v for k, v in sample.items() if k != HSX_ID}
         batch = self.collate([self.normalize(raw)])
         # SpecForge's files and this view hold bfloat16 states; its GPU training runs the
-        # draft in bfloat16. Here the draft is float32 (CPU): the states go up, exactly.
-        batch = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
-                 for k, v in batch.items()}  # fmt: skip
+        # draft in bfloat16. Here the draft is float32 (CPU): the aux states it projects go
+        # up, exactly; "target" stays bfloat16 for the teacher's head (loaded as bfloat16).
+        batch = {k: v.float() if k != "target" and torch.is_tensor(v) and v.is_floating_point()
+                 else v for k, v in batch.items()}  # fmt: skip
         tb = self.train_batch(sample_ids=[sample[HSX_ID]], strategy="eagle3", tensors=batch,
                               metadata={"target_repr": "hidden_state"})  # fmt: skip
         before = [p.detach().clone() for p in self.params]
