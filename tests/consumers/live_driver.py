@@ -27,6 +27,7 @@ extraction was complete when the step ran (hsx's logs, read as the live reader r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import types
@@ -155,15 +156,19 @@ class SpecForgeTrainer:
 
 class SpeculatorsTrainer:
     def __init__(self, model_dir: Path, aux: list[int], target: Any) -> None:
+        from speculators.losses import resolve_loss_config
         from speculators.train.data import ArrowDataset, BaseDataset, CollateFn
 
-        self.model = speculators_teacher(model_dir, aux, target.vocab_size).train()
+        self.model = speculators_teacher(model_dir, aux, target.vocab_size, attn="eager").train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-3)
         self.raw_data, self.item, self.collate_cls = (
             ArrowDataset._get_raw_data, BaseDataset.__getitem__, CollateFn
         )  # fmt: skip
         self.hidden, self.layers = target.hidden_size, len(aux)
+        # speculators' own eager loss (its --loss-implementation eager): the fused default
+        # is a Triton kernel, which the CPU has not; kl_div is its default for EAGLE-3.
+        self.loss_config = resolve_loss_config("kl_div", "eager")
 
     def _item(self, sample: dict[str, Any]) -> Any:
         """speculators' own item from the live sample: ``ArrowDataset._get_raw_data`` (its
@@ -182,14 +187,17 @@ class SpeculatorsTrainer:
         item = self._item(sample)
         t = int(item["input_ids"].shape[0])
         batch = self.collate_cls(t, self.hidden, num_target_layers=self.layers)([item])
-        tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        # The view's states are bfloat16 (as speculators' files); the drafter here is float32
+        # (CPU): they go up, exactly.
+        tensors = {k: v.float() if v.is_floating_point() else v
+                   for k, v in batch.items() if isinstance(v, torch.Tensor)}  # fmt: skip
         before = [p.detach().clone() for p in self.params]
-        _draft, loss, _metrics = self.model(**tensors, ttt_steps=1)
+        _draft, loss, _metrics = self.model(**tensors, ttt_steps=1, loss_config=self.loss_config)
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
         with torch.inference_mode():
-            last = batch["verifier_last_hidden_states"]
+            last = tensors["verifier_last_hidden_states"]
             logits = self.model.verifier_lm_head(self.model.verifier_norm(last))[0]
         want = hf_logits(hf, item["input_ids"])
         return {"loss": float(loss), "moved": moved(self.params, before),
@@ -197,6 +205,16 @@ class SpeculatorsTrainer:
 
 
 def main() -> int:
+    """The report is the one JSON document on stdout; what the trainers print goes to
+    stderr (speculators prints to stdout)."""
+    report_to = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        report = _train()
+    json.dump(report, report_to)
+    return 0
+
+
+def _train() -> dict[str, list[dict[str, Any]]]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", type=Path, required=True)
@@ -239,8 +257,7 @@ def main() -> int:
             live[name].ack()  # the optimizer step is done: never delivered again
             report[name].append({"id": sample[HSX_ID], "committed": len(seen.order),
                                  "complete": seen.complete, **step})  # fmt: skip
-    json.dump(report, sys.stdout)
-    return 0
+    return report
 
 
 if __name__ == "__main__":

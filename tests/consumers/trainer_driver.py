@@ -139,12 +139,18 @@ def specforge_report(root: Path, model_dir: Path, model: Any) -> list[dict[str, 
     return out
 
 
-def speculators_teacher(model_dir: Path, aux: list[int], vocab: int) -> Any:
+def speculators_teacher(
+    model_dir: Path, aux: list[int], vocab: int, *, attn: str | None = None
+) -> Any:
+    """speculators' EAGLE-3 drafter over the model; ``attn``: its ``draft_attn_impl``
+    (default FlexAttention, which has no backward on the CPU: a training step here takes
+    speculators' own ``"eager"``)."""
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     config = AutoConfig.from_pretrained(str(model_dir))
     return Eagle3DraftModel.from_training_args(
         config,
+        **({"draft_attn_impl": attn} if attn else {}),
         draft_vocab_size=vocab,
         norm_before_residual=False,
         ttt_steps=1,
