@@ -158,6 +158,26 @@ def test_overhead_smoke(tmp_path: Path, shm_root: Path) -> None:
         assert row["files"] == 40 and positive(row["files_per_s"])
 
 
+def test_online_smoke(tmp_path: Path, shm_root: Path) -> None:
+    data = run_smoke("online.py", tmp_path, shm_root)
+    rows = data["rows"]
+    assert [r["phase"] for r in rows] == [
+        "alone", "consumer 2x, limit", "consumer 0.5x, limit", "consumer 0.5x, no limit",
+    ]  # fmt: skip
+    limit = data["spool_limit"]
+    assert limit >= data["file_bytes"] and rows[0]["vs_alone"] == 1.0
+    for row in rows:
+        assert row["samples"] == data["workload"]["samples"]
+        assert positive(row["rate"]) and positive(row["vs_alone"]) and positive(row["peak_spool"])
+        assert row["timeline"], "the spool was never looked at"
+    for row in rows[1:]:  # every sample reached the consumer, who acknowledged them all
+        assert row["consumed"] == row["samples"] and positive(row["consumer_rate"])
+        assert row["peak_lag"] >= 1 and row["timeline"][-1][2] == 0
+    for row in rows[1:3]:  # the limit holds, on the disk (temp files included)
+        assert row["spool_limit"] == limit and row["peak_spool"] <= limit
+    assert rows[3]["spool_limit"] == 0
+
+
 def test_baseline_serial_copies_every_sample(tmp_path: Path, shm_root: Path) -> None:
     """The serial baseline on its own: every sample's parts end up in one file each."""
     from hsx_async.protocol import row_bytes
