@@ -41,6 +41,7 @@ from hsx_async.run.guard import free_bytes
 from hsx_async.run.mounts import fs_type
 from hsx_async.run.observe import listen_problem
 from hsx_async.run.source import BadLine, SampleReader, open_input
+from hsx_async.run.spool_estimate import SpoolRates, spool_lines
 from hsx_async.units import eta_text, human_bytes
 
 _PROBE_BYTES = 64 << 20
@@ -49,6 +50,7 @@ _PROBE_SAMPLES = 4  # real samples sent at once to each server to measure its pr
 
 @dataclass
 class InputScan:
+    samples: int = 0
     tokens: int = 0
     probe: list[npt.NDArray[np.int64]] = field(default_factory=list)  # the first samples
 
@@ -88,6 +90,7 @@ def check_input(config: Config, report: Report) -> InputScan:
     except HsxError as exc:
         report.add("FAIL", "input", str(exc))
         return InputScan()
+    scan.samples = samples
     level = "WARN" if bad else "OK"
     report.add(
         level,
@@ -500,7 +503,8 @@ def estimate(tokens: int, rates: dict[str, float]) -> tuple[float, str] | None:
 
 def _report_estimate(
     report: Report, tokens: int, row_bytes: int, *, disk: float, client: float, servers: float
-) -> None:
+) -> tuple[float, str] | None:
+    """Reports the job's time; returns the extraction rate (tokens/s, what bounds it)."""
     need = tokens * row_bytes
     rates = {"servers": servers, "disk": disk / row_bytes, "client": client / row_bytes}
     report.add(
@@ -513,19 +517,21 @@ def _report_estimate(
     )
     result = estimate(tokens, rates)
     if result is None:
-        return
+        return None
     seconds, bound = result
     caveat = "" if servers > 0 else " (servers not measured: at least this)"
     report.add(
         "INFO", "estimate", f"~{eta_text(seconds)} for the job, bound by the {bound}{caveat}"
     )
+    # Without the servers the rate is an upper bound of disk or client, not extraction's.
+    return (rates[bound], bound) if servers > 0 else None
 
 
 def _rate_text(rate: float) -> str:
     return f"~{rate:,.0f}" if rate > 0 else "not measured"
 
 
-def run_checks(config: Config) -> Report:
+def run_checks(config: Config, spool: SpoolRates | None = None) -> Report:
     report = Report()
     report.add("OK", "config", f"{config.path}: valid")
     scan = check_input(config, report)
@@ -538,11 +544,17 @@ def run_checks(config: Config) -> Report:
     except OSError:
         client = 0.0  # check_dump_root has said why
     servers = asyncio.run(check_servers(config, report, scan.probe))
-    _report_estimate(report, scan.tokens, row_bytes, disk=disk, client=client, servers=servers)
+    measured = _report_estimate(
+        report, scan.tokens, row_bytes, disk=disk, client=client, servers=servers
+    )
+    for line in spool_lines(config, samples=scan.samples, tokens=scan.tokens,
+                            measured=measured, rates=spool or SpoolRates()):  # fmt: skip
+        report.add(*line)
     return report
 
 
 def check_command(args: argparse.Namespace) -> int:
-    report = run_checks(load_config(Path(args.config)))
+    rates = SpoolRates(args.consumer_rate, args.ack_interval, args.extraction_rate)
+    report = run_checks(load_config(Path(args.config)), rates)
     print(report.format())
     return 1 if report.failed else 0
