@@ -400,7 +400,17 @@ class Daemon:
             quarantined=t.samples_quarantined,
             retries=dict(self.metrics.failure_reasons),
             servers=servers,
+            spool=None if self.spool is None else self._spool_tick(self.spool),
         )
+
+    @staticmethod
+    def _spool_tick(spool: Spool) -> dict[str, Any]:
+        return {
+            "held": spool.used,
+            "limit": spool.limit,
+            "paused_s": round(spool.paused_seconds(), 1),
+            "lag": {c.name: c.lag for c in spool.consumers},
+        }
 
     def _finish_events(self) -> None:
         if self.pipeline is None:

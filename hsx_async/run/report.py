@@ -7,8 +7,9 @@ Where the numbers come from, all of it durable in the output directory:
 - ``events*.jsonl`` (one per shard, written by :class:`RunRecorder` during ``hsx run``):
   a ``start`` line per run, a ``tick`` line every second for the first minute and every
   ten seconds after (wall-clock time and the run's cumulative samples, tokens, bytes,
-  quarantined, failed attempts by kind and requests per server) and an ``end`` line. A run
-  killed before its ``end`` line still has its last tick. The log is an append-only JSONL
+  quarantined, failed attempts by kind and requests per server; with a spool, its fill and
+  each consumer's lag) and an ``end`` line. A run killed before its ``end`` line still has
+  its last tick. The log is an append-only JSONL
   file (a torn last line is cut on reopen, like the manifest's); ~300 bytes a tick, ~10 MB
   for 70 hours.
 
@@ -70,6 +71,9 @@ class Tick:
     quarantined: int
     retries: dict[str, int]  # failed attempts by kind
     servers: dict[str, int]  # requests sent, by server (URL as displayed)
+    # With a spool (PROTOCOL §6): bytes held, the limit, seconds paused for room, and each
+    # consumer's lag (committed samples of this shard it has not acknowledged).
+    spool: dict[str, Any] | None = None
 
 
 class RunRecorder:
@@ -163,6 +167,7 @@ class RunRecorder:
             "quarantined": tick.quarantined,
             "retries": tick.retries,
             "servers": tick.servers,
+            **({} if tick.spool is None else {"spool": tick.spool}),
             **extra,
         }
 
@@ -232,6 +237,43 @@ def _rate_series(runs: list[list[dict[str, Any]]], t0: float) -> list[dict[str, 
                 }
             )
     return points
+
+
+def _spool(runs: list[list[dict[str, Any]]], t0: float) -> dict[str, Any] | None:
+    """The spool's fill and each consumer's lag over time, from the records that have them
+    (a run with ``[output].consumers`` or ``retention = "acked"``); None: no such run.
+    With shards in one directory, each shard's points are its own (``shard``)."""
+    points, peak_lag = [], Counter[str]()
+    peak = limit = 0
+    paused = 0.0
+    for index, run in enumerate(runs):
+        last_paused = 0.0
+        for rec in run:
+            spool = rec.get("spool")
+            if not isinstance(spool, dict):
+                continue
+            lag = {str(k): int(v) for k, v in (spool.get("lag") or {}).items()}
+            held, cap = int(spool.get("held", 0)), int(spool.get("limit", 0))
+            points.append({"run": index, "shard": rec.get("shard", "0/1"),
+                           "t": round(float(rec["time"]) - t0, 3), "held": held,
+                           "limit": cap, "lag": lag})  # fmt: skip
+            peak, limit = max(peak, held), max(limit, cap)
+            for name, behind in lag.items():
+                peak_lag[name] = max(peak_lag[name], behind)
+            last_paused = float(spool.get("paused_s", 0.0))
+        paused += last_paused  # cumulative within a run
+    if not points:
+        return None
+    last = points[-1]
+    return {
+        "limit": limit,
+        "peak_held": peak,
+        "held": last["held"],
+        "paused_s": round(paused, 1),
+        "peak_lag": dict(peak_lag),
+        "lag": last["lag"],
+        "series": points,
+    }
 
 
 def _iso(epoch: float) -> str:
@@ -336,6 +378,7 @@ def build_report(out_dir: Path) -> dict[str, Any]:
         "servers": _summed(runs, "servers"),
         "retries": _summed(runs, "retries"),
         "servers_out": servers_out(out_dir),
+        "spool": _spool(runs, t0),  # None: no run kept a spool
     }
 
 

@@ -88,6 +88,38 @@ def _rate_panel(ax: Axes, report: dict[str, Any]) -> None:
                 va="top")  # fmt: skip
 
 
+def _spool_panel(ax: Axes, spool: dict[str, Any]) -> None:
+    """The spool's fill (bytes, with its limit) and each consumer's lag (samples, right)."""
+    limit = spool["limit"]
+    _style(
+        ax, "Spool on disk and consumer lag" + (f" (limit {human_bytes(limit)})" if limit else "")
+    )
+    series = spool["series"]
+    span = max(p["t"] for p in series)
+    scale, unit = (1.0, "s") if span < 120 else (60.0, "min") if span < 3 * 3600 else (3600.0, "h")
+    t = [p["t"] / scale for p in series]
+    ax.step(t, [p["held"] for p in series], where="post", color=_ACCENT, linewidth=1.6,
+            label="spool held")  # fmt: skip
+    if limit:
+        ax.axhline(limit, color=_BAD, linestyle="--", linewidth=0.9, label="spool_limit")
+    ax.set_xlim(left=0)
+    ax.set_ylim(0, max(limit, spool["peak_held"], 1) * 1.1)
+    ax.yaxis.set_major_formatter(lambda v, _: human_bytes(v))
+    ax.set_xlabel(f"time since the first start ({unit})", color=_MUTED, fontsize=8)
+    lag_ax = ax.twinx()
+    for name in spool["peak_lag"]:
+        lag_ax.step(t, [p["lag"].get(name, 0) for p in series], where="post", color=_WARN,
+                    linewidth=1.0, label=f"{name} lag (samples)")  # fmt: skip
+    lag_ax.set_ylim(0, max([*spool["peak_lag"].values(), 1]) * 1.1)
+    lag_ax.tick_params(colors=_WARN, labelsize=8)
+    for side in ("top", "left"):
+        lag_ax.spines[side].set_visible(False)
+    handles = ax.get_legend_handles_labels()
+    more = lag_ax.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], fontsize=7, loc="upper left",
+              frameon=False)  # fmt: skip
+
+
 def _run_starts(report: dict[str, Any]) -> list[float]:
     """Each run's start in seconds since the first one's (``report["runs"]`` order)."""
     t0 = _first_start(report)
@@ -210,14 +242,20 @@ def render(report: dict[str, Any], path: Path) -> None:
     fig = Figure(figsize=(12, 8), dpi=110, facecolor="white")
     FigureCanvasAgg(fig)
     _header(fig, report)
-    grid = fig.add_gridspec(2, 3, left=0.06, right=0.97, top=0.79, bottom=0.07, hspace=0.45,
-                            wspace=0.55, height_ratios=[1.15, 1])  # fmt: skip
+    spool = report.get("spool")
+    ratios = [1.15, 0.9, 1] if spool else [1.15, 1]
+    grid = fig.add_gridspec(len(ratios), 3, left=0.06, right=0.94 if spool else 0.97,
+                            top=0.79, bottom=0.07, hspace=0.5, wspace=0.55,
+                            height_ratios=ratios)  # fmt: skip
     _rate_panel(fig.add_subplot(grid[0, :]), report)
-    _bars(fig.add_subplot(grid[1, 0]), "Quarantine reasons", report["quarantine_reasons"], _BAD,
+    if spool:
+        _spool_panel(fig.add_subplot(grid[1, :]), spool)
+    row = len(ratios) - 1
+    _bars(fig.add_subplot(grid[row, 0]), "Quarantine reasons", report["quarantine_reasons"], _BAD,
           "nothing quarantined")  # fmt: skip
-    _bars(fig.add_subplot(grid[1, 1]), "Requests per server", report["servers"], _ACCENT,
+    _bars(fig.add_subplot(grid[row, 1]), "Requests per server", report["servers"], _ACCENT,
           "no requests recorded", share=True)  # fmt: skip
-    _bars(fig.add_subplot(grid[1, 2]), "Failed attempts (retried)", report["retries"], _WARN,
+    _bars(fig.add_subplot(grid[row, 2]), "Failed attempts (retried)", report["retries"], _WARN,
           "no failed attempts")  # fmt: skip
     _servers_out(fig, report.get("servers_out", []))
     path.parent.mkdir(parents=True, exist_ok=True)

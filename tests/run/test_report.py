@@ -245,3 +245,64 @@ def test_axis_ticks_and_bar_labels_read_whole() -> None:
     assert label.endswith(" …") and long.startswith(label[:-2]) and len(label) <= 54
     assert long[len(label) - 2] == " ", "cut between two words"
     assert _label("retries exhausted: HTTP 503") == "retries exhausted: HTTP 503"
+
+
+def test_the_spool_fill_and_each_consumers_lag_come_from_the_ticks(tmp_path: Path) -> None:
+    """Issue 29: two runs of an online job (a restart between), a tick without a spool
+    (an older hsx's) among them."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    _run_dir(out)
+    base = {"shard": "0/1", "quarantined": 0, "retries": {}, "servers": {}, "tokens": 0,
+            "bytes": 0, "samples": 0}  # fmt: skip
+
+    def tick(event: str, t: float, held: int, paused: float, lag: dict[str, int]) -> bytes:
+        spool = {"held": held, "limit": 1000, "paused_s": paused, "lag": lag}
+        return orjson.dumps({"event": event, "time": t, "spool": spool, **base}) + b"\n"
+
+    (out / "events.jsonl").write_bytes(
+        tick("start", 100.0, 0, 0.0, {})
+        + tick("tick", 101.0, 900, 0.5, {"a": 3, "b": 1})
+        + orjson.dumps({"event": "tick", "time": 101.5, **base}) + b"\n"
+        + tick("end", 102.0, 400, 2.0, {"a": 1, "b": 2})
+        + tick("start", 200.0, 400, 0.0, {"a": 1, "b": 2})
+        + tick("tick", 201.0, 100, 1.0, {"a": 0, "b": 0})
+    )  # fmt: skip
+    spool = build_report(out)["spool"]
+    assert spool is not None
+    assert (spool["limit"], spool["peak_held"], spool["held"]) == (1000, 900, 100)
+    assert spool["paused_s"] == 3.0  # each run's own count, added up
+    assert spool["peak_lag"] == {"a": 3, "b": 2} and spool["lag"] == {"a": 0, "b": 0}
+    assert [(p["run"], p["t"], p["held"]) for p in spool["series"]] == [
+        (0, 0.0, 0), (0, 1.0, 900), (0, 2.0, 400), (1, 100.0, 400), (1, 101.0, 100),
+    ]  # fmt: skip
+    _, png, _ = write_report(out)
+    assert png is not None and png.read_bytes()[:8] == PNG_MAGIC
+
+
+async def test_an_online_runs_report_has_its_spool(tmp_path: Path, shm_root: Path) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 20, max_len=24)
+    async with running_fake_server(FakeOptions(hidden_size=H, aux_layers=AUX,
+                                               dump_root=shm_root)) as srv:  # fmt: skip
+        output = {"retention": "acked", "consumers": ["trainer"], "spool_limit": "1MiB"}
+        config = make_config(tmp_path, samples.path, [srv.url], shm_root, output=output,
+                             input={"max_tokens": 64})  # fmt: skip
+        await Daemon(config).run()
+    spool = build_report(config.output.dir)["spool"]
+    assert spool is not None and spool["limit"] == 1 << 20
+    assert len(spool["series"]) >= 2  # the start and end lines at least
+    assert 0 < spool["peak_held"] <= spool["limit"]
+    # Nothing consumed: every sample is still held at the end (a file not yet seen
+    # committed counts as the room it took, never less than its file).
+    assert spool["held"] >= sum(e.size for e in read_manifest(config.output.dir))
+    keep = build_report(_keep_run(tmp_path))
+    assert keep["spool"] is None
+
+
+def _keep_run(tmp_path: Path) -> Path:
+    out = tmp_path / "keep"
+    _run_dir(out)
+    base = {"shard": "0/1", "quarantined": 0, "retries": {}, "servers": {}, "tokens": 0,
+            "bytes": 0, "samples": 0}  # fmt: skip
+    (out / "events.jsonl").write_bytes(orjson.dumps({"event": "start", "time": 1.0, **base}))
+    return out
