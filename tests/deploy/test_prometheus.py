@@ -269,6 +269,9 @@ def live(tmp_path: Path, shm_root: Path) -> Iterator[Live]:
             },
         )
         raw["server"]["health_interval"] = 0.2
+        # The online mode's series (spool, per consumer) exist only with a spool: a
+        # registered consumer that acknowledges nothing, and a limit the run never reaches.
+        raw["output"].update(retention="acked", consumers=["trainer"], spool_limit="4GiB")
         config = write_config(tmp_path, raw)
         hsx_argv = [sys.executable, "-m", "hsx_async", "run", "--config", str(config)]
         hsx = stack.enter_context(process(hsx_argv, tmp_path / "hsx.log"))
