@@ -194,7 +194,7 @@ def run_phase(
     if rate is not None and got.samples != n:
         raise RuntimeError(f"{phase.name}: the consumer got {got.samples} of {n} samples")
     ended = watch.points[-1][0] if watch.points else 0.0
-    lags = [p[2] for p in watch.points]
+    lags = [p[2] for p in watch.points if p[1] > 0]  # while the spool held anything
     return {
         "phase": phase.name,
         "speed": phase.speed,
