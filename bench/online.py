@@ -26,7 +26,9 @@ Measured per phase, by a thread that looks every ``--poll-ms``: the bytes under
 log), the extraction rate and its ratio to R0 of the same run, and how long the consumer
 still needed after extraction ended (the drain). A ratio near 1 with a fast consumer is
 the online mode's cost; with a slow one and a limit, extraction is throttled to the
-consumer (ratio ≈ S) and the peak spool stays at or under the limit.
+consumer (ratio ≈ S) and the peak spool stays at or under the limit. Each consumer
+phase also gets what ``hsx check``'s spool model (:mod:`hsx_async.run.spool_estimate`)
+predicts from R0, the consumer's rate and its ack interval: its rate ÷ the measured one.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hsx_async.config import config_from_dict, spool_bytes_bound
 from hsx_async.dataset.consumers import ConsumerLog
 from hsx_async.dataset.live import LiveDataset
+from hsx_async.run.spool_estimate import spool_need
 from tests.run.test_spool import data_bytes
 
 CONSUMER = "trainer"
@@ -193,6 +196,12 @@ def run_phase(
         raise RuntimeError(f"{phase.name}: {run.done} written, {run.quarantined} quarantined")
     if rate is not None and got.samples != n:
         raise RuntimeError(f"{phase.name}: the consumer got {got.samples} of {n} samples")
+    predicted = None  # what hsx check's model says this phase takes, from R0 and the rate
+    if rate is not None and r0 is not None:
+        need = spool_need(config_from_dict(raw, base=s.work), samples=n, tokens=n * args.tokens,
+                          extraction=r0 * args.tokens, consumer=rate * args.tokens,
+                          ack_interval=args.ack_every / rate)  # fmt: skip
+        predicted = need.job_seconds(phase.limit)
     ended = watch.points[-1][0] if watch.points else 0.0
     lags = [p[2] for p in watch.points if p[1] > 0]  # while the spool held anything
     return {
@@ -208,6 +217,10 @@ def run_phase(
         "peak_lag": max(lags, default=0),
         "mean_lag": sum(lags) / len(lags) if lags else 0.0,
         "drain_s": max(0.0, got.finished_at - extracted_at) if rate is not None else None,
+        # hsx check's predicted rate over the measured one (None: no prediction)
+        "check_vs_measured": None
+        if predicted is None
+        else (n / predicted) / (run.done / run.run_s),
         "consumed": got.samples,
         "client_cpu_s": run.usage.cpu_s,
         "timeline": watch.points,
@@ -235,6 +248,7 @@ def main() -> None:
     if args.smoke:
         args.samples, args.tokens, args.hidden, args.concurrency = 16, 64, 64, 4
         args.latency_base_ms, args.latency_per_token_us, args.timeout = 2.0, 300.0, 120.0
+        args.ack_every = 1  # the spool model's window (in flight + 1) then fits the limit
     load_before = os.getloadavg()
     apply_common(args)
     model = Model(hidden_size=args.hidden, aux_layers=(1, 3, 5))
@@ -283,12 +297,13 @@ def report(args: argparse.Namespace, data: dict[str, Any]) -> None:
         f"({dataset / GB:.2f} GB), spool_limit {limit / MB:.0f} MB, fake server "
         f"{args.latency_base_ms:g} ms + {args.latency_per_token_us:g} µs/row a pass",
         ["phase", "consumer /s", "samples/s", "× alone", "peak spool MB", "peak ÷ limit",
-         "peak lag", "mean lag", "drain s"],
+         "peak lag", "mean lag", "drain s", "hsx check ÷ measured"],
         [
             [r["phase"], r["consumer_rate"] or "-", r["rate"], r["vs_alone"],
              r["peak_spool"] / MB, r["peak_spool"] / limit if r["speed"] else "-",
              r["peak_lag"] if r["speed"] else "-", r["mean_lag"] if r["speed"] else "-",
-             r["drain_s"] if r["drain_s"] is not None else "-"]
+             r["drain_s"] if r["drain_s"] is not None else "-",
+             r["check_vs_measured"] if r["check_vs_measured"] is not None else "-"]
             for r in rows
         ],
     )  # fmt: skip

@@ -173,6 +173,7 @@ def test_online_smoke(tmp_path: Path, shm_root: Path) -> None:
     for row in rows[1:]:  # every sample reached the consumer, who acknowledged them all
         assert row["consumed"] == row["samples"] and positive(row["consumer_rate"])
         assert row["peak_lag"] >= 1 and row["timeline"][-1][2] == 0
+        assert positive(row["check_vs_measured"])  # hsx check's model, for the same phase
     for row in rows[1:3]:  # the limit holds, on the disk (temp files included)
         assert row["spool_limit"] == limit and row["peak_spool"] <= limit
     assert rows[3]["spool_limit"] == 0

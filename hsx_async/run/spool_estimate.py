@@ -49,6 +49,9 @@ class SpoolNeed:
     backlog: int
     extraction_s: float  # the job at full extraction speed
     consumer_s: float  # the consumers through every token
+    extraction: float  # tokens/s
+    consumer: float  # tokens/s
+    tokens: int
 
     @property
     def window(self) -> int:
@@ -58,6 +61,24 @@ class SpoolNeed:
     @property
     def peak(self) -> int:
         return self.window + self.backlog
+
+    def throttled(self, limit: int) -> tuple[float, float] | None:
+        """With a ``limit`` between the window and the peak: (seconds until the spool is
+        full, the job's seconds). The spool fills at extraction − consumption until it
+        holds the limit; from then on extraction runs at the consumers' rate. None for a
+        limit outside that range (no limit, one that holds the peak, one under the window)."""
+        if not self.window <= limit < self.peak:
+            return None
+        fill_s = (limit - self.window) / ((self.extraction - self.consumer) * self.per_token)
+        return fill_s, fill_s + (self.tokens - self.extraction * fill_s) / self.consumer
+
+    def job_seconds(self, limit: int) -> float | None:
+        """The job's seconds with ``limit`` (0: none); None under the window (the model
+        does not say how long extraction waits on each ack)."""
+        if not limit or limit >= self.peak:
+            return self.extraction_s
+        throttled = self.throttled(limit)
+        return None if throttled is None else throttled[1]
 
 
 def spool_need(
@@ -72,7 +93,8 @@ def spool_need(
     in_flight = min(samples, flight) * spool_bytes_bound(config, mean)
     unacked = int(min(tokens, consumer * ack_interval) * per_token)
     backlog = 0 if consumer >= extraction else int(tokens * (1 - consumer / extraction) * per_token)
-    return SpoolNeed(per_token, in_flight, unacked, backlog, tokens / extraction, tokens / consumer)
+    return SpoolNeed(per_token, in_flight, unacked, backlog, tokens / extraction,
+                     tokens / consumer, extraction, consumer, tokens)  # fmt: skip
 
 
 def spool_lines(
@@ -110,7 +132,7 @@ def spool_lines(
          f"{tokens:,} tokens"),
         _peak_line(need, rates.consumer / extraction),
     ]  # fmt: skip
-    lines.append(_limit_line(need, int(out.spool_limit), extraction, rates.consumer, tokens))
+    lines.append(_limit_line(need, int(out.spool_limit)))
     return lines
 
 
@@ -130,9 +152,7 @@ def _peak_line(need: SpoolNeed, ratio: float) -> Line:
     return "INFO", "spool", f"peak ~{human_bytes(need.peak)} at full extraction speed: {parts}"
 
 
-def _limit_line(
-    need: SpoolNeed, limit: int, extraction: float, consumer: float, tokens: int
-) -> Line:
+def _limit_line(need: SpoolNeed, limit: int) -> Line:
     if not limit:
         return ("INFO", "spool", f"{KEY} is not set: the spool may grow to "
                 f"~{human_bytes(need.peak)} on the output disk")  # fmt: skip
@@ -145,12 +165,11 @@ def _limit_line(
                 "pauses before the consumers acknowledge anything, so extraction waits on "
                 f"every ack; raise {KEY} to at least ~{human_bytes(need.window)}, or "
                 "acknowledge more often")  # fmt: skip
-    # The spool fills at (extraction - consumption) until it holds the limit; from then on
-    # extraction runs at the consumers' rate.
-    fill_s = (limit - need.window) / ((extraction - consumer) * need.per_token)
-    throttled_s = fill_s + (tokens - extraction * fill_s) / consumer
+    throttled = need.throttled(limit)
+    assert throttled is not None  # window <= limit < peak
+    fill_s, throttled_s = throttled
     return ("WARN", "spool", f"{KEY} {human_bytes(limit)} is below the ~{human_bytes(need.peak)} "
             f"the rates need: once it is full (~{eta_text(fill_s)} in) extraction is "
-            f"throttled to the consumers' ~{consumer:,.0f} tokens/s and takes "
+            f"throttled to the consumers' ~{need.consumer:,.0f} tokens/s and takes "
             f"~{eta_text(throttled_s)} instead of ~{eta_text(need.extraction_s)}; raise {KEY} "
             f"to ~{human_bytes(need.peak)} to extract at full speed")  # fmt: skip
