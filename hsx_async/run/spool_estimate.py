@@ -13,10 +13,10 @@ tokens and samples. The model, in bytes of sample files on the disk:
 - *backlog*: when the consumers are slower than extraction, what they have not consumed when
   extraction ends, ``tokens × (1 − consumer / extraction)``.
 
-The peak is their sum. A ``spool_limit`` under it throttles extraction to the consumers'
-rate once the spool is full (the job takes longer, said how much); one under in flight plus
-one ack interval pauses intake before the consumers can free anything: both are warnings
-naming ``output.spool_limit``.
+The peak is their sum, at most every sample file of the job. A ``spool_limit`` under it
+throttles extraction to the consumers' rate once the spool is full (the job takes longer,
+said how much); one under in flight plus one ack interval pauses intake before the
+consumers can free anything: both are warnings naming ``output.spool_limit``.
 """
 
 from __future__ import annotations
@@ -52,15 +52,16 @@ class SpoolNeed:
     extraction: float  # tokens/s
     consumer: float  # tokens/s
     tokens: int
+    total: int  # every sample file: the spool never holds more
 
     @property
     def window(self) -> int:
         """What the spool holds while the consumers keep up."""
-        return self.in_flight + self.unacked
+        return min(self.total, self.in_flight + self.unacked)
 
     @property
     def peak(self) -> int:
-        return self.window + self.backlog
+        return min(self.total, self.window + self.backlog)
 
     def throttled(self, limit: int) -> tuple[float, float] | None:
         """With a ``limit`` between the window and the peak: (seconds until the spool is
@@ -94,7 +95,8 @@ def spool_need(
     unacked = int(min(tokens, consumer * ack_interval) * per_token)
     backlog = 0 if consumer >= extraction else int(tokens * (1 - consumer / extraction) * per_token)
     return SpoolNeed(per_token, in_flight, unacked, backlog, tokens / extraction,
-                     tokens / consumer, extraction, consumer, tokens)  # fmt: skip
+                     tokens / consumer, extraction, consumer, tokens,
+                     samples * spool_bytes_bound(config, mean))  # fmt: skip
 
 
 def spool_lines(
@@ -149,6 +151,8 @@ def _peak_line(need: SpoolNeed, ratio: float) -> Line:
         )
     else:
         parts += f" (the consumers keep up: {ratio:.2f}x extraction)"
+    if need.in_flight + need.unacked + need.backlog > need.total:
+        parts += "; at most every sample file of the job"
     return "INFO", "spool", f"peak ~{human_bytes(need.peak)} at full extraction speed: {parts}"
 
 

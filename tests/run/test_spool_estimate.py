@@ -47,6 +47,18 @@ def test_a_consumer_that_keeps_up_needs_what_is_in_flight_and_one_ack_interval(
     assert need.extraction_s == 10.0 and need.consumer_s == 5.0
 
 
+def test_the_spool_never_needs_more_than_every_file_of_the_job(tmp_path: Path) -> None:
+    config = acked(tmp_path)
+    need = spool_need(config, samples=SAMPLES, tokens=TOKENS, extraction=1e4, consumer=2e3,
+                      ack_interval=3600.0)  # fmt: skip
+    every_file = SAMPLES * spool_bytes_bound(config, 100)
+    assert need.in_flight + need.unacked + need.backlog > every_file
+    assert need.window == need.peak == every_file
+    assert need.job_seconds(every_file) == need.extraction_s == 10.0
+    peak = lines(config, SpoolRates(consumer=2e3, ack_interval=3600.0))[1][2]
+    assert peak.endswith("; at most every sample file of the job"), peak
+
+
 def test_a_slower_consumer_leaves_a_backlog_when_extraction_ends(tmp_path: Path) -> None:
     config = acked(tmp_path)
     file = spool_bytes_bound(config, 100)
