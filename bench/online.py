@@ -309,11 +309,11 @@ def report(args: argparse.Namespace, data: dict[str, Any]) -> None:
     )  # fmt: skip
     plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    for r in rows:
+    for i, r in enumerate(rows):  # one colour per phase in both panels
         t = [p[0] for p in r["timeline"]]
-        top.plot(t, [p[1] / MB for p in r["timeline"]], label=r["phase"])
+        top.plot(t, [p[1] / MB for p in r["timeline"]], label=r["phase"], color=f"C{i}")
         if r["speed"]:
-            bottom.plot(t, [p[2] for p in r["timeline"]], label=r["phase"])
+            bottom.plot(t, [p[2] for p in r["timeline"]], label=r["phase"], color=f"C{i}")
     top.axhline(limit / MB, color="grey", linestyle="--", label="spool_limit")
     top.set_ylabel("spool on disk, MB")
     bottom.set_ylabel("consumer lag, samples")
