@@ -75,7 +75,8 @@ class Server:
     down_since: float | None = None
     retired: bool = False  # removed from the config by a reload
     out_kind: str = ""  # why it is out of rotation (a fault kind: hsx_async.run.faults)
-    served: int = 0  # validated dumps
+    served: int = 0  # dumps that became samples
+    worked: int = 0  # the lease number (``requests`` then) of the latest of them
     evictions: list[Eviction] = field(default_factory=list)
     identity: Identity | None = None  # what it was admitted as (hsx run)
 
@@ -180,7 +181,8 @@ class ServerPool:
     @contextlib.asynccontextmanager
     async def lease(self, timeout: float | None = -1.0) -> AsyncIterator[Server]:
         """A healthy server for one attempt, least loaded first (round robin on ties);
-        ``timeout`` as for :meth:`wait_healthy`."""
+        ``timeout`` as for :meth:`wait_healthy`. The attempt's lease number is the
+        server's ``requests`` as the block starts (pass it to :meth:`served`)."""
         await self.wait_healthy(timeout)
         candidates = self.healthy()
         self._rr += 1
@@ -197,11 +199,12 @@ class ServerPool:
     def succeeded(self, server: Server) -> None:
         server.soft_failures = 0
 
-    def served(self, server: Server) -> None:
-        """A dump of ``server`` became a sample: it works (the evidence
-        :mod:`hsx_async.run.retry` settles suspicions with); its streak of soft faults
-        ends."""
+    def served(self, server: Server, lease: int) -> None:
+        """A dump of ``server``, from the attempt with lease number ``lease``, became a
+        sample: it works (the evidence :mod:`hsx_async.run.retry` settles suspicions
+        with); its streak of soft faults ends."""
         server.served += 1
+        server.worked = max(server.worked, lease)
         server.soft_failures = 0
 
     async def failed(self, server: Server, error: RequestError) -> None:
@@ -230,7 +233,7 @@ class ServerPool:
             server.down_since = time.monotonic()
             server.out_kind = kind or "unreachable"
             server.last_error = server.last_error or reason
-            server.evictions.append(Eviction(server.served))
+            server.evictions.append(Eviction(server.worked))
             log.warning(
                 "server_out_of_rotation",
                 server=server.display,

@@ -8,9 +8,11 @@ have. :class:`Attempts` counts one sample's attempts by cause (:mod:`hsx_async.r
   (refused connection, no hook, another model, a 404), is never charged;
 - a server fault that the sample might have caused (a 5xx, a reset, a timeout, a broken
   dump) is a :class:`Suspicion` against that server, settled by what the server does next
-  (:meth:`Suspicion.verdict`): it served another request since — the server works, so the
-  sample is charged; it was taken out of rotation and its first probe failed — the server
-  was broken, so the sample is forgiven. Until then the sample is retried uncharged.
+  (:meth:`Suspicion.verdict`): a request sent to it after the failure became a sample —
+  the server works, so the sample is charged (one sent before it proves nothing: it may
+  have been answered before the server broke, and committed after); it was taken out of
+  rotation and its first probe failed — the server was broken, so the sample is forgiven.
+  Until then the sample is retried uncharged.
 
 So a server that fails every request takes nothing from the input (its samples wait,
 uncharged, until it is fixed or the run exits 3), while a sample that fails on servers
@@ -56,18 +58,24 @@ class RetryPolicy:
 
 @dataclass(slots=True)
 class Eviction:
-    """One time a server left rotation: how many dumps it had served by then, and what its
+    """One time a server left rotation: its record's ``worked`` by then, and what its
     first probe after it showed (None until probed)."""
 
-    served_before: int
+    worked_before: int
     verdict: bool | None = None
 
 
 class Witness(Protocol):
-    """What a server's record says about whether it works (``Server`` is one)."""
+    """What a server's record says about whether it works (``Server`` is one).
+
+    ``requests``: requests sent to it so far (each one's number is its lease number);
+    ``worked``: the lease number of the latest request whose dump became a sample."""
 
     @property
-    def served(self) -> int: ...
+    def requests(self) -> int: ...
+
+    @property
+    def worked(self) -> int: ...
 
     @property
     def evictions(self) -> Sequence[Eviction]: ...
@@ -83,25 +91,25 @@ class Suspicion:
 
     server: Witness
     fault: Fault
-    served_at: int
+    sent_at: int  # requests sent to the server up to the failure
     evictions_at: int
     was_down: bool  # the server was already out of rotation when the attempt failed
 
     @classmethod
     def against(cls, server: Witness, fault: Fault) -> Suspicion:
         """Record before the server's record changes for this same fault."""
-        return cls(server, fault, server.served, len(server.evictions), not server.healthy)
+        return cls(server, fault, server.requests, len(server.evictions), not server.healthy)
 
     def verdict(self) -> bool | None:
-        """True: the server worked for another request after it (the sample is to blame);
+        """True: a request sent to the server after it became a sample (the sample is to blame);
         False: the server was broken (forgiven); None: not known yet."""
         evictions = self.server.evictions
         if self.was_down and self.evictions_at:
             return evictions[self.evictions_at - 1].verdict
         if len(evictions) == self.evictions_at:  # still in rotation since the failure
-            return True if self.server.served > self.served_at else None
+            return True if self.server.worked > self.sent_at else None
         later = evictions[self.evictions_at]  # the eviction that followed it
-        if later.served_before > self.served_at:
+        if later.worked_before > self.sent_at:
             return True
         return later.verdict
 

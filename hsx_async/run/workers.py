@@ -70,6 +70,7 @@ class _Reserved:
     sample: Sample
     tries: Attempts  # the attempts behind this dump, counting it
     server: Server  # where the dump came from
+    lease: int  # its attempt's lease number at that server
     ns: str
     rid: str
     need: int  # /dev/shm bytes
@@ -77,10 +78,12 @@ class _Reserved:
 
 @dataclass(frozen=True, slots=True)
 class _Extracted:
-    """A valid dump, the server it came from and the attempts behind it."""
+    """A valid dump, the server it came from (and the attempt's lease number there) and
+    the attempts behind it."""
 
     dump: Dump
     server: Server
+    lease: int
     tries: Attempts
 
 
@@ -361,10 +364,11 @@ class Workers:
 
     async def _attempt(
         self, sample: Sample, rid: str, ns: str, ns_dir: Path
-    ) -> tuple[Dump, Server] | _Failure:
+    ) -> tuple[Dump, Server, int] | _Failure:
         cfg = self.config
         # No deadline here: the admission task owns the wait for a server (exit 3).
         async with self.servers.lease(timeout=None) as server:
+            lease = server.requests
             try:
                 await self.client.generate(
                     server,
@@ -391,7 +395,7 @@ class Workers:
                 check_dump(server.identity, dump.meta, server.display)
         except DumpError as exc:
             return _Failure(exc, server)
-        return dump, server
+        return dump, server, lease
 
     async def _hand_off(self, sample: Sample, got: _Extracted, ns: str, need: int) -> None:
         """Queue the dump for the writers; its outcome comes back to :meth:`_settle`, and
@@ -401,7 +405,7 @@ class Workers:
         handoff = Handoff(job, loop.create_future(), loop.create_future())
         await self.sink.submit(handoff)
         # No await since the put: the writers cannot have answered yet.
-        reserved = _Reserved(sample, got.tries, got.server, ns, got.dump.path.name, need)
+        reserved = _Reserved(sample, got.tries, got.server, got.lease, ns, got.dump.path.name, need)
         self.live_rids[ns].add(reserved.rid)
         handoff.outcome.add_done_callback(functools.partial(self._settle, reserved))
         handoff.freed.add_done_callback(functools.partial(self._freed, reserved))
@@ -417,7 +421,7 @@ class Workers:
             self.settled += 1
             # The evidence that a server works (hsx_async.run.retry): its dump became a
             # sample — not merely passed validation (a dump may change before its copy).
-            self.servers.served(held.server)
+            self.servers.served(held.server, held.lease)
         elif isinstance(outcome, Requeue):
             self._requeue(held.sample, held.tries)  # a full disk: uncharged
         self._landed()

@@ -104,13 +104,28 @@ def test_exhausted() -> None:
 class _Server:
     """A server's record, as :class:`~hsx_async.run.retry.Witness` reads it."""
 
-    served: int = 0
+    requests: int = 0
+    worked: int = 0
     evictions: list[Eviction] = field(default_factory=list)
     healthy: bool = True
 
+    def send(self) -> int:
+        """A request leased to the server now: its lease number."""
+        self.requests += 1
+        return self.requests
+
+    def land(self, lease: int) -> None:
+        """The dump of the request with lease number ``lease`` became a sample."""
+        self.worked = max(self.worked, lease)
+
+    def serve(self, n: int = 1) -> None:
+        """``n`` requests sent now whose dumps became samples."""
+        for _ in range(n):
+            self.land(self.send())
+
     def evict(self) -> None:
         self.healthy = False
-        self.evictions.append(Eviction(self.served))
+        self.evictions.append(Eviction(self.worked))
 
     def probe(self, ok: bool) -> None:
         self.evictions[-1].verdict = ok
@@ -132,7 +147,7 @@ def test_a_fault_that_never_reached_the_server_is_never_charged() -> None:
     tries, server = Attempts(), _Server()
     for _ in range(10):
         tries.record(Fault("server", "unreachable", "refused", evict=True), server)
-        server.served += 1  # even while the server works for others
+        server.serve()  # even while the server works for others
         tries.settle(POLICY)
     assert (tries.failed, tries.charged, tries.suspicions) == (10, 0, [])
 
@@ -142,7 +157,22 @@ def test_a_suspicion_is_charged_once_the_server_works_for_another_request() -> N
     tries.record(SOFT, server)
     tries.settle(POLICY)
     assert tries.charged == 0 and len(tries.suspicions) == 1  # not known yet
-    server.served += 1
+    server.serve()
+    tries.settle(POLICY)
+    assert tries.charged == 1 and tries.suspicions == []
+
+
+def test_a_dump_sent_before_the_failure_that_lands_after_it_proves_nothing() -> None:
+    """A request in flight when the server broke was answered before it broke; its dump
+    becoming a sample after the failure says nothing about the server since (CI saw a
+    sample quarantined so while its server failed every request)."""
+    tries, server = Attempts(), _Server()
+    early = server.send()
+    tries.record(SOFT, server)
+    server.land(early)
+    tries.settle(POLICY)
+    assert tries.charged == 0 and len(tries.suspicions) == 1
+    server.serve()  # a request sent after the failure: the server works
     tries.settle(POLICY)
     assert tries.charged == 1 and tries.suspicions == []
 
@@ -154,7 +184,7 @@ def test_a_suspicion_is_forgiven_when_the_server_is_out_and_its_probe_fails() ->
     tries.settle(POLICY)
     assert tries.suspicions  # the probe has not spoken
     server.probe(ok=False)
-    server.served += 5  # fixed later: the failure stays the server's
+    server.serve(5)  # fixed later: the failure stays the server's
     tries.settle(POLICY)
     assert (tries.charged, tries.suspicions) == (0, [])
 
@@ -179,7 +209,7 @@ def test_suspicions_settled_together_charge_no_more_than_max_attempts() -> None:
     tries, server = Attempts(), _Server()
     for _ in range(2):
         tries.record(SOFT, server)
-        server.served += 1
+        server.serve()
         tries.settle(POLICY)
     assert tries.charged == 2 and not tries.exhausted(POLICY)
     for _ in range(3):
@@ -196,7 +226,7 @@ def test_a_failure_on_a_server_already_out_waits_for_that_spells_probe() -> None
     tries, server = Attempts(), _Server()
     server.evict()
     tries.record(SOFT, server)  # an attempt in flight when the server left
-    server.served += 1  # (in-flight success elsewhere does not count: it is out)
+    server.serve()  # (in-flight success elsewhere does not count: it is out)
     tries.settle(POLICY)
     assert tries.suspicions
     server.probe(ok=False)
@@ -207,7 +237,7 @@ def test_a_failure_on_a_server_already_out_waits_for_that_spells_probe() -> None
 def test_a_server_that_served_before_it_left_rotation_charges_the_sample() -> None:
     tries, server = Attempts(), _Server()
     tries.record(SOFT, server)
-    server.served += 1
+    server.serve()
     server.evict()
     server.probe(ok=False)
     tries.settle(POLICY)

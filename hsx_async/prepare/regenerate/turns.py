@@ -268,6 +268,7 @@ class Turns:
         try:
             # No deadline here: the admission task owns the wait for a server (exit 3).
             async with self.pool.lease(timeout=None) as server:
+                lease = server.requests
                 try:
                     answer = await decode(
                         self.client, server, rid, prompt, decoding,
@@ -277,7 +278,7 @@ class Turns:
                     return exc, server
         except PoolStopped:
             raise _Abandoned from None
-        self.pool.served(server)
+        self.pool.served(server, lease)
         return answer
 
     async def _failed(
