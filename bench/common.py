@@ -479,6 +479,12 @@ class ClientRun:
     tokens: int
     run_s: float  # run_started → run_finished: process start-up and set-up excluded
     bytes_on_disk: int
+    # The first server_admitted → run_finished: the copy alone, the admission's probe of the
+    # server (a fixed cost of every run, like start-up) excluded. None: no server admitted.
+    copy_s: float | None = None
+    # The CPU run_finished reports (every thread, from the run's start): imports and
+    # set-up excluded, counted by the process itself. None: a client that does not say.
+    run_cpu_s: float | None = None
 
     @property
     def gb(self) -> float:
@@ -511,6 +517,7 @@ def run_hsx(
                 "raw", "--output", str(out), "--", *argv]  # fmt: skip
     usage = run_measured(argv, log, cwd=src)
     m = _SUMMARY.search(_tail(log, 4000))
+    marks = _pipeline_marks(log)
     if usage.returncode != 0 or m is None:
         raise RuntimeError(f"hsx run failed ({usage.returncode}); see {log}:\n{_tail(log)}")
     out = Path(raw_config["output"]["dir"])
@@ -519,26 +526,45 @@ def run_hsx(
         done=int(m["done"].replace(",", "")),
         quarantined=int(m["quarantined"].replace(",", "")),
         tokens=int(m["tokens"].replace(",", "")),
-        run_s=_pipeline_seconds(log) or float(m["seconds"]),
+        run_s=marks.run_s or float(m["seconds"]),
         bytes_on_disk=dataset_bytes(out),
+        copy_s=marks.copy_s,
+        run_cpu_s=marks.cpu_s,
     )
 
 
-def _pipeline_seconds(log: Path) -> float | None:
-    """Seconds from the ``run_started`` to the ``run_finished`` event of a JSON log."""
+@dataclass(frozen=True)
+class _Marks:
+    run_s: float | None  # run_started → run_finished
+    copy_s: float | None  # the first server_admitted → run_finished
+    cpu_s: float | None  # run_finished's cpu_s
+
+
+def _pipeline_marks(log: Path) -> _Marks:
+    """What a JSON log's ``run_started``, first ``server_admitted`` and ``run_finished``
+    events say about the run's time and CPU."""
     from datetime import datetime
 
     stamps: dict[str, float] = {}
+    cpu: float | None = None
     for line in log.read_bytes().splitlines():
         if not line.startswith(b"{"):
             continue
         with contextlib.suppress(ValueError, KeyError, TypeError):
             event = orjson.loads(line)
-            if event["event"] in ("run_started", "run_finished"):
-                stamps[event["event"]] = datetime.fromisoformat(event["timestamp"]).timestamp()
-    if len(stamps) < 2:
-        return None
-    return stamps["run_finished"] - stamps["run_started"]
+            name = event["event"]
+            if name in ("run_started", "server_admitted", "run_finished"):
+                stamp = datetime.fromisoformat(event["timestamp"]).timestamp()
+                stamps.setdefault(name, stamp)
+            if name == "run_finished" and isinstance(event.get("cpu_s"), int | float):
+                cpu = float(event["cpu_s"])
+    end = stamps.get("run_finished")
+    start, admitted = stamps.get("run_started"), stamps.get("server_admitted")
+    return _Marks(
+        run_s=end - start if end is not None and start is not None else None,
+        copy_s=end - admitted if end is not None and admitted is not None else None,
+        cpu_s=cpu,
+    )
 
 
 def dataset_bytes(out_dir: Path) -> int:

@@ -30,6 +30,7 @@ class Totals:
     bytes_written: int = 0
     samples_skipped: int = 0  # already done by an earlier run
     started: float = field(default_factory=time.monotonic)
+    cpu_started: float = field(default_factory=time.process_time)  # every thread's
 
 
 class Metrics:
@@ -99,6 +100,11 @@ class Metrics:
     def elapsed(self) -> float:
         """Seconds since this run started (the monotonic start never leaves the process)."""
         return time.monotonic() - self.totals.started
+
+    def cpu(self) -> float:
+        """CPU seconds the process (every thread) spent since this run started: its
+        imports and set-up excluded."""
+        return time.process_time() - self.totals.cpu_started
 
     def rates(self) -> tuple[float, float]:
         """(tokens/s, bytes/s) since the start of this run."""
