@@ -94,8 +94,17 @@ def test_throughput_smoke(tmp_path: Path, shm_root: Path) -> None:
         # the paired phase's own empty runs' CPU off
         net = (p["hsx_cpu_s"] - paired["idle_cpu_s"]["hsx"]) / (p["bytes"] / 1e9)
         assert p["hsx_cpu_s_per_gb_net"] == pytest.approx(net)
+        # The copy window starts at the admission, inside the run: a higher rate.
+        assert p["ratio_copy"] > p["ratio"]
+        # hsx's own count of its run's CPU: some, and less than the whole process's.
+        assert 0 < p["hsx_cpu_s_per_gb_run"] < p["hsx_cpu_s"] / (p["bytes"] / 1e9)
+        assert p["cpu_over_raw_run"] == p["hsx_cpu_s_per_gb_run"] / p["raw_cpu_s_per_gb"]
+        assert p["raw_delete_cpu_s_per_gb"] >= 0
     lo, hi = paired["quartiles"]
     assert lo <= paired["median_ratio"] <= hi
+    lo, hi = paired["quartiles_copy"]
+    assert lo <= paired["median_ratio_copy"] <= hi
+    assert positive(paired["cpu_over_raw_run_median"])
 
 
 def test_throughput_pairs_hsx_with_the_raw_copy_asked_for(tmp_path: Path, shm_root: Path) -> None:

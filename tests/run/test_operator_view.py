@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import io
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -91,8 +92,11 @@ async def test_stop_summary_says_what_remains_and_how_to_finish(
         f"{left:,} samples remaining: run `hsx run --config job.toml` again to finish (it resumes)"
     )
     finished = [e for e in logs if e["event"] == "run_finished"]
-    assert finished and "started" not in finished[0]  # a monotonic clock means nothing outside
+    # Clocks mean nothing outside the process: neither start mark is logged.
+    assert finished and not {"started", "cpu_started"} & set(finished[0])
     assert finished[0]["seconds"] > 0
+    # The run's own CPU (every thread, start-up excluded): what bench/throughput.py reads.
+    assert 0 < finished[0]["cpu_s"] < time.process_time()
 
 
 def test_summary_line_formats_counts_and_sizes() -> None:
