@@ -459,7 +459,7 @@ def hsx_row(name: str, run: ClientRun, server_cpu: float | None = None) -> dict[
         # The copy alone: from the first server admitted (its probe is a fixed cost of
         # each run, like start-up), and the CPU hsx counts itself from its run's start.
         "copy_seconds": run.copy_s,
-        "gb_per_s_copy": gb / run.copy_s if run.copy_s else float("nan"),
+        "gb_per_s_copy": gb / run.copy_s if run.copy_s else NAN,
         "run_cpu_s": run.run_cpu_s,
         "cpu_s_per_gb_run": run.run_cpu_s / gb if gb and run.run_cpu_s is not None else NAN,
         "peak_rss_mb": u.peak_rss / 1e6,

@@ -60,7 +60,6 @@ from hsx_async.units import human_bytes
 log = structlog.get_logger("hsx.daemon")
 
 AUTOTUNE_TICK_S = 0.5  # how often concurrency = "auto" looks at the counters
-_START_MARKS = ("started", "cpu_started")  # Totals fields that are clocks, not counters
 
 
 class _Finished(Exception):
@@ -257,10 +256,9 @@ class Daemon:
                     shard=f"{cfg.shard.index}/{cfg.shard.count}",
                 )
         except* _Finished:
-            totals = {k: v for k, v in vars(self.metrics.totals).items() if k not in _START_MARKS}
             log.info(
                 "run_finished",
-                **totals,
+                **self.metrics.totals.counters(),
                 seconds=round(self.metrics.elapsed(), 3),
                 cpu_s=round(self.metrics.cpu(), 3),
             )

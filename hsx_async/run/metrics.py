@@ -32,6 +32,12 @@ class Totals:
     started: float = field(default_factory=time.monotonic)
     cpu_started: float = field(default_factory=time.process_time)  # every thread's
 
+    def counters(self) -> dict[str, int]:
+        """The counts, without the two start marks (clocks that mean nothing outside the
+        process)."""
+        marks = ("started", "cpu_started")
+        return {k: v for k, v in vars(self).items() if k not in marks}
+
 
 class Metrics:
     def __init__(self) -> None:
