@@ -492,6 +492,7 @@ class ClientRun:
 
 
 PROFILE: dict[str, Any] = {"dir": None, "gil": False}  # set by --profile-dir, --profile-gil
+KEEP_LOGS: dict[str, Path | None] = {"dir": None}  # set by --keep-logs
 
 
 def run_hsx(
@@ -505,6 +506,10 @@ def run_hsx(
     one file per run): its figures then include py-spy's own cost, so use them for the
     profile only."""
     config = work / f"{name}.toml"
+    keep = KEEP_LOGS["dir"]
+    if keep is not None:  # every event, to read a run's timeline afterwards
+        daemon = {**raw_config.get("daemon", {}), "log_level": "debug"}
+        raw_config = {**raw_config, "daemon": daemon}
     config.write_text(tomli_w.dumps(raw_config))
     log = work / f"{name}.log"
     argv = [PYTHON, "-m", "hsx_async", "run", "--config", str(config), "--no-report"]
@@ -516,6 +521,9 @@ def run_hsx(
         argv = [str(spy), "record", "--threads", *gil, "--rate", "200", "--format",
                 "raw", "--output", str(out), "--", *argv]  # fmt: skip
     usage = run_measured(argv, log, cwd=src)
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, keep / log.name)
     m = _SUMMARY.search(_tail(log, 4000))
     marks = _pipeline_marks(log)
     if usage.returncode != 0 or m is None:
@@ -686,6 +694,12 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     add("--shm-dir", type=Path, default=Path("/dev/shm"), help="tmpfs for dumps")
     add("--profile-dir", type=Path, help="run each hsx client under py-spy; stacks go here")
     add(
+        "--keep-logs",
+        type=Path,
+        help="copy each hsx run's JSON log (at log level debug) here, e.g. for "
+        "bench/timeline.py; debug logging costs the client a little",
+    )
+    add(
         "--profile-gil",
         action="store_true",
         help="with --profile-dir: sample only the thread holding the GIL (the serial "
@@ -696,6 +710,7 @@ def common_args(parser: argparse.ArgumentParser) -> None:
 def apply_common(args: argparse.Namespace) -> None:
     PROFILE["dir"] = args.profile_dir
     PROFILE["gil"] = args.profile_gil
+    KEEP_LOGS["dir"] = args.keep_logs
     warm_up()
 
 

@@ -708,6 +708,15 @@ def idle_cpu(ctx: Ctx, client: Client, tag: str) -> float:
     return run.usage.cpu_s
 
 
+def fixed_run_cpu(ctx: Ctx, client: Client, tag: str) -> float:
+    """The CPU a run counts in itself (``run_finished``'s ``cpu_s``: imports and set-up
+    excluded) for one tiny sample: what every run spends whatever its bytes (the admission
+    probe, the threads' start, the first commit). Taken off the in-run CPU of each pair,
+    it leaves the CPU per GB the copy itself costs."""
+    run = hsx_prefab(ctx, f"fixed-{tag}", [_PROBE_TOKENS], None, src=client.src)
+    return run.run_cpu_s if run.run_cpu_s is not None else NAN
+
+
 def deletion_cpu(prefab_dir: Path) -> float:
     """CPU seconds this process spends deleting the dumps the raw copy read (what hsx does
     with every dump it consumed; the raw copy's own figures leave it out, as the issue's
@@ -727,6 +736,8 @@ def paired_phase(ctx: Ctx) -> dict[str, Any]:
     clients = pair_clients(args)
     idle: dict[str, list[float]] = {c.name: [idle_cpu(ctx, c, f"{k}-0")] for k, c in
                                     enumerate(clients)}  # fmt: skip
+    fixed: dict[str, list[float]] = {c.name: [fixed_run_cpu(ctx, c, f"{k}-0")] for k, c in
+                                     enumerate(clients)}  # fmt: skip
     streams = 1 if args.smoke else 2
     pairs = []
     for i, order in enumerate(pair_orders(len(clients) + 1, args.pairs)):
@@ -761,17 +772,27 @@ def paired_phase(ctx: Ctx) -> dict[str, Any]:
         ) + f"; ratio {pairs[-1]['ratio']:.2f} (load {load:.1f})", flush=True)  # fmt: skip
     for k, c in enumerate(clients):
         idle[c.name].append(idle_cpu(ctx, c, f"{k}-1"))
+        fixed[c.name].append(fixed_run_cpu(ctx, c, f"{k}-1"))
     idle_s = {name: float(np.median(v)) for name, v in idle.items()}
+    fixed_s = {name: float(np.median(v)) for name, v in fixed.items()}
     for p in pairs:
         for name, run in [("hsx", p), *p["others"].items()]:
             gb = run["bytes"] / GB
             run["hsx_cpu_s_per_gb_net"] = (run["hsx_cpu_s"] - idle_s[name]) / gb
+            # In-run CPU less a one-sample run's: the copy's own cost per GB.
+            per_gb = run["hsx_cpu_s_per_gb_run"] - fixed_s[name] / gb
+            run["hsx_cpu_s_per_gb_copy"] = per_gb
+            run["cpu_over_raw_copy"] = per_gb / p["raw_cpu_s_per_gb"]
+            consumer = p["raw_cpu_s_per_gb"] + p["raw_delete_cpu_s_per_gb"]
+            run["cpu_over_raw_consumer_copy"] = per_gb / consumer
     return {
         "raw_method": f"raw {args.pair_method} ×{streams}",
         "pair_gb": args.pair_gb,
         "clients": [{"name": c.name, "src": str(c.src)} for c in clients],
         "idle_cpu_s": idle_s,
         "idle_cpu_s_runs": idle,
+        "fixed_run_cpu_s": fixed_s,
+        "fixed_run_cpu_s_runs": fixed,
         "pairs": pairs,
         **_pair_summary(pairs, clients),
     }
@@ -979,9 +1000,19 @@ def _paired_tables(pr: dict[str, Any]) -> list[str]:
         run, (u_lo, u_hi) = _median_quartiles(
             [client(p, name)["cpu_over_raw_run"] for p in pr["pairs"]]
         )
+        own, (o_lo, o_hi) = _median_quartiles(
+            [client(p, name).get("cpu_over_raw_copy", NAN) for p in pr["pairs"]]
+        )
+        both, (b_lo, b_hi) = _median_quartiles(
+            [client(p, name).get("cpu_over_raw_consumer_copy", NAN) for p in pr["pairs"]]
+        )
+        per_gb = float(np.median([client(p, name).get("hsx_cpu_s_per_gb_copy", NAN)
+                                  for p in pr["pairs"]]))  # fmt: skip
         summary.append([name, ratio, f"{r_lo:.2f}–{r_hi:.2f}", copy, f"{k_lo:.2f}–{k_hi:.2f}",
                         med, f"{c_lo:.2f}–{c_hi:.2f}", med / raw_cpu, run,
-                        f"{u_lo:.2f}–{u_hi:.2f}", pr["idle_cpu_s"][name]])  # fmt: skip
+                        f"{u_lo:.2f}–{u_hi:.2f}", per_gb, own, f"{o_lo:.2f}–{o_hi:.2f}", both,
+                        f"{b_lo:.2f}–{b_hi:.2f}", pr["idle_cpu_s"][name],
+                        pr.get("fixed_run_cpu_s", {}).get(name, NAN)])  # fmt: skip
     loads = pr["load_avg_1m"]
     d_lo, d_hi = pr["delete_cpu_s_per_gb_quartiles"]
     title = (
@@ -992,7 +1023,10 @@ def _paired_tables(pr: dict[str, Any]) -> list[str]:
     headers = ["client", "ratio to raw, median", "quartiles", "ratio, copy (from admission)",
                "quartiles", "CPU s/GB net of start-up, median", "quartiles", "CPU / raw copy's",
                "CPU in run / raw copy's, per pair", "quartiles",
-               "start-up CPU s (empty run)"]  # fmt: skip
+               "copy CPU s/GB (in run, less a 1-sample run's)",
+               "copy CPU / raw copy's, per pair", "quartiles",
+               "copy CPU / (raw copy + deleting its source), per pair", "quartiles",
+               "start-up CPU s (empty run)", "fixed in-run CPU s (1-sample run)"]  # fmt: skip
     tables.append(print_table(title, headers, summary))
     for name, o in pr["others"].items():
         lo, hi = o["hsx_over_it_quartiles"]

@@ -100,6 +100,16 @@ def test_throughput_smoke(tmp_path: Path, shm_root: Path) -> None:
         assert 0 < p["hsx_cpu_s_per_gb_run"] < p["hsx_cpu_s"] / (p["bytes"] / 1e9)
         assert p["cpu_over_raw_run"] == p["hsx_cpu_s_per_gb_run"] / p["raw_cpu_s_per_gb"]
         assert p["raw_delete_cpu_s_per_gb"] >= 0
+        # The copy's own CPU: the in-run CPU less a one-sample run's (its fixed cost).
+        fixed = paired["fixed_run_cpu_s"]["hsx"]
+        own = p["hsx_cpu_s_per_gb_run"] - fixed / (p["bytes"] / 1e9)
+        assert p["hsx_cpu_s_per_gb_copy"] == pytest.approx(own)
+        assert own < p["hsx_cpu_s_per_gb_run"]
+        assert p["cpu_over_raw_copy"] == pytest.approx(own / p["raw_cpu_s_per_gb"])
+        consumer = p["raw_cpu_s_per_gb"] + p["raw_delete_cpu_s_per_gb"]
+        assert p["cpu_over_raw_consumer_copy"] == pytest.approx(own / consumer)
+    # ... measured by a one-sample run before and after the pairs, which counts some CPU
+    assert len(paired["fixed_run_cpu_s_runs"]["hsx"]) == 2 and positive(fixed)
     lo, hi = paired["quartiles"]
     assert lo <= paired["median_ratio"] <= hi
     lo, hi = paired["quartiles_copy"]

@@ -282,12 +282,15 @@ class FinalStateGuard:
     def kind(self) -> str | None:
         return self._kind
 
-    def accept(self, kind: str) -> None:
+    def accept(self, kind: str, *, recorded: bool = False) -> None:
+        """``recorded``: the caller wrote ``kind`` into the record itself, with the server
+        that showed it (:func:`record_server`: one durable write, not two)."""
         if self._kind == kind:
             return
         with self._lock:
             if self._kind is None:
-                _record_key(self._out_dir, "final_state", kind)
+                if not recorded:
+                    _record_key(self._out_dir, "final_state", kind)
                 self._kind = kind
         if self._kind != kind:
             raise IdentityError(
@@ -311,12 +314,15 @@ def record_server(
     server: str,
     identity: dict[str, Any],
     job: dict[str, Any],
+    *,
     final_norm: dict[str, Any] | None = None,
+    final_state: str | None = None,
 ) -> None:
     """A server admitted to the job: its identity under ``servers`` (keyed by its URL as
     displayed), the job's under ``identity``, and the served model and server version
-    in the keys older readers know (``model``, ``server``). Written only when something
-    changed, under :func:`directory_lock` like every write."""
+    in the keys older readers know (``model``, ``server``); ``final_state``: a new
+    dataset's kind, learnt from this server (:class:`FinalStateGuard`). Written only when
+    something changed, under :func:`directory_lock` like every write."""
     with directory_lock(out_dir):
         old = read_provenance(out_dir) or {"protocol": PROTOCOL_VERSION, "hsx": __version__}
         servers = old.get("servers") if isinstance(old.get("servers"), dict) else {}
@@ -334,6 +340,8 @@ def record_server(
         new["server"] = job.get("version") or job.get("server") or old.get("server", "")
         if final_norm is not None:
             new["final_norm"] = final_norm
+        if final_state is not None:
+            new["final_state"] = final_state
         if new != old:
             write_provenance(out_dir, orjson.dumps(new, option=orjson.OPT_INDENT_2))
 

@@ -71,7 +71,8 @@ PROBE_IDS = np.array([1, 2, 3, 4], dtype=np.int64)  # in every vocabulary
 WAIT_NOTICE_S = 30.0  # at most this long between two "waiting_for_server" lines
 PROBE_SETTLE_S = 10.0  # how long the end of a run waits for a probe still at a server
 
-Record = Callable[[Server, Identity, dict[str, Any] | None], Awaitable[None]]
+# (server, its identity, its final norm, a new dataset's final-state kind): provenance.json
+Record = Callable[[Server, Identity, dict[str, Any] | None, str | None], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -138,23 +139,27 @@ class Admission:
     # -- the task ---------------------------------------------------------------------
 
     async def run(self) -> None:
-        ns_dir = self.config.dump.root / self.namespace
         try:
             # Nothing is asked of a server before a sample needs one: a run with nothing
-            # left to send (a finished dataset) never contacts any.
-            await self.pool.wanted.wait()
+            # left to send (a finished dataset) never contacts any. The probes' own
+            # directory is ready before then (local, and off the first sample's path).
             self._ns_dir = await asyncio.to_thread(
                 prepare_namespace, self.config.dump.root, self.namespace
             )
+            await self.pool.wanted.wait()
             wait = ServerWait(self.pool, self.notifier, self.stop_requested)
             while True:
                 await self.round()
                 wait.check(self.config)
                 await self._pause()
         finally:
-            # Also what a killed run left, when this one asked no server anything.
+            # The namespace itself goes with the workers' when the pipeline closes (also
+            # what a killed run left, when this one asked no server anything).
             await self._settle_probes()
-            await asyncio.to_thread(remove_tree, ns_dir)
+
+    def _track(self, request: asyncio.Future[None]) -> None:
+        self._in_flight.add(request)
+        request.add_done_callback(self._forget)
 
     def _forget(self, request: asyncio.Future[None]) -> None:
         self._in_flight.discard(request)
@@ -246,13 +251,19 @@ class Admission:
 
     async def _admit(self, server: Server, examined: _Examined) -> None:
         identity = examined.identity
-        self.final_states.accept(identity.final_state)  # records a new dataset's kind
+        # A new dataset's kind is recorded with the server (one durable write); a known
+        # one is checked now.
+        new_kind = identity.final_state if self.final_states.kind is None else None
+        if new_kind is None:
+            self.final_states.accept(identity.final_state)
         server.identity = identity
         if self.job is None:
             self.job = identity
             log.info("job_identity_pinned", by=server.display, identity=identity.to_record())
         self.ever_admitted = True
-        await self._record(server, identity, examined.final_norm)
+        await self._record(server, identity, examined.final_norm, new_kind)
+        if new_kind is not None:
+            self.final_states.accept(new_kind, recorded=True)
         await self.pool.restore(server)
         log.info(
             "server_admitted",
@@ -363,8 +374,7 @@ class Admission:
                 storage=cfg.storage,
             )
         )
-        self._in_flight.add(request)
-        request.add_done_callback(self._forget)
+        self._track(request)
         try:
             # Shielded: a run that ends meanwhile waits for the answer (_settle_probes).
             await asyncio.shield(request)
@@ -382,7 +392,9 @@ class Admission:
         else:
             return meta
         finally:
-            await asyncio.to_thread(remove_tree, rid_dir)
+            # Not awaited: the next probe has a rid of its own, and the end of the run
+            # waits for this (_settle_probes) before the namespace goes.
+            self._track(asyncio.ensure_future(asyncio.to_thread(remove_tree, rid_dir)))
 
     async def _shape_mismatch(
         self, server: Server, info: dict[str, Any], exc: IdentityError, again: bool

@@ -118,7 +118,8 @@ class ServerPool:
         self._changed = asyncio.Condition()
         self._rr = 0
         self._stopped = False
-        # Set once someone waited for a server: admission starts then (hsx run).
+        # Set once a sample needs a server (the first fed, or a wait for one): admission
+        # starts then (hsx run).
         self.wanted = asyncio.Event()
         # Called with (server, in_rotation) at each change: the events log, the metrics.
         self.on_change: list[Callable[[Server, bool], None]] = []

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import signal
 import time
@@ -315,17 +316,21 @@ class Daemon:
         return self.config.daemon.progress_interval
 
     async def _record_server(
-        self, server: Server, identity: Identity, final_norm: dict[str, Any] | None
+        self,
+        server: Server,
+        identity: Identity,
+        final_norm: dict[str, Any] | None,
+        final_state: str | None,
     ) -> None:
-        """An admitted server's identity, and the job's, into provenance.json."""
+        """An admitted server's identity, and the job's, into provenance.json (with a new
+        dataset's final-state kind)."""
         assert self.admission is not None and self.admission.job is not None
         await asyncio.to_thread(
-            record_server,
+            functools.partial(record_server, final_norm=final_norm, final_state=final_state),
             self.config.output.dir,
             server.display,
             identity.to_record(),
             self.admission.job.to_record(),
-            final_norm,
         )
 
     def _server_changed(self, server: Server, in_rotation: bool) -> None:

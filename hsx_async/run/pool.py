@@ -93,7 +93,9 @@ class Pipeline:
         await self._committer_task
 
     async def put(self, sample: Sample) -> None:
-        """Feed one sample (waits while the intake is full)."""
+        """Feed one sample (waits while the intake is full). A sample needs a server: the
+        admission starts with the first, while the workers are still getting ready."""
+        self.workers.servers.wanted.set()
         await self.workers.intake.put(sample)
 
     async def end_input(self) -> None:
