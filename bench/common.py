@@ -696,8 +696,8 @@ def common_args(parser: argparse.ArgumentParser) -> None:
     add(
         "--keep-logs",
         type=Path,
-        help="copy each hsx run's JSON log (at log level debug) here, e.g. for "
-        "bench/timeline.py; debug logging costs the client a little",
+        help="copy each hsx run's JSON log here, at log level debug (every sample's "
+        "events, time-stamped: a run's timeline); debug logging costs the client a little",
     )
     add(
         "--profile-gil",

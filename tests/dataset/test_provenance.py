@@ -13,6 +13,7 @@ from hsx_async.dataset.provenance import (
     dataset_final_state,
     parse_final_norm,
     read_provenance,
+    record_server,
 )
 from hsx_async.errors import DatasetError, DumpError
 
@@ -29,6 +30,31 @@ def test_first_dump_sets_the_kind_and_another_kind_fails(tmp_path: Path) -> None
     # A resumed run starts from the recorded kind.
     with pytest.raises(DumpError, match="one dataset holds one kind"):
         FinalStateGuard(tmp_path).accept("pre_norm")
+
+
+def test_a_new_kind_is_written_with_the_first_server_in_one_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hsx_async.dataset import provenance
+
+    writes: list[dict[str, object]] = []
+    real = provenance.write_provenance
+
+    def counted(out_dir: Path, data: bytes) -> None:
+        writes.append(orjson.loads(data))
+        real(out_dir, data)
+
+    monkeypatch.setattr(provenance, "write_provenance", counted)
+    assert FinalStateGuard(tmp_path).kind is None  # a new dataset
+    guard = FinalStateGuard(tmp_path)
+    identity = {"engine": "sglang", "model": "m", "final_state": "pre_norm"}
+    record_server(tmp_path, "http://a", identity, identity, final_state="pre_norm")
+    guard.accept("pre_norm", recorded=True)  # the caller wrote it: nothing more
+    assert len(writes) == 1 and writes[0]["final_state"] == "pre_norm"
+    assert read_provenance(tmp_path) == writes[0] and guard.kind == "pre_norm"
+    with pytest.raises(DumpError, match="holds the post_norm final state"):
+        guard.accept("post_norm", recorded=True)  # a kind once known is checked as ever
+    assert FinalStateGuard(tmp_path).kind == "pre_norm" and len(writes) == 1
 
 
 def test_version_1_datasets_hold_post_norm(tmp_path: Path) -> None:
