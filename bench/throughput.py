@@ -810,7 +810,7 @@ def _pair_record(
     def of(row: dict[str, Any]) -> dict[str, Any]:
         return {"hsx_gb_per_s": row["gb_per_s"], "ratio": row["gb_per_s"] / raw["gb_per_s"],
                 "ratio_copy": row["gb_per_s_copy"] / raw["gb_per_s"],
-                "bytes": row["bytes"], "hsx_cpu_s": row["cpu_s"],
+                "bytes": row["bytes"], "samples": row["samples"], "hsx_cpu_s": row["cpu_s"],
                 "hsx_cpu_s_per_gb_run": row["cpu_s_per_gb_run"],
                 "cpu_over_raw_run": row["cpu_s_per_gb_run"] / raw["cpu_s_per_gb"],
                 "process_wall_s": row["process_wall_s"]}  # fmt: skip

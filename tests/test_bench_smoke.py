@@ -118,14 +118,28 @@ def test_throughput_smoke(tmp_path: Path, shm_root: Path) -> None:
 
 
 def test_throughput_pairs_hsx_with_the_raw_copy_asked_for(tmp_path: Path, shm_root: Path) -> None:
-    method = "O_DIRECT from mmap"
+    method, logs = "O_DIRECT from mmap", tmp_path / "logs"
     data = run_smoke(
-        "throughput.py", tmp_path, shm_root, "--phases", "paired", "--pair-method", method
-    )
+        "throughput.py", tmp_path, shm_root, "--phases", "paired", "--pair-method", method,
+        "--keep-logs", str(logs),
+    )  # fmt: skip
     paired = data["paired"]
     assert paired["raw_method"] == f"raw {method} ×1"
     assert len(paired["pairs"]) == 2
     assert all(positive(p["raw_gb_per_s"]) and positive(p["ratio"]) for p in paired["pairs"])
+    # --keep-logs: every hsx run's debug log, which bench/timeline.py reads
+    kept = sorted(p.name for p in logs.iterdir())
+    assert {"pair-0-1.log", "pair-1-1.log", "idle-0-0.log", "fixed-0-1.log"} <= set(kept)
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "timeline.py"), str(logs / "pair-0-1.log")],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    shown = [line.split() for line in done.stdout.splitlines()[1:]]
+    names = [row[2] for row in shown]
+    assert names[0] == "run_started" and float(shown[0][0]) == 0.0
+    assert names[-1] == "run_finished" and float(shown[-1][0]) > 0
+    assert "server_admitted" in names and "sample_done" in names
+    assert names.count("sample_done") == paired["pairs"][0]["samples"]
 
 
 def test_throughput_pairs_another_checkout_in_every_pair(tmp_path: Path, shm_root: Path) -> None:
