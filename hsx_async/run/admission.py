@@ -129,7 +129,8 @@ class Admission:
         self.stop_requested = stop_requested
         self.ever_admitted = False
         self._probes = 0
-        self._in_flight: set[asyncio.Future[None]] = set()  # probe requests at a server
+        # Probe requests at a server, and the removal of a probe's dump.
+        self._in_flight: set[asyncio.Future[None]] = set()
         self._ns_dir: Path | None = None
 
     def apply(self, config: Config) -> None:

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import gc
 import signal
 import time
@@ -326,11 +325,13 @@ class Daemon:
         dataset's final-state kind)."""
         assert self.admission is not None and self.admission.job is not None
         await asyncio.to_thread(
-            functools.partial(record_server, final_norm=final_norm, final_state=final_state),
+            record_server,
             self.config.output.dir,
             server.display,
             identity.to_record(),
             self.admission.job.to_record(),
+            final_norm=final_norm,
+            final_state=final_state,
         )
 
     def _server_changed(self, server: Server, in_rotation: bool) -> None:
