@@ -247,6 +247,7 @@ class Daemon:
                 tg.create_task(self.stopper.watch(pipeline), name="hsx-signals")
                 self._start_services(tg, client, feeder)
                 self.notifier.ready()
+                self.metrics.run_starts()
                 log.info(
                     "run_started",
                     workers=cfg.workers.start_concurrency,

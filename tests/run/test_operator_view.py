@@ -16,7 +16,7 @@ import pytest
 from hsx_async.demo import demo_samples, hsx_invocation, run_demo
 from hsx_async.logs import configure_logging
 from hsx_async.run.daemon import Daemon, RunSummary
-from hsx_async.run.metrics import Totals
+from hsx_async.run.metrics import Metrics, Totals
 from hsx_async.run.notify import Notifier
 from hsx_async.run.observe import progress_line, progress_loop
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
@@ -174,3 +174,15 @@ async def test_demo_says_what_it_does_before_the_server_is_up(
         await run_demo(tmp_path / "demo", demo_samples(), say=heard.append)
     assert any("reference model" in h for h in heard)
     assert any("starting the reference server" in h for h in heard)
+
+
+def test_the_runs_cpu_is_counted_from_its_start_not_from_its_set_up() -> None:
+    """``cpu_s`` covers the window the run's time is told over (``run_started`` on): the
+    set-up before it (the copies' buffers touched in advance) is not the run's."""
+    metrics = Metrics()
+    spent = time.process_time() + 0.05
+    while time.process_time() < spent:  # set-up that costs CPU
+        pass
+    assert metrics.cpu() >= 0.05
+    metrics.run_starts()
+    assert 0 <= metrics.cpu() < 0.05
