@@ -57,10 +57,9 @@ def timeline(lines: Iterable[bytes], *, every: bool = False) -> list[Event]:
         if every or name in MILESTONES:
             detail = " ".join(f"{k}={event[k]}" for k in _SHOWN if k in event)
             stamped.append((stamp.timestamp(), name, detail))
-    starts = [t for t, name, _ in stamped if name == "run_started"]
-    if not starts:
+    if not stamped or stamped[0][1] != "run_started":
         return []
-    t0 = starts[0]
+    t0 = stamped[0][0]
     return [Event((t - t0) * 1000, name, detail) for t, name, detail in stamped]
 
 

@@ -104,7 +104,8 @@ class Metrics:
         self.evictions.labels(server, kind).inc()
 
     def elapsed(self) -> float:
-        """Seconds since this run started (the monotonic start never leaves the process)."""
+        """Seconds since this run started (see :meth:`run_starts`; the monotonic start
+        never leaves the process)."""
         return time.monotonic() - self.totals.started
 
     def cpu(self) -> float:
@@ -113,14 +114,15 @@ class Metrics:
         return time.process_time() - self.totals.cpu_started
 
     def run_starts(self) -> None:
-        """The pipeline is built and its tasks start now (``run_started``): what :meth:`cpu`
-        counts begins here, the window the run's time is told over. Set-up before it —
-        the output checks, the copies' buffers touched in advance (on a VM a first touch
-        costs from ~0 to ~0.1 CPU-s a run, by how much of the memory the host has backed
-        already) — is not the run's."""
+        """The pipeline is built and its tasks start now (``run_started``): both start
+        marks are set here, so :meth:`elapsed`, :meth:`cpu` and the rates all cover the
+        run itself. Set-up before it — the output checks, the copies' buffers touched in
+        advance (on a VM a first touch costs from ~0 to ~0.1 CPU-s a run, by how much of
+        the memory the host has backed already) — is not the run's."""
+        self.totals.started = time.monotonic()
         self.totals.cpu_started = time.process_time()
 
     def rates(self) -> tuple[float, float]:
         """(tokens/s, bytes/s) since the start of this run."""
-        elapsed = max(time.monotonic() - self.totals.started, 1e-9)
+        elapsed = max(self.elapsed(), 1e-9)
         return self.totals.tokens_done / elapsed, self.totals.bytes_written / elapsed
