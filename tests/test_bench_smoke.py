@@ -8,6 +8,7 @@ and that the figures are well-formed is checked: never how fast anything was.
 from __future__ import annotations
 
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -451,3 +452,23 @@ def check_fp8_sinks(sinks: dict[str, Any]) -> None:
             assert figures["sink"]["rows"] > 0 and figures["ordinary"]["rows"] > 0
             assert 0 <= figures["ordinary"]["kl_mean"] < 1e-2
     assert sinks["verdict"]["layout"] == "per_token_slot_outliers16"
+
+
+def test_buffer_placement_compares_the_two_buffers_round_by_round(tmp_path: Path) -> None:
+    disk, results = tmp_path / "disk", tmp_path / "results"
+    argv = [sys.executable, str(BENCH / "buffer_placement.py"), "--smoke",
+            "--out-dir", str(disk), "--results-dir", str(results)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode == 2 and "O_DIRECT" in done.stderr:
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    assert done.returncode == 0, done.stderr[-3000:]
+    data: dict[str, Any] = orjson.loads((results / "buffer_placement.json").read_bytes())
+    assert data["offset_in_huge_page"]["aligned"] == 0
+    speeds = data["gb_per_s"]
+    assert len(speeds["aligned"]) == len(speeds["kernel"]) == 2
+    assert all(positive(v) for side in speeds.values() for v in side)
+    pairs = zip(speeds["aligned"], speeds["kernel"], strict=True)
+    assert data["ratios"] == [a / k for a, k in pairs]
+    assert data["median_ratio"] == statistics.median(data["ratios"])
+    assert list(disk.iterdir()) == [], "its file left on the disk"
+    assert "aligned / kernel's, median" in done.stdout

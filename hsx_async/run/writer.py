@@ -48,6 +48,7 @@ Nothing is read whole either, so a 32k-token sample adds nothing to the RSS but 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -76,6 +77,7 @@ if TYPE_CHECKING:
 
 CHUNK = 8 << 20  # bytes per O_DIRECT write: large enough to keep the device streaming
 SUB = 256 << 10  # bytes read then hashed at once: still in the L2 cache when hashed
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 Hasher = xxhash.xxh3_64
 Flusher = futures.Executor
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -101,8 +103,8 @@ class Staged:
 
 
 class _BufferPool:
-    """The copies' page-aligned buffers (each: two CHUNKs to write from, SUB bytes for
-    checked pieces), made and touched when the writer starts, reused by every copy,
+    """The copies' buffers (:class:`HugePageBuffer`, each: two CHUNKs to write from, SUB
+    bytes for checked pieces), made and touched when the writer starts, reused by every copy,
     never freed while it runs: allocating large buffers on the hot path stalled the
     process, and the first touch of fresh memory costs ~2.3 CPU-s/GB on this VM
     (PERF-NOTES) — 16 MiB a copy, at the start of every run.
@@ -114,37 +116,54 @@ class _BufferPool:
 
     def __init__(self, count: int) -> None:
         self._lock = threading.Lock()
-        self._free = [_huge_page_buffer(2 * CHUNK + SUB) for _ in range(count)]
+        self._free = [HugePageBuffer(2 * CHUNK + SUB) for _ in range(count)]
 
     @contextlib.contextmanager
-    def lease(self) -> Iterator[mmap.mmap]:
+    def lease(self) -> Iterator[memoryview]:
         """A buffer for one copy (a new one if more copies run than were planned for)."""
         with self._lock:
             buf = self._free.pop() if self._free else None
         if buf is None:
-            buf = _huge_page_buffer(2 * CHUNK + SUB)
+            buf = HugePageBuffer(2 * CHUNK + SUB)
         try:
-            yield buf
+            yield buf.view
         finally:
             with self._lock:
                 self._free.append(buf)
 
     def clear(self) -> None:
+        """Drop the buffers: their memory goes with the last view of it (not unmapped
+        here, under a view a failed copy may still hold)."""
         with self._lock:
             self._free.clear()
 
 
-def _huge_page_buffer(size: int) -> mmap.mmap:
-    """``size`` bytes (rounded up to ALIGN) of private memory, each page touched now."""
-    size = -(-size // ALIGN) * ALIGN
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        with contextlib.suppress(OSError):  # THP disabled: small pages work as well
-            buf.madvise(advice)
-    for offset in range(0, size, mmap.PAGESIZE):
-        buf[offset] = 0
-    return buf
+class HugePageBuffer:
+    """``size`` bytes (rounded up to ALIGN) of private memory, each page touched now,
+    ``view`` starting on a huge-page boundary. A mapping is only page-aligned, and THP
+    backs only the whole 2 MiB pages inside it: placed where the kernel put it, a
+    buffer's CHUNKs straddled huge pages and some of its bytes lay on 4 KiB pages, so an
+    O_DIRECT write handed the device more, smaller segments (bench/buffer_placement.py:
+    ~1.15× the write rate and half its CPU from a buffer on the boundary)."""
+
+    def __init__(self, size: int) -> None:
+        size = -(-size // ALIGN) * ALIGN
+        # One huge page more than needed, to start the view on a boundary within it.
+        self._map = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        advice = getattr(mmap, "MADV_HUGEPAGE", None)
+        if advice is not None:
+            with contextlib.suppress(OSError):  # THP disabled: small pages work as well
+                self._map.madvise(advice)
+        with memoryview(self._map) as whole:
+            start = -address(whole) % HUGE_PAGE
+            self.view = whole[start : start + size]
+        for offset in range(0, size, mmap.PAGESIZE):
+            self.view[offset] = 0
+
+
+def address(view: memoryview) -> int:
+    """Where a writable ``view``'s bytes start in memory."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 class FileWriter:
@@ -287,7 +306,7 @@ class FileWriter:
         if not self.direct:
             fd = os.open(tmp, _NEW_FILE, 0o644)
         try:
-            with self._buffers.lease() as buf, memoryview(buf) as whole:
+            with self._buffers.lease() as whole:
                 if self.direct:
                     _write_direct(fd, job, hasher, self._flusher, whole)
                 else:

@@ -282,14 +282,14 @@ def test_the_copies_buffers_are_made_once_when_the_writer_starts(
 ) -> None:
     """Fresh memory's first touch is slow on a VM (PERF-NOTES): one buffer per planned copy
     is made (and touched) by the constructor, before the run, and every copy reuses one."""
-    made: list[int] = []
-    real = writer_module._huge_page_buffer
+    made: list[writer_module.HugePageBuffer] = []
+    real = writer_module.HugePageBuffer
 
     def counted(size: int) -> Any:
-        made.append(size)
-        return real(size)
+        made.append(real(size))
+        return made[-1]
 
-    monkeypatch.setattr(writer_module, "_huge_page_buffer", counted)
+    monkeypatch.setattr(writer_module, "HugePageBuffer", counted)
     fw = FileWriter(out, method="auto", fsync=False, row_bytes=ALIGNED.row, copies=2)
     assert len(made) == 2
     for i in range(3):
@@ -297,6 +297,16 @@ def test_the_copies_buffers_are_made_once_when_the_writer_starts(
         check_written(out, case, write_one(fw, case.job))
     assert len(made) == 2
     fw.close()
+
+
+def test_each_copy_buffer_starts_on_a_huge_page_boundary() -> None:
+    """THP backs only whole 2 MiB pages of a mapping: a buffer where the kernel put it had
+    its CHUNKs straddle huge pages (bench/buffer_placement.py measures the cost)."""
+    size = 2 * writer_module.CHUNK + writer_module.SUB
+    buffers = [writer_module.HugePageBuffer(size) for _ in range(3)]  # back to back
+    for buf in buffers:
+        assert writer_module.address(buf.view) % writer_module.HUGE_PAGE == 0
+        assert buf.view.nbytes == size and not buf.view.readonly
 
 
 def test_direct_needs_an_aligned_row(out: Path) -> None:
