@@ -71,8 +71,9 @@ PROBE_IDS = np.array([1, 2, 3, 4], dtype=np.int64)  # in every vocabulary
 WAIT_NOTICE_S = 30.0  # at most this long between two "waiting_for_server" lines
 PROBE_SETTLE_S = 10.0  # how long the end of a run waits for a probe still at a server
 
-# (server, its identity, its final norm, a new dataset's final-state kind): provenance.json
-Record = Callable[[Server, Identity, dict[str, Any] | None, str | None], Awaitable[None]]
+# (server, its identity, its final norm, a new dataset's final-state kind): provenance.json.
+# The write is under way when it returns, and no sample is committed before it is done.
+Record = Callable[[Server, Identity, dict[str, Any] | None, str | None], asyncio.Future[None]]
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ class Admission:
         # Probe requests at a server, and the removal of a probe's dump.
         self._in_flight: set[asyncio.Future[None]] = set()
         self._ns_dir: Path | None = None
+        self._contacted: set[str] = set()  # the servers examined before (their URLs)
 
     def apply(self, config: Config) -> None:
         """A reloaded config (timeouts, intervals; the shape cannot change live)."""
@@ -262,7 +264,11 @@ class Admission:
             self.job = identity
             log.info("job_identity_pinned", by=server.display, identity=identity.to_record())
         self.ever_admitted = True
-        await self._record(server, identity, examined.final_norm, new_kind)
+        # Recorded while the server takes its first samples: none is committed before the
+        # record is durable (Record), and a new dataset's kind counts as recorded from now
+        # on (one durable write, not two). Before, the write stood between the probe and
+        # the first sample (bench/README.md, issue 27, sixth round).
+        record = self._record(server, identity, examined.final_norm, new_kind)
         if new_kind is not None:
             self.final_states.accept(new_kind, recorded=True)
         await self.pool.restore(server)
@@ -272,24 +278,44 @@ class Admission:
             model=identity.model or identity.served_as,
             engine=identity.engine,
         )
+        await record
 
     # -- the wait ----------------------------------------------------------------------
 
     # -- one examination ---------------------------------------------------------------
 
     async def _examine(self, server: Server) -> _Result:
-        error = await self.client.health(server.url)
-        if error:
-            return _Refused(Fault("server", "unreachable", f"{server.display}: {error}"), False)
-        info = await self._info(server)
-        claim = self._claims(server, info)
-        if claim is not None:
-            return claim
+        """What one contact shows: /health, the info endpoints, then the probe — the
+        verdict reads them in that order. At a server's first contact, on the run's
+        critical path, they go side by side (one after another they were half of a
+        short run's fixed time: bench/README.md, issue 27, sixth round); a server
+        examined again (out of rotation) answers /health before it is sent a probe, so a
+        sick one is not sent a probe every ``server.health_interval``."""
+        health = asyncio.ensure_future(self.client.health(server.url))
+        tasks: list[asyncio.Future[Any]] = [health]
         try:
-            meta = await self._probe(server, info)
-        except _Outcome as outcome:
-            return outcome.result
-        identity = Identity.of(server.engine_name, meta, info)
+            if server.url in self._contacted and (error := await health):
+                return _unreachable(server, error)
+            self._contacted.add(server.url)
+            info = asyncio.ensure_future(self._info(server))
+            probe = asyncio.ensure_future(self._probe(server, info))
+            tasks += [info, probe]
+            if error := await health:
+                return _unreachable(server, error)
+            claim = self._claims(server, await info)
+            if claim is not None:
+                return claim  # the probe is not waited for: its dump goes (_probe_once)
+            try:
+                meta = await probe
+            except _Outcome as outcome:
+                return outcome.result
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+                elif not task.cancelled():
+                    task.exception()  # retrieved: a verdict was reached without it
+        identity = Identity.of(server.engine_name, meta, info.result())
         name = self.config.model.name
         if name and name not in (identity.model, identity.served_as):
             return _Disagrees(
@@ -298,7 +324,7 @@ class Admission:
                 f"{identity.model or identity.served_as!r}; set [model].name to the model "
                 "this job is for, or point [server].urls at servers of it",
             )
-        return _Examined(identity, parse_final_norm(info.get("final_norm")))
+        return _Examined(identity, parse_final_norm(info.result().get("final_norm")))
 
     async def _info(self, server: Server) -> dict[str, Any]:
         """What the server says about itself; whatever it does not say stays out."""
@@ -349,7 +375,7 @@ class Admission:
             f"HSX_AUX_LAYERS={','.join(map(str, ours))}",
         )
 
-    async def _probe(self, server: Server, info: dict[str, Any]) -> DumpMeta:
+    async def _probe(self, server: Server, info: Awaitable[dict[str, Any]]) -> DumpMeta:
         """One tiny request through the dump path (twice after a prefix-cache hit: the
         second must not hit the cache either); its meta.json, or :class:`_Outcome`."""
         meta = await self._probe_once(server, info)
@@ -358,8 +384,10 @@ class Admission:
         return meta
 
     async def _probe_once(
-        self, server: Server, info: dict[str, Any], again: bool = True
+        self, server: Server, info: Awaitable[dict[str, Any]], again: bool = True
     ) -> DumpMeta:
+        """``info``: what :meth:`_info` found, read only when the probe fails (it runs
+        side by side with the probe)."""
         assert self._ns_dir is not None, "run() first"
         cfg = self.config
         self._probes += 1
@@ -387,9 +415,10 @@ class Admission:
                 storage=cfg.storage,
             )  # fmt: skip
         except IdentityError as exc:
-            raise _Outcome(await self._shape_mismatch(server, info, exc, again)) from None
+            outcome = await self._shape_mismatch(server, info, await info, exc, again)
+            raise _Outcome(outcome) from None
         except (RequestError, DumpError) as exc:
-            raise _Outcome(await self._failed_probe(server, info, exc)) from None
+            raise _Outcome(await self._failed_probe(server, await info, exc)) from None
         else:
             return meta
         finally:
@@ -398,7 +427,12 @@ class Admission:
             self._track(asyncio.ensure_future(asyncio.to_thread(remove_tree, rid_dir)))
 
     async def _shape_mismatch(
-        self, server: Server, info: dict[str, Any], exc: IdentityError, again: bool
+        self,
+        server: Server,
+        pending: Awaitable[dict[str, Any]],
+        info: dict[str, Any],
+        exc: IdentityError,
+        again: bool,
     ) -> _Result:
         """The probe's dump has another shape than the config: the server's own report
         decides whether that is the server (a broken dump) or the config; without one,
@@ -410,7 +444,7 @@ class Admission:
             return _Refused(fault_of(DumpError(f"{server.display}: {exc}")), True)
         if again:
             try:
-                await self._probe_once(server, info, again=False)
+                await self._probe_once(server, pending, again=False)
             except _Outcome as outcome:
                 return outcome.result
             return _Refused(fault_of(DumpError(f"{server.display}: {exc} (once)")), True)
@@ -463,6 +497,10 @@ class Admission:
             "loaded (deploy/sglang), and HSX_DUMP_ROOT the same path?"
         )
         return _Refused(Fault("server", "dump_missing", reason, reached=True), True)
+
+
+def _unreachable(server: Server, error: str) -> _Refused:
+    return _Refused(Fault("server", "unreachable", f"{server.display}: {error}"), False)
 
 
 def settle_eviction(server: Server, admitted: bool) -> None:

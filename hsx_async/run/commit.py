@@ -84,6 +84,7 @@ class Committer:
     publish: Callable[[list[Staged]], None]
     fsync: bool = True
     _pending: list[_Line] = field(default_factory=list)
+    _holds: list[asyncio.Future[None]] = field(default_factory=list)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _closed: bool = False
     _failed: BaseException | None = None
@@ -107,6 +108,13 @@ class Committer:
         self._wake.set()
         await item.done
 
+    def hold(self, write: asyncio.Future[None]) -> None:
+        """Commit nothing before ``write`` is done: a durable record no sample may precede
+        (an admitted server's identity, written while it takes its first samples). Its
+        failure fails the commit waiting for it, and so the run."""
+        write.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved
+        self._holds.append(write)
+
     def close(self) -> None:
         self._closed = True
         self._wake.set()
@@ -123,6 +131,9 @@ class Committer:
             batch, self._pending = self._pending, []
             if batch:
                 try:
+                    while self._holds:
+                        await asyncio.shield(self._holds[0])  # its error: the commit's
+                        del self._holds[0]
                     await loop.run_in_executor(self.executor, self._flush, batch)
                 except BaseException as exc:
                     self._failed = exc

@@ -315,25 +315,31 @@ class Daemon:
         """Read at every round, so a reload changes it (``daemon.progress_interval``)."""
         return self.config.daemon.progress_interval
 
-    async def _record_server(
+    def _record_server(
         self,
         server: Server,
         identity: Identity,
         final_norm: dict[str, Any] | None,
         final_state: str | None,
-    ) -> None:
+    ) -> asyncio.Future[None]:
         """An admitted server's identity, and the job's, into provenance.json (with a new
-        dataset's final-state kind)."""
+        dataset's final-state kind): the write, under way; the committer commits nothing
+        before it is done."""
         assert self.admission is not None and self.admission.job is not None
-        await asyncio.to_thread(
-            record_server,
-            self.config.output.dir,
-            server.display,
-            identity.to_record(),
-            self.admission.job.to_record(),
-            final_norm=final_norm,
-            final_state=final_state,
+        assert self.pipeline is not None
+        write = asyncio.ensure_future(
+            asyncio.to_thread(
+                record_server,
+                self.config.output.dir,
+                server.display,
+                identity.to_record(),
+                self.admission.job.to_record(),
+                final_norm=final_norm,
+                final_state=final_state,
+            )
         )
+        self.pipeline.writers.committer.hold(write)
+        return write
 
     def _server_changed(self, server: Server, in_rotation: bool) -> None:
         """A server left rotation, was refused again, or came back: the events log (the

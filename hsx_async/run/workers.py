@@ -15,7 +15,7 @@ import asyncio
 import collections
 import functools
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +184,9 @@ class Workers:
         self.namespaces: set[Path] = set()  # removed when the run ends
         # Dumps on a tmpfs are looked at on the event loop, elsewhere from a thread.
         self.dump_on_tmpfs: bool | None = None  # known once the first namespace exists
+        # The namespaces of the run's first workers, made together (:meth:`_namespace`).
+        self._first: asyncio.Future[tuple[list[Path], bool]] | None = None
+        self._first_count = 0
         self.in_flight = 0
         self.settled = 0  # samples taken from the intake now in the manifest or quarantine
         self._next_worker = 0
@@ -195,7 +198,8 @@ class Workers:
         """Spawn the run's first workers (``workers.concurrency``, or where ``"auto"``
         starts) in the run's task group."""
         self._tg = tg
-        self.set_concurrency(self.config.workers.start_concurrency)
+        self._first_count = self.config.workers.start_concurrency
+        self.set_concurrency(self._first_count)
 
     def set_concurrency(self, n: int) -> None:
         """Live resize: spawn workers, or let the surplus retire after their sample."""
@@ -230,11 +234,8 @@ class Workers:
         tg.create_task(self._worker(index), name=f"hsx-worker-{index}")
 
     async def _worker(self, index: int) -> None:
-        ns = namespace(self.config, index)
-        ns_dir = await self.to_thread(prepare_namespace, self.config.dump.root, ns)
-        self.namespaces.add(ns_dir)
-        if self.dump_on_tmpfs is None:
-            self.dump_on_tmpfs = await self.to_thread(on_tmpfs, ns_dir)
+        ns_dir = await self._namespace(index)
+        ns = ns_dir.name
         try:
             # The check and the decrement in `finally` run without an await between
             # them, so exactly the surplus retires after a shrink.
@@ -253,6 +254,40 @@ class Workers:
             if self.workers_running == 0:
                 self.workers_done.set()
             log.debug("worker_exit", worker=index, ns=ns)
+
+    async def _namespace(self, index: int) -> Path:
+        """Worker ``index``'s dump namespace, made empty; the first time, whether the dump
+        root is a tmpfs too. The run's first workers have theirs made together, in one
+        call off the loop: a call each (and a tmpfs check each, all started before the
+        first answered) put 16 thread calls, contending with the event loop for the GIL,
+        on the first sample's path (bench/README.md, issue 27, sixth round)."""
+        if index < self._first_count:
+            if self._first is None:
+                self._first = self._prepare(range(self._first_count))
+            dirs, tmpfs = await asyncio.shield(self._first)
+            ns_dir = dirs[index]
+        else:
+            (ns_dir,), tmpfs = await self._prepare([index])
+        if self.dump_on_tmpfs is None:
+            self.dump_on_tmpfs = tmpfs
+        return ns_dir
+
+    def _prepare(self, indices: Iterable[int]) -> asyncio.Future[tuple[list[Path], bool]]:
+        """The namespaces of workers ``indices`` made empty, in one call off the loop, and
+        whether they lie on a tmpfs (looked at once a run). Each is removed when the run
+        ends, whatever happens to the call."""
+        root, known = self.config.dump.root, self.dump_on_tmpfs
+        dirs = [root / namespace(self.config, index) for index in indices]
+        self.namespaces.update(dirs)
+
+        def prepare() -> tuple[list[Path], bool]:
+            made = [prepare_namespace(root, ns_dir.name) for ns_dir in dirs]
+            return made, known if known is not None else on_tmpfs(made[0])
+
+        done = asyncio.ensure_future(self.to_thread(prepare))
+        # Retrieved: every worker waiting for it may be gone (the run ended).
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return done
 
     async def _intake_open(self) -> None:
         """Until the guard lets samples in, or a stop makes waiting pointless (a paused

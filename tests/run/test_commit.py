@@ -137,3 +137,47 @@ async def test_a_commit_cancelled_mid_flush_never_lists_what_queued_behind_it(
     assert _listed(manifest) in ([], ["a.safetensors"])
     assert "b.safetensors" not in _listed(manifest)
     assert not (tmp_path / "b.safetensors").exists()
+
+
+async def test_nothing_is_committed_before_a_held_record_is_durable(
+    tmp_path: Path, executor: ThreadPoolExecutor
+) -> None:
+    """An admitted server's provenance record is written while it takes its first
+    samples: a sample copied meanwhile waits for it, named and listed only after."""
+    publish = _Publisher()
+    committer, manifest = _committer(tmp_path, executor, publish)
+    record: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    committer.hold(record)
+    async with running(committer):
+        sample = asyncio.create_task(committer.commit_sample(_staged(tmp_path, "a")))
+        for _ in range(20):  # the committer's task has run its turns, and waits
+            await asyncio.sleep(0)
+        assert not sample.done()
+        assert publish.batches == []
+        assert manifest.read_bytes() == b""
+        record.set_result(None)
+        await sample
+        await committer.commit_sample(_staged(tmp_path, "b"))  # held no more
+    assert publish.batches == [["a.safetensors"], ["b.safetensors"]]
+    assert _listed(manifest) == ["a.safetensors", "b.safetensors"]
+
+
+async def test_a_failed_record_fails_the_commits_waiting_for_it(
+    tmp_path: Path, executor: ThreadPoolExecutor
+) -> None:
+    publish = _Publisher()
+    committer, manifest = _committer(tmp_path, executor, publish)
+    record: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    committer.hold(record)
+    async with running(committer) as task:
+        sample = asyncio.create_task(committer.commit_sample(_staged(tmp_path, "a")))
+        await asyncio.sleep(0)
+        record.set_exception(WriteError("provenance.json: No space left on device"))
+        with pytest.raises(WriteError, match="No space left"):
+            await sample
+        with pytest.raises(WriteError, match="No space left"):
+            await task
+    assert committer.failed
+    assert publish.batches == []
+    assert manifest.read_bytes() == b""
+    assert (tmp_path / ".a.tmp").exists()  # left for a resume to delete, never named
