@@ -60,6 +60,23 @@ async def test_samples_go_out_while_the_record_is_written_and_commit_only_after_
     assert record["final_state"] == "post_norm"  # the kind, in the same write
 
 
+def _info_after_probe(
+    monkeypatch: pytest.MonkeyPatch, get_json: Any, probed: asyncio.Event, sent: list[str]
+) -> None:
+    """``get_json`` replaces the info calls; every request's rid goes into ``sent``, and
+    ``probed`` is set once a probe's request came back."""
+    real_generate = SGLangClient.generate
+
+    async def generate(self: SGLangClient, server: Server, *, rid: str, **kw: Any) -> None:
+        sent.append(rid)
+        await real_generate(self, server, rid=rid, **kw)
+        if "-probe-" in rid:
+            probed.set()
+
+    monkeypatch.setattr(SGLangClient, "get_json", get_json)
+    monkeypatch.setattr(SGLangClient, "generate", generate)
+
+
 async def test_the_probe_goes_out_while_the_info_endpoints_are_read(
     tmp_path: Path, shm_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -69,7 +86,6 @@ async def test_the_probe_goes_out_while_the_info_endpoints_are_read(
     probed = asyncio.Event()
     seen: list[bool] = []
     real_get_json = SGLangClient.get_json
-    real_generate = SGLangClient.generate
 
     async def get_json(self: SGLangClient, url: str, path: str, timeout: float = 10.0) -> object:
         try:
@@ -79,13 +95,7 @@ async def test_the_probe_goes_out_while_the_info_endpoints_are_read(
             seen.append(False)
         return await real_get_json(self, url, path, timeout)
 
-    async def generate(self: SGLangClient, server: Server, *, rid: str, **kw: Any) -> None:
-        await real_generate(self, server, rid=rid, **kw)
-        if "-probe-" in rid:
-            probed.set()
-
-    monkeypatch.setattr(SGLangClient, "get_json", get_json)
-    monkeypatch.setattr(SGLangClient, "generate", generate)
+    _info_after_probe(monkeypatch, get_json, probed, [])
     options = FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=shm_root)
     async with running_fake_server(options) as fake:
         config = make_config(tmp_path, samples.path, [fake.url], shm_root)
@@ -105,7 +115,6 @@ async def test_a_server_whose_info_disagrees_is_judged_by_it_although_its_probe_
     probed = asyncio.Event()
     sent: list[str] = []
     real_get_json = SGLangClient.get_json
-    real_generate = SGLangClient.generate
 
     async def get_json(self: SGLangClient, url: str, path: str, timeout: float = 10.0) -> object:
         await asyncio.wait_for(probed.wait(), BOUND_S)
@@ -114,14 +123,7 @@ async def test_a_server_whose_info_disagrees_is_judged_by_it_although_its_probe_
             found = {**found, "hidden_size": 2 * H}
         return found
 
-    async def generate(self: SGLangClient, server: Server, *, rid: str, **kw: Any) -> None:
-        sent.append(rid)
-        await real_generate(self, server, rid=rid, **kw)
-        if "-probe-" in rid:
-            probed.set()
-
-    monkeypatch.setattr(SGLangClient, "get_json", get_json)
-    monkeypatch.setattr(SGLangClient, "generate", generate)
+    _info_after_probe(monkeypatch, get_json, probed, sent)
     options = FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=shm_root)
     async with running_fake_server(options) as fake:
         config = make_config(tmp_path, samples.path, [fake.url], shm_root)
