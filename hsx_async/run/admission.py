@@ -415,8 +415,7 @@ class Admission:
                 storage=cfg.storage,
             )  # fmt: skip
         except IdentityError as exc:
-            outcome = await self._shape_mismatch(server, info, await info, exc, again)
-            raise _Outcome(outcome) from None
+            raise _Outcome(await self._shape_mismatch(server, info, exc, again)) from None
         except (RequestError, DumpError) as exc:
             raise _Outcome(await self._failed_probe(server, await info, exc)) from None
         else:
@@ -427,24 +426,20 @@ class Admission:
             self._track(asyncio.ensure_future(asyncio.to_thread(remove_tree, rid_dir)))
 
     async def _shape_mismatch(
-        self,
-        server: Server,
-        pending: Awaitable[dict[str, Any]],
-        info: dict[str, Any],
-        exc: IdentityError,
-        again: bool,
+        self, server: Server, info: Awaitable[dict[str, Any]], exc: IdentityError, again: bool
     ) -> _Result:
         """The probe's dump has another shape than the config: the server's own report
         decides whether that is the server (a broken dump) or the config; without one,
         a second probe must agree."""
+        said = await info
         claimed = (
-            info.get("aux_layers") if exc.key == "model.aux_layers" else info.get("hidden_size")
+            said.get("aux_layers") if exc.key == "model.aux_layers" else said.get("hidden_size")
         )
         if claimed is not None:
             return _Refused(fault_of(DumpError(f"{server.display}: {exc}")), True)
         if again:
             try:
-                await self._probe_once(server, pending, again=False)
+                await self._probe_once(server, info, again=False)
             except _Outcome as outcome:
                 return outcome.result
             return _Refused(fault_of(DumpError(f"{server.display}: {exc} (once)")), True)
