@@ -36,6 +36,7 @@ import orjson
 import tomli_w
 
 from hsx_async.protocol import row_bytes
+from hsx_async.run.mounts import mount_of
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
@@ -616,23 +617,17 @@ def machine_info(out_dir: Path, shm_dir: Path) -> dict[str, Any]:
         "ram_gb": round(mem / GB, 1),
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "out_fs": _mount_of(out_dir),
-        "shm_fs": _mount_of(shm_dir),
+        "out_fs": mount_text(out_dir),
+        "shm_fs": mount_text(shm_dir),
         "load_avg_at_start": os.getloadavg(),
         "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
     }
 
 
-def _mount_of(path: Path) -> str:
-    """``device fstype options`` of the mount holding ``path``."""
-    best, found = "", ""
-    real = str(path.resolve())
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/mounts").read_text().splitlines():
-            dev, mnt, fstype, opts = line.split()[:4]
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, found = mnt, f"{dev} on {mnt} ({fstype}, {opts})"
-    return found
+def mount_text(path: Path) -> str:
+    """``device on point (fstype, options)`` of the mount holding ``path``."""
+    mount = mount_of(path)
+    return str(mount) if mount else ""
 
 
 # -- scratch space --------------------------------------------------------------------------

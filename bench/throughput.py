@@ -68,6 +68,7 @@ from common import (
     length_stats,
     lognormal_lengths,
     machine_info,
+    mount_text,
     print_table,
     pyplot,
     remove,
@@ -501,6 +502,12 @@ def hsx_prefab(
         run = run_hsx(raw, s.work, name, src=src)
     remove(out)
     remove(prefab_dir)
+    if run.done != len(lengths):  # a figure over fewer bytes is no figure: stop here
+        log = (s.work / f"{name}.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(
+            f"hsx in {src} committed {run.done} of {len(lengths)} samples "
+            f"({run.quarantined} quarantined); its log ends:\n{log}"
+        )
     return run
 
 
@@ -788,6 +795,8 @@ def paired_phase(ctx: Ctx) -> dict[str, Any]:
     return {
         "raw_method": f"raw {args.pair_method} ×{streams}",
         "pair_gb": args.pair_gb,
+        # huge=always vs huge=within_size changes a run's start-up (bench/README.md)
+        "dump_root_mount": mount_text(s.shm),
         "clients": [{"name": c.name, "src": str(c.src)} for c in clients],
         "idle_cpu_s": idle_s,
         "idle_cpu_s_runs": idle,
@@ -984,7 +993,7 @@ def _paired_tables(pr: dict[str, Any]) -> list[str]:
     title = (
         f"Paired rounds: {pr['raw_method']} (fsync) and hsx (prefab server) on the same "
         f"bytes, {pr['pair_gb']:g} GB each — median ratio {pr['median_ratio']:.2f} "
-        f"(quartiles {lo:.2f}–{hi:.2f})"
+        f"(quartiles {lo:.2f}–{hi:.2f}); dump root {pr.get('dump_root_mount') or 'unknown'}"
     )
     tables = [print_table(title, headers, rows)]
     raw_cpu = pr["raw_cpu_s_per_gb_median"]

@@ -38,7 +38,7 @@ from hsx_async.protocol import Storage
 from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.dump import Dump, prepare_namespace, remove_tree, validate_dump, wait_for_meta
 from hsx_async.run.guard import free_bytes
-from hsx_async.run.mounts import fs_type
+from hsx_async.run.mounts import fs_type, huge_always, mount_of
 from hsx_async.run.observe import listen_problem
 from hsx_async.run.source import BadLine, SampleReader, open_input
 from hsx_async.run.spool_estimate import SpoolRates, spool_lines
@@ -272,7 +272,8 @@ def check_dump_root(config: Config, report: Report) -> None:
         report.add("FAIL", "dump root", problem)
         return
     where = nearest_existing(root)
-    kind = fs_type(where)
+    mount = mount_of(where)
+    kind = mount.fstype if mount else "unknown"
     free = free_bytes(where)
     level = "OK" if kind == "tmpfs" and where == root else "WARN"
     place = str(root) if where == root else f"{root} does not exist yet (hsx run creates it)"
@@ -282,6 +283,15 @@ def check_dump_root(config: Config, report: Report) -> None:
         f"{place} on {kind} ({'RAM' if kind == 'tmpfs' else 'not RAM: slow'}), "
         f"{human_bytes(free)} free, budget {human_bytes(config.dump.shm_budget)}",
     )
+    if mount is not None and huge_always(mount):
+        report.add(
+            "WARN",
+            "dump root",
+            f"the tmpfs at {mount.point} is mounted huge=always: every small file (each "
+            "probe part, each meta.json) takes and zeroes a 2 MiB page, which slows every "
+            "server's first answer; remount it with huge=within_size (README, "
+            '"Dump root on huge pages")',
+        )
     if free < config.dump.shm_budget:
         report.add(
             "FAIL", "dump root", f"dump.shm_budget exceeds the free space of {root}; lower it"

@@ -1,5 +1,5 @@
 """``hsx check``: each check on its own, against real files, a real tmpfs and the fake
-server; and the mount table it reads."""
+server."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from hsx_async.cli import main
-from hsx_async.run.mounts import fs_type, read_mounts
+from hsx_async.run import preflight
+from hsx_async.run.mounts import fs_type, mount_of
 from hsx_async.run.preflight import (
     Report,
     check_dump_root,
@@ -115,6 +116,30 @@ def test_dump_root_on_tmpfs_passes_and_elsewhere_warns(tmp_path: Path, shm_root:
         assert "not RAM: slow" in report.lines[0][2]
 
 
+def test_a_dump_root_on_a_huge_always_tmpfs_warns_naming_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    root = tmp_path / "dumps"
+    root.mkdir()
+    table = tmp_path / "mounts"
+    monkeypatch.setattr(preflight, "mount_of", lambda path: mount_of(path, table))
+    config = make_config(tmp_path, samples.path, ["http://127.0.0.1:1"], root)
+
+    def checked(options: str) -> Report:
+        table.write_text(f"/dev/vda1 / ext4 rw 0 0\ntmpfs {tmp_path} tmpfs {options} 0 0\n")
+        report = Report()
+        check_dump_root(config, report)
+        return report
+
+    report = checked("rw,size=4g,huge=always")
+    assert _levels(report, "dump root") == ["OK", "WARN"] and not report.failed
+    assert f"the tmpfs at {tmp_path} is mounted huge=always" in report.lines[1][2]
+    assert "remount it with huge=within_size" in report.lines[1][2]
+    for fine in ("rw,size=4g,huge=within_size", "rw,size=4g", "rw,huge=never"):
+        assert _levels(checked(fine), "dump root") == ["OK"], fine
+
+
 def test_a_budget_larger_than_the_dump_root_fails(tmp_path: Path, shm_root: Path) -> None:
     samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
     config = make_config(
@@ -195,22 +220,6 @@ def test_an_output_dir_that_cannot_be_created_fails_the_check(tmp_path: Path) ->
     check_output(config, report, need=1)
     ((level, _, detail),) = report.lines
     assert level == "FAIL" and f"{tmp_path / 'file'} is not a directory" in detail
-
-
-def test_mount_points_are_unescaped(tmp_path: Path) -> None:
-    table = tmp_path / "mounts"
-    table.write_text(
-        "/dev/vda1 / ext4 rw,relatime 0 0\n"
-        "tmpfs /mnt/with\\040space tmpfs rw,size=1g,huge=always 0 0\n"
-        "tmpfs /mnt/with\\040space/deeper ramfs rw 0 0\n"
-    )
-    mounts = read_mounts(table)
-    assert [str(m.point) for m in mounts] == ["/", "/mnt/with space", "/mnt/with space/deeper"]
-    assert mounts[1].options == ("rw", "size=1g", "huge=always")
-    assert fs_type(Path("/mnt/with space/x"), table) == "tmpfs"
-    assert fs_type(Path("/mnt/with space/deeper/y"), table) == "ramfs"
-    assert fs_type(Path("/mnt/with/x"), table) == "ext4"
-    assert read_mounts(tmp_path / "no-such-table") == []
 
 
 @pytest.mark.parametrize("honour", [True, False])
