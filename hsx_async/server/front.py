@@ -11,6 +11,8 @@ responses.
 
 from __future__ import annotations
 
+import errno
+import socket
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from hsx_async.errors import HsxRequestError
+from hsx_async.errors import ArgumentError, HsxRequestError
 from hsx_async.protocol import PROTOCOL_VERSION, check_hsx_request, marked_ns, shown
 
 # SGLang's default when a request names no max_new_tokens.
@@ -259,3 +261,39 @@ def server_info(
         "max_prefill_tokens": max_batch_tokens,
         **extra,
     }
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The built-in servers' listening socket, bound before anything slow (a model load) so
+    that a taken port is refused at once: :class:`ArgumentError` naming the address and the
+    option to change (exit 2), never a traceback. Serve it with ``web.SockSite``."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except OSError as exc:  # socket.gaierror: a host that names no address
+        raise _listen_error(host, port, exc) from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise _listen_error(host, port, exc) from None
+    sock.setblocking(False)
+    return sock
+
+
+def _listen_error(host: str, port: int, exc: OSError) -> ArgumentError:
+    where = f"{host or '*'}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return ArgumentError(
+            "--port",
+            f"{where} is in use (another server is listening there, and hsx run would talk "
+            "to it): stop that one, or give this one a free --port and the job's "
+            "server.urls the same port",
+        )
+    return ArgumentError(
+        "--port", f"cannot listen on {where}: {exc.strerror or exc}; give another --host/--port"
+    )

@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import socket
+
 import orjson
 import pytest
 
+from hsx_async.errors import ArgumentError
 from hsx_async.protocol import check_response, generate_body
 from hsx_async.server.front import (
     BadRequest,
     GenerateRequest,
+    bind_listener,
     error_body,
     generate_response,
     model_info,
@@ -137,3 +141,30 @@ def test_answers_are_sglangs() -> None:
         "hsx_aux_layers": [1, 3],
         "extra": 1,
     }
+
+
+def test_a_taken_port_is_one_line_naming_the_address_and_the_option() -> None:
+    with socket.socket() as owner:
+        owner.bind(("127.0.0.1", 0))
+        owner.listen(1)
+        port = owner.getsockname()[1]
+        with pytest.raises(ArgumentError) as caught:
+            bind_listener("127.0.0.1", port)
+    message = str(caught.value)
+    assert message.startswith(f"argument --port: 127.0.0.1:{port} is in use")
+    assert "free --port" in message and "\n" not in message
+
+
+def test_a_free_port_is_bound_and_listening() -> None:
+    sock = bind_listener("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # the listener's backlog takes it
+    finally:
+        sock.close()
+
+
+def test_a_host_that_names_no_address_is_one_line() -> None:
+    with pytest.raises(ArgumentError, match=r"cannot listen on no-such-host\.invalid:0"):
+        bind_listener("no-such-host.invalid", 0)

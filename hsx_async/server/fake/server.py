@@ -31,6 +31,7 @@ from hsx_async.server.fake.options import (
     FakeStats,
     check_fault_policy,
 )
+from hsx_async.server.front import bind_listener
 
 __all__ = [
     "ALL_FAULTS",
@@ -74,12 +75,14 @@ class FakeServerHandle:
         """Start serving (on the same port as before after a stop)."""
         if self._runner is not None:
             return
+        sock = bind_listener(self._host, self._port)  # a taken port: one line, exit 2
         app = build_app(self.options, stats=self.stats, control=self._control)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
         await runner.setup()
         try:
-            await web.TCPSite(runner, self._host, self._port).start()
+            await web.SockSite(runner, sock).start()
         except BaseException:
+            sock.close()
             await runner.cleanup()
             raise
         self._port = int(runner.addresses[0][1])

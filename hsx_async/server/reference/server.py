@@ -37,6 +37,7 @@ from hsx_async.protocol import DEFAULT_DUMP_ROOT
 from hsx_async.protocol import parse_aux_layers as protocol_parse_aux_layers
 from hsx_async.server.front import (
     BadRequest,
+    bind_listener,
     error_response,
     generate_response,
     json_response,
@@ -253,12 +254,16 @@ async def running_reference_server(
     options: ReferenceOptions, host: str = "127.0.0.1", port: int = 0
 ) -> AsyncIterator[ReferenceServer]:
     """Serve until the block exits; ``port=0`` picks a free port (see ``.url``)."""
-    app = await asyncio.to_thread(build_app, options)  # model loading stays off the loop
+    sock = bind_listener(host, port)  # before the model loads: a taken port fails at once
+    try:
+        app = await asyncio.to_thread(build_app, options)  # model loading stays off the loop
+    except BaseException:
+        sock.close()
+        raise
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
+        await web.SockSite(runner, sock).start()
         bound_host, bound_port = runner.addresses[0][:2]
         state = app[_STATE]
         yield ReferenceServer(

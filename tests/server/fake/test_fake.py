@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from hsx_async import __version__, protocol
-from hsx_async.cli import build_parser
+from hsx_async.cli import build_parser, main
 from hsx_async.errors import ConfigError, DumpError
 from hsx_async.run.dump import validate_dump
 from hsx_async.server.fake.options import draw_fault, random_cuts
@@ -618,6 +619,24 @@ async def test_cli_serves_until_sigterm_and_exits_0(
             await proc.wait()
     assert check_dump(shm_root, "cli", ids).parts == ((0, 4), (4, 8), (8, 10))
     assert {p.split("/")[0] for p in files_under(shm_root)} == {NS}
+
+
+def test_cli_on_a_taken_port_says_so_in_one_line_and_exits_2(
+    shm_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as owner:
+        owner.bind(("127.0.0.1", 0))
+        owner.listen(1)
+        port = owner.getsockname()[1]
+        code = main(["fake-server", "--port", str(port), "--dump-root", str(shm_root)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == (
+        f"hsx: error: argument --port: 127.0.0.1:{port} is in use (another server is "
+        "listening there, and hsx run would talk to it): stop that one, or give this one a "
+        "free --port and the job's server.urls the same port\n"
+    )
+    assert files_under(shm_root) == []
 
 
 # --- FP8 storage ---------------------------------------------------------------------------

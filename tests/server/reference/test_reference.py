@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -17,7 +18,7 @@ import orjson
 import pytest
 import torch
 
-from hsx_async.cli import build_parser, load_handler
+from hsx_async.cli import build_parser, load_handler, main
 from hsx_async.errors import ConfigError
 from hsx_async.protocol import (
     BF16_STORAGE,
@@ -458,6 +459,22 @@ def test_cli_parser() -> None:
     )
     # HSX_DUMP_ROOT is read when the command runs, the one way every hook reads it.
     assert defaults.dump_root is None
+
+
+def test_cli_on_a_taken_port_refuses_before_loading_the_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with socket.socket() as owner:
+        owner.bind(("127.0.0.1", 0))
+        owner.listen(1)
+        port = owner.getsockname()[1]
+        # A model directory that does not exist: the port is refused before it is read.
+        argv = ["reference-server", "--port", str(port), "--model", "/nonexistent/model"]
+        code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"hsx: error: argument --port: 127.0.0.1:{port} is in use")
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_demo_samples_are_current_and_fit_the_tiny_model() -> None:
