@@ -6,6 +6,7 @@ import dataclasses
 import fcntl
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import orjson
@@ -384,6 +385,28 @@ def test_cli_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "--target-layer-ids 2,30,58" in out.out
     assert "2/2 samples" in out.err
     assert len(list((dest / "hidden_states").glob("hs_*.safetensors"))) == 2
+
+
+def test_speculators_without_the_datasets_extra_is_refused_before_any_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The datasets directory is written last; a missing extra found then would cost the
+    whole export (hours on a multi-TB job), so it is refused first, in one line."""
+    src, dest = tmp_path / "out", tmp_path / "spec"
+    write_dataset(src, num_samples=2, hidden_size=8)
+    model, _ = model_dir(tmp_path / "model", 8)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets fails
+    argv = ["export", str(src), "--format", "speculators", "--to", str(dest)]
+    assert main([*argv, "--model", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "hsx: error: --format speculators writes a Hugging Face datasets directory, and the "
+        "datasets package is not installed: pip install -e '.[speculators]' in the hsx clone "
+        "(the speculators extra)\n"
+    )
+    assert not dest.exists()
+    # SpecForge needs no extra: the same dataset exports.
+    assert export_dataset(src, tmp_path / "sf", fmt="specforge").written == 2
 
 
 async def test_exports_a_pipeline_dataset(tmp_path: Path, shm_root: Path) -> None:

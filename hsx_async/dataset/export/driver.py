@@ -147,6 +147,7 @@ def _exclusive(dest: Path) -> Iterator[None]:
 
 def _check_args(out_dir: Path, dest: Path, fmt: str, file_group_size: int) -> ExportFormat:
     found = export_format(fmt)
+    found.check_ready()  # a missing extra: refused before hours of writing
     require_dataset(out_dir)  # before anything is created at dest
     if file_group_size < 1:
         raise DatasetError(f"file_group_size is {file_group_size}, expected at least 1")

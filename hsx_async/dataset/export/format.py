@@ -52,6 +52,10 @@ def no_finish(
     """The finish step of a format whose sample files are all there is."""
 
 
+def nothing_to_install() -> None:
+    """The readiness check of a format that needs nothing beyond hsx's own dependencies."""
+
+
 @dataclass(frozen=True)
 class ExportFormat:
     name: str  # --format
@@ -62,6 +66,9 @@ class ExportFormat:
     dtype_rule: DtypeRule
     hint: Hint
     check_aux: Callable[[DatasetFacts], None] = any_aux_count  # refuses before writing
+    # Refuses before anything is read or written when a package the format needs (an
+    # optional extra) is missing: an export of a multi-TB job must not fail at its end.
+    check_ready: Callable[[], None] = nothing_to_install
     finish: Finish = no_finish
     # Keys of draft-config.json's "hsx" block only this trainer needs (aux layers → keys).
     draft_keys: Callable[[Sequence[int]], dict[str, Any]] = no_extra_keys

@@ -43,6 +43,7 @@ export would write; the others are copied (:mod:`.fp8`).
 from __future__ import annotations
 
 import collections
+import importlib.util
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -203,6 +204,23 @@ def write_speculators_rows(
     write_output(dest / TOKEN_FREQ, save_freq)
 
 
+_NEEDS_DATASETS = (
+    "--format speculators writes a Hugging Face datasets directory, and the datasets package "
+    "is not installed: pip install -e '.[speculators]' in the hsx clone (the speculators extra)"
+)
+
+
+def require_datasets() -> None:
+    """Refuse the export before its first file when ``datasets`` cannot be imported (found
+    without importing it: that import takes seconds)."""
+    try:
+        missing = importlib.util.find_spec("datasets") is None
+    except ValueError:  # sys.modules holds None for it: importing it would fail
+        missing = True
+    if missing:
+        raise DatasetError(_NEEDS_DATASETS)
+
+
 def write_hf_dataset(dest: Path) -> None:
     """The Hugging Face ``datasets`` directory speculators loads with ``load_from_disk``:
     built from ``samples.jsonl`` (streamed by Arrow, not held in memory) in a temporary
@@ -210,10 +228,7 @@ def write_hf_dataset(dest: Path) -> None:
     try:
         import datasets  # noqa: PLC0415 - an optional, slow import
     except ImportError:
-        raise DatasetError(
-            "--format speculators writes a Hugging Face datasets directory: install the "
-            "extra: pip install -e '.[speculators]' in the hsx clone"
-        ) from None
+        raise DatasetError(_NEEDS_DATASETS) from None
     datasets.disable_progress_bars()  # hsx export reports its own progress
     features = datasets.Features(
         {
@@ -283,4 +298,5 @@ FORMAT = ExportFormat(
     hint=hint,
     finish=finish,
     draft_keys=draft_keys,
+    check_ready=require_datasets,
 )
