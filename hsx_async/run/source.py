@@ -156,6 +156,21 @@ def open_input(path: Path) -> io.BufferedReader:
     )
 
 
+def require_samples(path: Path) -> None:
+    """:func:`open_input`'s refusals, and :class:`InputError` when the file holds nothing but
+    whitespace: a job with no sample is an operator's mistake (the wrong file, a failed
+    ``hsx prepare``), refused by ``hsx check`` and ``hsx run`` in the same words. Reads up
+    to the first byte that is not whitespace (the first chunk of any real input)."""
+    with open_input(path) as fh:
+        while chunk := fh.read(1 << 20):
+            if chunk.strip():
+                return
+    raise InputError(
+        f"input.path {path} holds no sample (the file is empty or blank): point input.path "
+        "at the job's JSONL file, one sample per line"
+    )
+
+
 def _kind(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "a directory"

@@ -390,6 +390,8 @@ def _cli_run(tmp_path: Path, raw_overrides: dict[str, Any], capsys: Any) -> tupl
         ("input_dir", r"cannot read input\.path .*a directory"),
         ("input_dev_zero", r"cannot read input\.path /dev/zero: it is a device"),
         ("input_fifo", r"cannot read input\.path .*a FIFO"),
+        ("input_empty", r"input\.path .*empty\.jsonl holds no sample \(the file is empty"),
+        ("input_blank", r"input\.path .*empty\.jsonl holds no sample \(the file is empty"),
         ("output_file", r"output\.dir .* exists and is not a directory"),
         ("output_under_file", r"output\.dir .* cannot be created"),
         ("url", r"server\.urls\[0\].*must be http"),
@@ -408,6 +410,9 @@ def test_operator_mistakes_are_one_line_and_exit_2(
     elif case == "input_fifo":
         os.mkfifo(tmp_path / "fifo")
         overrides = {"input": {"path": str(tmp_path / "fifo")}}
+    elif case in ("input_empty", "input_blank"):
+        (tmp_path / "empty.jsonl").write_bytes(b"" if case == "input_empty" else b"\n  \n\t\n")
+        overrides = {"input": {"path": str(tmp_path / "empty.jsonl")}}
     elif case == "output_file":
         (tmp_path / "file").write_bytes(b"x")
         overrides = {"output": {"dir": str(tmp_path / "file")}}
@@ -420,6 +425,7 @@ def test_operator_mistakes_are_one_line_and_exit_2(
     assert code == 2, err
     assert len(err.splitlines()) == 1, err
     assert re.search(expect, err), err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "shm").exists()
 
 
 @pytest.fixture

@@ -52,6 +52,38 @@ def test_missing_input_fails_the_check(tmp_path: Path) -> None:
     assert report.failed and _levels(report, "input") == ["FAIL"]
 
 
+@pytest.mark.parametrize("content", [b"", b"\n\n  \r\n"], ids=["empty", "blank"])
+def test_an_input_with_no_sample_fails_the_check_in_hsx_runs_words(
+    tmp_path: Path, content: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 39: hsx check said "OK input 0 samples" and hsx run wrote 0 samples, exit 0."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(content)
+    raw = config_raw(tmp_path, path, ["http://127.0.0.1:9"], tmp_path / "shm")
+    config = write_config(tmp_path, raw)
+    assert main(["check", "--config", str(config)]) == 1
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.split()[1:2] == ["input"]]
+    words = f"input.path {path} holds no sample (the file is empty or blank)"
+    assert line.startswith("FAIL") and words in line
+    assert main(["run", "--config", str(config)]) == 2
+    assert capsys.readouterr().err.startswith(f"hsx: error: {words}")
+
+
+def test_the_benchs_empty_run_alone_may_have_an_empty_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/ times hsx run's start-up with an input of no sample (child_env sets the
+    variable); nothing else gets past the refusal."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"")
+    config = make_config(tmp_path, path, ["http://127.0.0.1:9"], tmp_path / "shm")
+    assert "holds no sample" in preflight.operator_problem(config)
+    monkeypatch.setenv(preflight.BENCH_EMPTY_INPUT, "1")
+    assert preflight.operator_problem(config) == ""
+    path.unlink()  # the other input checks still hold
+    assert "cannot read input.path" in preflight.operator_problem(config)
+
+
 def test_output_reports_free_space_against_the_job(tmp_path: Path) -> None:
     samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
     config = make_config(tmp_path, samples.path, ["http://127.0.0.1:1"], tmp_path / "shm")

@@ -23,6 +23,7 @@ from hsx_async.run.source import (
     SampleReader,
     count_pending,
     parse_line,
+    require_samples,
     shard_of,
 )
 
@@ -468,6 +469,18 @@ def test_missing_input_is_an_input_error(tmp_path: Path) -> None:
         list(SampleReader(tmp_path / "nope.jsonl", 8).iter_sync())
     with pytest.raises(InputError, match=r"cannot read input\.path"):
         list(SampleReader(tmp_path, 8).iter_sync())  # a directory
+
+
+def test_an_input_with_no_sample_is_refused_and_one_with_a_line_is_not(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    for blank in (b"", b"\n", b" \t\r\n" * 300_000):  # the last one spans chunks
+        path.write_bytes(blank)
+        with pytest.raises(InputError, match=r"input\.path .* holds no sample"):
+            require_samples(path)
+    path.write_bytes(b"\n" * (3 << 20) + b'{"input_ids": [1]}\n')  # found past the first chunk
+    require_samples(path)
+    with pytest.raises(InputError, match=r"cannot read input\.path"):
+        require_samples(tmp_path)  # open_input's refusals come first
 
 
 async def test_missing_input_is_an_input_error_async(tmp_path: Path) -> None:
