@@ -60,7 +60,13 @@ from hsx_async.errors import (
 )
 from hsx_async.protocol import DumpMeta, parse_meta
 from hsx_async.run.client import Server, ServerPool, SGLangClient
-from hsx_async.run.dump import prepare_namespace, remove_tree, validate_dump, wait_for_meta
+from hsx_async.run.dump import (
+    prepare_namespace,
+    remove_stray_dump,
+    remove_tree,
+    validate_dump,
+    wait_for_meta,
+)
 from hsx_async.run.faults import Fault, fault_of
 from hsx_async.run.identity import Identity, JobRecord
 from hsx_async.run.notify import Notifier
@@ -417,7 +423,11 @@ class Admission:
         except IdentityError as exc:
             raise _Outcome(await self._shape_mismatch(server, info, exc, again)) from None
         except (RequestError, DumpError) as exc:
-            raise _Outcome(await self._failed_probe(server, await info, exc)) from None
+            said = await info
+            if isinstance(exc, DumpMissingError):  # dumped where the server says, maybe
+                stray = (said.get("dump_root"), cfg.dump.root, self.namespace, rid)
+                self._track(asyncio.ensure_future(asyncio.to_thread(remove_stray_dump, *stray)))
+            raise _Outcome(await self._failed_probe(server, said, exc)) from None
         else:
             return meta
         finally:

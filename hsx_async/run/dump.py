@@ -92,6 +92,27 @@ def remove_tree(path: Path) -> None:
         os.close(parent)
 
 
+def remove_stray_dump(their_root: object, root: Path, ns: str, rid: str) -> None:
+    """A probe's dump that a server wrote under its own dump root when ``dump.root`` names
+    another directory (``their_root``: where its info endpoint says it dumps): removed, and
+    the namespace directory it made there if nothing else is in it, so a refused run leaves
+    nothing in the server's real root. Only this run's own ``<ns>/<rid>`` is touched, never
+    through a link; a root the server does not name, or names as ours, is left alone."""
+    if not isinstance(their_root, str) or not their_root.startswith("/"):
+        return
+    theirs = Path(their_root)
+    if theirs == root:
+        return
+    with contextlib.suppress(OSError):  # another user's files, or gone: nothing to undo
+        remove_tree(theirs / ns / rid)
+        root_fd = _open_dir(theirs)
+        if root_fd is not None:
+            try:
+                os.rmdir(ns, dir_fd=root_fd)  # only when empty (ENOTEMPTY otherwise)
+            finally:
+                os.close(root_fd)
+
+
 def prepare_namespace(root: Path, ns: str) -> Path:
     """Create ``<root>/<ns>/`` empty. A link planted there is removed, never followed."""
     root.mkdir(parents=True, exist_ok=True)

@@ -171,3 +171,23 @@ async def test_a_server_examined_again_answers_health_before_it_is_sent_a_probe(
     assert checks >= 4
     assert len(probes_while_sick) == 1 and "-probe-" in probes_while_sick[0]
     assert summary.done == 3
+
+
+async def test_a_wrong_dump_root_leaves_nothing_in_the_servers_real_one(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    """Issue 39: the probe the server dumped under its own HSX_DUMP_ROOT (not dump.root)
+    stayed there after the run was refused."""
+    samples = write_samples(tmp_path / "in.jsonl", 4, max_len=16)
+    theirs, ours = shm_root / "theirs", shm_root / "ours"
+    theirs.mkdir()
+    (theirs / "someone-else").mkdir()  # another job's namespace: left alone
+    options = FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=theirs)
+    async with running_fake_server(options) as fake:
+        config = make_config(tmp_path, samples.path, [fake.url], ours, dump={"timeout": 0.3})
+        with pytest.raises(ConfigError) as err:
+            await asyncio.wait_for(Daemon(config).run(), BOUND_S)
+        assert fake.stats.hsx_requests >= 1  # the probe was dumped, there
+    assert err.value.key == "dump.root" and str(theirs) in str(err.value)
+    assert sorted(p.name for p in theirs.rglob("*")) == ["someone-else"]
+    assert [p for p in ours.iterdir() if not p.name.startswith(".")] == []

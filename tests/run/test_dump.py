@@ -29,6 +29,7 @@ from hsx_async.run.dump import (
     on_tmpfs,
     prepare_namespace,
     read_dump,
+    remove_stray_dump,
     remove_tree,
     sweep_namespace,
     validate_dump,
@@ -442,3 +443,29 @@ async def test_request_directory_that_is_a_link_is_a_dump_error(
     replace_with_link(link, tmp_path / RID)
     with pytest.raises(DumpError):
         validate(link, await wait_for_meta(link, 5.0))
+
+
+def test_a_stray_probe_dump_goes_and_nothing_else_does(tmp_path: Path) -> None:
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    write_dump(theirs / "ns-0" / "probe-1")
+    (theirs / "ns-0" / "probe-2").mkdir()  # another probe of the run, not yet answered
+    (theirs / "other-job").mkdir()
+    remove_stray_dump(str(theirs), ours, "ns-0", "probe-1")
+    assert sorted(p.name for p in theirs.rglob("*")) == ["ns-0", "other-job", "probe-2"]
+    remove_stray_dump(str(theirs), ours, "ns-0", "probe-2")  # the last one: the namespace goes
+    assert [p.name for p in theirs.iterdir()] == ["other-job"]
+    # What the server does not say plainly, or says is ours, is left alone.
+    write_dump(ours / "ns-0" / "probe-3")
+    for said in (None, 7, "", "relative/dir", str(ours)):
+        remove_stray_dump(said, ours, "ns-0", "probe-3")
+    assert (ours / "ns-0" / "probe-3" / "meta.json").exists()
+
+
+def test_a_stray_dump_behind_a_link_is_not_followed(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    write_dump(target / "probe-1")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "ns-0").symlink_to(target)  # planted: the namespace is a link
+    remove_stray_dump(str(theirs), tmp_path / "ours", "ns-0", "probe-1")
+    assert (target / "probe-1" / "meta.json").exists()
