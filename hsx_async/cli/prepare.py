@@ -27,7 +27,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the records' system prompts: keep them, drop them, or replace them with "
         "--system-prompt",
     )
-    p.add_argument("--system-prompt", default=None, help="added when absent (keep), or the one")
+    p.add_argument(
+        "--system-prompt",
+        default=None,
+        metavar="TEXT",
+        help="a system prompt: with --system keep, given to the conversations that have none; "
+        "with --system override, to every conversation in place of its own",
+    )
     p.add_argument("--max-tokens", type=int, default=None, help="default: [input].max_tokens")
     p.add_argument(
         "--length-policy",
@@ -42,7 +48,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=os.cpu_count() or 1,
         help="processes encoding in parallel (default: one per CPU, %(default)s here)",
     )
-    p.add_argument("--quarantine", type=Path, default=None, help="default: OUT's stem")
+    p.add_argument(
+        "--quarantine",
+        type=Path,
+        default=None,
+        help="where the refused conversations go, one JSON line each (id, line, reason) "
+        "(default: beside --out, its name ending .quarantine.jsonl instead of .jsonl)",
+    )
     p.add_argument("--config", type=Path, default=None, help="job.toml: size estimate")
     p.add_argument(
         "--json", action="store_true", help="print the summary as one JSON object instead"

@@ -636,7 +636,11 @@ def inspect_file(path: Path) -> str:
     hidden_offset = header_bytes + 8 * header.num_tokens
     shown = " ".join(str(int(x)) for x in ids[:8]) + (" …" if header.num_tokens > 8 else "")
     t, layers, size = header.num_tokens, header.num_layers, header.hidden_size
-    mask = "absent (all ones)" if stats.mask_ones is None else f"{stats.mask_ones} ones of {t}"
+    mask = (
+        f"U8    [{t}]  {stats.mask_ones} ones of {t}"
+        if stats.mask_ones is not None
+        else f"not stored (the input gave none): readers yield {t} ones"
+    )
     lines = [
         str(path),
         "  metadata: " + ", ".join(f"{k}={v}" for k, v in sorted(header.metadata.items())),
@@ -646,7 +650,7 @@ def inspect_file(path: Path) -> str:
         f"  input_ids      I64   [{t}]  min {int(ids.min()) if t else '-'} max "
         f"{int(ids.max()) if t else '-'}; first: {shown}",
         *_section_lines(header.storage, t, layers, size),
-        f"  loss_mask      U8    [{t}]  {mask}",
+        f"  loss_mask      {mask}",
         _sample_table(stats),
     ]
     problems = stats.problems()

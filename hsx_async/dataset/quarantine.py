@@ -184,10 +184,17 @@ def quarantine_command(args: argparse.Namespace) -> int:
     found = kinds(out)
     for k in found:
         print(f"{k.count:>8,}  {'retriable' if k.retriable else 'input    '}  {k.kind}")
-    retriable = sum(k.count for k in found if k.retriable)
+    total, retriable = sum(k.count for k in found), sum(k.count for k in found if k.retriable)
+    hint = (
+        f"`hsx quarantine {out} --retry` puts those back (--kind TEXT: by kind, --all: every line)"
+        if retriable
+        else "nothing for --retry to put back (the input's own faults would be quarantined "
+        "again; --all puts them back anyway)"
+        if total
+        else "nothing to put back"
+    )
     print(
-        f"{sum(k.count for k in found):,} quarantined, {retriable:,} after failed attempts; "
-        f"`hsx quarantine {out} --retry` puts those back (--kind TEXT: by kind, --all: every "
-        f"line); {retried_before(out):,} put back before"
+        f"{total:,} quarantined, {retriable:,} after failed attempts; {hint}; "
+        f"{retried_before(out):,} put back before"
     )
     return 0

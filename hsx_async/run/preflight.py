@@ -31,6 +31,7 @@ import numpy.typing as npt
 import xxhash
 
 from hsx_async.config import Config, load_config
+from hsx_async.dataset.manifest import load_done
 from hsx_async.dataset.target import read_config
 from hsx_async.errors import DatasetError, DumpError, HsxError, InputError, RequestError
 from hsx_async.layer_ids import architecture_of, draft_ids, num_layers_of
@@ -50,9 +51,18 @@ _PROBE_SAMPLES = 4  # real samples sent at once to each server to measure its pr
 
 @dataclass
 class InputScan:
+    """What is left to extract: the input's valid samples less those the output directory
+    holds already (its manifest or quarantine), as a resumed ``hsx run`` skips them."""
+
     samples: int = 0
     tokens: int = 0
     probe: list[npt.NDArray[np.int64]] = field(default_factory=list)  # the first samples
+    done: int = 0  # valid samples already in the dataset
+
+    @property
+    def finished(self) -> bool:
+        """Every sample is in the dataset: ``hsx run`` contacts no server and writes nothing."""
+        return self.done > 0 and self.samples == 0
 
 
 @dataclass
@@ -74,33 +84,54 @@ def check_input(config: Config, report: Report) -> InputScan:
     """Validate every line; the tokens to extract and the samples to probe servers with."""
     reader = SampleReader(config.input.path, config.input.max_tokens)
     scan = InputScan()
-    samples = bad = 0
+    samples = tokens = bad = 0
     first_bad: list[str] = []
     try:
         require_samples(config.input.path)  # an empty input: FAIL, as hsx run refuses it
+        done = load_done(config.output.dir) if config.output.dir.is_dir() else None
         for item in reader.iter_sync():
             if isinstance(item, BadLine):
                 bad += 1
                 if len(first_bad) < 3:
                     first_bad.append(f"line {item.line + 1}: {item.reason}")
-            else:
-                samples += 1
-                scan.tokens += item.num_tokens
-                if len(scan.probe) < _PROBE_SAMPLES:
-                    scan.probe.append(item.input_ids)
+                continue
+            samples += 1
+            tokens += item.num_tokens
+            if done is not None and done.is_done(item.id, item.line):
+                scan.done += 1
+                continue
+            scan.samples += 1
+            scan.tokens += item.num_tokens
+            if len(scan.probe) < _PROBE_SAMPLES:
+                scan.probe.append(item.input_ids)
     except HsxError as exc:
         report.add("FAIL", "input", str(exc))
         return InputScan()
-    scan.samples = samples
     level = "WARN" if bad else "OK"
-    report.add(
-        level,
-        "input",
-        f"{samples:,} samples, {scan.tokens:,} tokens; {bad:,} lines would be quarantined",
-    )
+    counts = f"{samples:,} samples, {tokens:,} tokens; {bad:,} lines would be quarantined"
+    report.add(level, "input", counts)
     for text in first_bad:
         report.add("WARN", "input", text)
+    _report_done(config.output.dir, scan, report)
     return scan
+
+
+def _report_done(out: Path, scan: InputScan, report: Report) -> None:
+    """What a resumed run would skip, so the job's needs below are what is left."""
+    if scan.finished:
+        report.add(
+            "INFO",
+            "input",
+            f"all {scan.done:,} are in {out} already (its manifest or quarantine): hsx run "
+            "has nothing left to extract",
+        )
+    elif scan.done:
+        report.add(
+            "INFO",
+            "input",
+            f"{scan.done:,} of them are in {out} already: {scan.samples:,} samples, "
+            f"{scan.tokens:,} tokens left to extract",
+        )
 
 
 def check_disk_write(path: Path) -> float:
@@ -563,6 +594,9 @@ def run_checks(config: Config, spool: SpoolRates | None = None) -> Report:
         client = check_dump_read(config.dump.root) if config.dump.root.is_dir() else 0.0
     except OSError:
         client = 0.0  # check_dump_root has said why
+    if scan.finished:  # hsx run would contact no server and write nothing: no estimate
+        report.add("INFO", "server", "not asked: with nothing left to extract, hsx run asks none")
+        return report
     servers = asyncio.run(check_servers(config, report, scan.probe))
     measured = _report_estimate(
         report, scan.tokens, row_bytes, disk=disk, client=client, servers=servers

@@ -83,3 +83,18 @@ def test_the_defaults_the_issue_found_missing_are_shown() -> None:
         assert shown in _option_help(command, action), (name, option)
     count = next(a for a in commands["samples"]._actions if "--count" in a.option_strings)
     assert "default" not in _option_help(commands["samples"], count)
+
+
+def test_prepare_says_what_its_system_prompt_and_quarantine_are() -> None:
+    """Issue 39: `--system-prompt` read "added when absent (keep), or the one" and
+    `--quarantine` only "default: OUT's stem"."""
+    command = _commands()["prepare"]
+    shown = {a.dest: _option_help(command, a) for a in command._actions}
+    assert shown["system_prompt"] == (
+        "a system prompt: with --system keep, given to the conversations that have none; "
+        "with --system override, to every conversation in place of its own"
+    )
+    assert shown["quarantine"] == (
+        "where the refused conversations go, one JSON line each (id, line, reason) "
+        "(default: beside --out, its name ending .quarantine.jsonl instead of .jsonl)"
+    )

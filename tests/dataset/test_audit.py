@@ -164,13 +164,16 @@ def test_inspect_file_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert f"BF16  [5, 4, {H}]" in text
     assert "4 KiB aligned" in text
     assert "problems: none" in text
-    assert "ones of 5" in text
+    assert "  loss_mask      U8    [5]  " in text and "ones of 5" in text
     hidden = clean.hidden.float()
     low = f"{float(hidden[:, 0].min()):.4g}"
     assert low in text
     assert main(["inspect", str(broken.path)]) == 0
     out = capsys.readouterr().out
-    assert "absent (all ones)" in out
+    # Issue 39: "loss_mask U8 [5] absent (all ones)" described a tensor the file lacks.
+    [mask] = [line for line in out.splitlines() if "loss_mask" in line]
+    t = broken.hidden.shape[0]
+    assert mask == f"  loss_mask      not stored (the input gave none): readers yield {t} ones"
     assert "1 NaN and 2 Inf values" in out
     assert main(["inspect", str(tmp_path / "nope.safetensors")]) == 2
 

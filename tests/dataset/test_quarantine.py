@@ -128,3 +128,24 @@ def test_the_command_lists_retries_and_refuses_what_is_not_a_dataset(
     for path in (tmp_path / "empty", tmp_path / "missing"):
         assert main(["quarantine", str(path), "--retry"]) == 2
         assert capsys.readouterr().err.count("\n") == 1  # one line, no traceback
+
+
+def test_the_listing_suggests_retry_only_when_something_can_be_retried(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 39: `--retry` was suggested for a quarantine of the input's own faults only,
+    and for an empty one; it would have put nothing back."""
+    from hsx_async.cli import main
+
+    out = tmp_path / "out"
+    _quarantine(out, reasons=[REASONS[4], REASONS[4]])
+    assert main(["quarantine", str(out)]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == (
+        "2 quarantined, 0 after failed attempts; nothing for --retry to put back (the input's "
+        "own faults would be quarantined again; --all puts them back anyway); 0 put back before"
+    )
+    _quarantine(out, reasons=[])
+    assert main(["quarantine", str(out)]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == "0 quarantined, 0 after failed attempts; nothing to put back; 0 put back before"

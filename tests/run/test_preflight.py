@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hsx_async.cli import main
+from hsx_async.dataset.manifest import QuarantineEntry
 from hsx_async.run import preflight
 from hsx_async.run.mounts import fs_type, mount_of
 from hsx_async.run.preflight import (
@@ -82,6 +83,49 @@ def test_the_benchs_empty_run_alone_may_have_an_empty_input(
     assert preflight.operator_problem(config) == ""
     path.unlink()  # the other input checks still hold
     assert "cannot read input.path" in preflight.operator_problem(config)
+
+
+def _settle(out: Path, ids: list[str]) -> None:
+    """Those samples quarantined in ``out``: done, for a resumed run as for the check."""
+    out.mkdir(exist_ok=True)
+    lines = [QuarantineEntry(i, n, "refused: test").to_line() for n, i in enumerate(ids)]
+    (out / "quarantine.jsonl").write_bytes(b"".join(lines))
+
+
+def test_a_resumed_job_is_checked_for_what_is_left(tmp_path: Path) -> None:
+    """Issue 39: hsx check on a dataset that holds part of the input sized the whole job."""
+    samples = write_samples(tmp_path / "in.jsonl", 6, max_len=8)
+    config = make_config(tmp_path, samples.path, ["http://127.0.0.1:1"], tmp_path / "shm")
+    _settle(config.output.dir, ["s0", "s1"])
+    report = Report()
+    scan = check_input(config, report)
+    rest = [s for i, s in samples.good.items() if i not in ("s0", "s1")]
+    assert (scan.samples, scan.done, scan.finished) == (4, 2, False)
+    assert scan.tokens == sum(len(s["input_ids"]) for s in rest)
+    assert report.lines[1] == (
+        "INFO",
+        "input",
+        f"2 of them are in {config.output.dir} already: 4 samples, {scan.tokens:,} tokens "
+        "left to extract",
+    )
+
+
+def test_a_finished_dataset_is_checked_as_finished(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 39: hsx check on a finished dataset still sized and timed the whole job, and
+    FAILed on servers hsx run would never ask."""
+    samples = write_samples(tmp_path / "in.jsonl", 3, max_len=8)
+    raw = config_raw(tmp_path, samples.path, ["http://127.0.0.1:9"], tmp_path / "shm")
+    _settle(Path(raw["output"]["dir"]), list(samples.good))
+    assert main(["check", "--config", str(write_config(tmp_path, raw))]) == 0
+    text = capsys.readouterr().out
+    assert (
+        f"all 3 are in {raw['output']['dir']} already (its manifest or quarantine): hsx run "
+        "has nothing left to extract" in text
+    )
+    assert "job needs ~0 B" in text and "estimate" not in text
+    assert "INFO  server         not asked: with nothing left to extract, hsx run asks none" in text
 
 
 def test_output_reports_free_space_against_the_job(tmp_path: Path) -> None:
