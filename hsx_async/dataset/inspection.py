@@ -89,7 +89,7 @@ class Status:
         if rem is None:
             return "unknown (no run has read the whole input yet)"
         if not self.input_lines:
-            return f"{rem:,}"
+            return f"{rem:,} (of {self.input_samples or 0:,} input samples)"
         total = sum(self.input_lines.values())
         counted = sorted(self.input_lines, key=lambda k: [int(x) for x in k.split("/")])
         where = "" if counted == ["0/1"] else f", shards {', '.join(counted)}"

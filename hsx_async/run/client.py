@@ -256,9 +256,13 @@ class ServerPool:
     async def restore(self, server: Server) -> None:
         if not server.healthy:
             down = time.monotonic() - (server.down_since or time.monotonic())
+            first = server.out_kind == NOT_CHECKED  # admitted: it was never out of rotation
             server.healthy, server.soft_failures, server.down_since = True, 0, None
             server.out_kind = ""
-            log.info("server_back_in_rotation", server=server.display, down_s=round(down, 1))
+            if first:  # the admission logs server_admitted: it never left rotation
+                server.last_error = ""  # "not checked yet" was no error
+            else:
+                log.info("server_back_in_rotation", server=server.display, down_s=round(down, 1))
             self._changed_state(server, True)
             await self._notify()
 

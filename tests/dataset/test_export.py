@@ -31,6 +31,7 @@ from hsx_async.dataset.export import (
 from hsx_async.dataset.manifest import MANIFEST
 from hsx_async.dataset.target import post_from_pre, pre_from_post
 from hsx_async.errors import DatasetError
+from hsx_async.units import human_bytes
 from tests.dataset_factory import WrittenSample, pipeline_dataset, write_dataset
 
 NUM_LAYERS = 61  # a DeepSeek-V3-sized stack: AUX_LAYERS (2, 30, 58) fit it
@@ -376,6 +377,9 @@ def test_cli_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--model", str(model)]) == 0
     out = capsys.readouterr()
     assert "exported 2 samples" in out.out
+    # Issue 39: a small export said "(0.00 GB)"; sizes are in binary units, as elsewhere.
+    written = sum(p.stat().st_size for p in (dest / "hidden_states").glob("hs_*.safetensors"))
+    assert f"2 written ({human_bytes(written)})" in out.out and " GB)" not in out.out
     assert "final state converted to pre_norm" in out.out
     assert (
         'LlamaForCausalLM: put "eagle_aux_hidden_state_layer_ids": [1, 29, 57] in the '

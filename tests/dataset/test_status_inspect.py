@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from hsx_async.cli import main
-from hsx_async.dataset.inspection import dataset_status
+from hsx_async.dataset.inspection import Status, dataset_status
 from hsx_async.dataset.manifest import QUARANTINE, read_manifest, read_quarantine
 from hsx_async.dataset.merge import merge
 from hsx_async.dataset.running import announce
@@ -199,3 +199,10 @@ def test_a_killed_runs_status_file_is_ignored(tmp_path: Path) -> None:
     write_dataset(out, num_samples=1)
     announce(out, 0, 1, "http://127.0.0.1:9")  # no process holds shard 0's lock
     assert "running:" not in dataset_status(out).format()
+
+
+def test_remaining_always_says_of_how_many() -> None:
+    """Issue 39: `remaining: 1,455` with nothing to measure it against (a dataset whose
+    provenance counted the input samples, before any run read the whole input)."""
+    status = Status(done=40, quarantined=5, tokens=0, bytes=0, input_samples=1_500, shards=1)
+    assert "remaining:   1,455 (of 1,500 input samples)" in status.format()

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
+import structlog.testing
 
 from hsx_async.config import ServerConfig
 from hsx_async.errors import NoServerError, RequestError
@@ -67,6 +68,23 @@ async def test_a_hard_failure_evicts_at_once_and_restore_brings_it_back() -> Non
             assert server is not bad
     await pool.restore(bad)
     assert _state(bad) == (True, 0, None)
+
+
+@pytest.mark.usefixtures("fresh_structlog")
+async def test_a_first_admission_is_no_return_and_leaves_no_error() -> None:
+    """Issue 39: a healthy server's first admission was logged as server_back_in_rotation
+    and /status kept last_error "not checked yet" while it served."""
+    pool = ServerPool(URLS, health_interval=0.01, unreachable_timeout=5.0, admission=True)
+    new, again = pool.servers[0], pool.servers[1]
+    assert new.last_error == "not checked yet" and not new.healthy
+    await pool.restore(again)  # admitted, then out, then back
+    await pool.failed(again, RequestError("connection refused", hard=True))
+    with structlog.testing.capture_logs() as logs:
+        await pool.restore(new)
+        await pool.restore(again)
+    # The admission logs server_admitted for both (hsx_async.run.admission).
+    assert [(e["event"], e["server"]) for e in logs] == [("server_back_in_rotation", again.display)]
+    assert new.last_error == "" and again.last_error == "connection refused"
 
 
 async def test_soft_failures_evict_only_when_consecutive() -> None:

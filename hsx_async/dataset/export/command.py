@@ -10,6 +10,7 @@ import orjson
 from hsx_async.dataset.export.draft import DRAFT_CONFIG
 from hsx_async.dataset.export.driver import ExportResult, export_dataset
 from hsx_async.dataset.export.formats import FORMATS
+from hsx_async.units import human_bytes
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -34,7 +35,7 @@ def _print_result(result: ExportResult) -> None:
     fmt = FORMATS[result.fmt]
     print(
         f"exported {result.total} samples to {result.dest} ({result.fmt}): {result.written} "
-        f"written ({result.bytes_written / 1e9:.2f} GB), {result.skipped} already there, "
+        f"written ({human_bytes(result.bytes_written)}), {result.skipped} already there, "
         f"{result.seconds:.1f} s"
     )
     if result.converted:
