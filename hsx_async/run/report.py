@@ -314,7 +314,9 @@ class ServerSpells:
 
     def __init__(self) -> None:
         self.spells: list[dict[str, Any]] = []
-        self._open: dict[str, dict[str, Any]] = {}  # server → its spell not ended yet
+        # server → the spells of its outage not ended yet (one per reason it was refused
+        # for): its return ends them all, so none reads "not back" once it is back.
+        self._open: dict[str, list[dict[str, Any]]] = {}
 
     def add(self, rec: Mapping[str, Any]) -> None:
         server, event = rec.get("server"), rec.get("event")
@@ -323,8 +325,8 @@ class ServerSpells:
         if not isinstance(server, str):
             return
         if event == "server_out":
-            spell = self._open.get(server)
-            if spell is not None and spell["kind"] == rec.get("kind"):
+            outage = self._open.setdefault(server, [])
+            if outage and outage[-1]["kind"] == rec.get("kind"):
                 return  # the same spell, refused again
             spell = {
                 "server": server,
@@ -334,9 +336,10 @@ class ServerSpells:
                 "back": None,
             }
             self.spells.append(spell)
-            self._open[server] = spell
-        elif event == "server_back" and server in self._open:
-            self._open.pop(server)["back"] = _iso(float(rec["time"]))
+            outage.append(spell)
+        elif event == "server_back":
+            for spell in self._open.pop(server, []):
+                spell["back"] = _iso(float(rec["time"]))
 
 
 def servers_out(out_dir: Path) -> list[dict[str, Any]]:

@@ -223,18 +223,44 @@ def _header(fig: Figure, report: dict[str, Any]) -> None:
         fig.text(x, 0.845, label, fontsize=8, color=_MUTED)
 
 
-def _servers_out(fig: Figure, spells: list[dict[str, Any]]) -> None:
-    """A footer: each server taken out of rotation, why, and whether it came back."""
+_FOOTER_SPELLS = 4  # the latest spells the footer lists, one line each
+_FOOTER_CHARS = 190  # what fits across the page at 7 pt
+_FOOTER_LINE = 0.018  # one footer line, in figure heights
+
+
+def _footer_lines(spells: list[dict[str, Any]]) -> list[str]:
+    """The footer: a title, then each of the latest spells on its own line (cut at a word,
+    never at the page's edge), and whether the server came back."""
     if not spells:
-        return
-    shown = [
-        f"{s['server']}: {s['kind']} at {s['out'][11:19]}, "
+        return []
+    more = len(spells) - _FOOTER_SPELLS
+    title = "Servers out of rotation" + (f" (and {more} earlier)" if more > 0 else "") + ":"
+    lines = [
+        f"  {s['server']}: {s['kind']} at {s['out'][11:19]}, "
         + (f"back at {s['back'][11:19]}" if s["back"] else "not back")
-        for s in spells[-4:]
+        + (f" ({_why(s)})" if s.get("reason") else "")
+        for s in spells[-_FOOTER_SPELLS:]
     ]
-    more = f" (and {len(spells) - 4} earlier)" if len(spells) > 4 else ""
-    fig.text(0.04, 0.012, "Servers out of rotation" + more + ": " + "; ".join(shown),
-             fontsize=7, color=_WARN)  # fmt: skip
+    return [title, *(_cut(line, _FOOTER_CHARS) for line in lines)]
+
+
+def _why(spell: dict[str, Any]) -> str:
+    """The spell's reason without the server's URL it usually starts with (said already)."""
+    reason, server = str(spell["reason"]), str(spell["server"])
+    return reason.removeprefix(server).lstrip(": ") or reason
+
+
+def _cut(text: str, chars: int) -> str:
+    if len(text) <= chars:
+        return text
+    return text[: chars - 1].rsplit(" ", 1)[0].rstrip(" :;,(") + " …"
+
+
+def _servers_out(fig: Figure, lines: list[str]) -> None:
+    """The footer under the panels (the page's bottom margin is made for its lines)."""
+    if lines:
+        fig.text(0.04, 0.008, "\n".join(lines), fontsize=7, color=_WARN, va="bottom",
+                 linespacing=1.3)  # fmt: skip
 
 
 def render(report: dict[str, Any], path: Path) -> None:
@@ -244,9 +270,10 @@ def render(report: dict[str, Any], path: Path) -> None:
     _header(fig, report)
     spool = report.get("spool")
     ratios = [1.15, 0.9, 1] if spool else [1.15, 1]
+    footer = _footer_lines(report.get("servers_out", []))
     grid = fig.add_gridspec(len(ratios), 3, left=0.06, right=0.94 if spool else 0.97,
-                            top=0.79, bottom=0.07, hspace=0.5, wspace=0.55,
-                            height_ratios=ratios)  # fmt: skip
+                            top=0.79, bottom=0.07 + _FOOTER_LINE * len(footer),
+                            hspace=0.5, wspace=0.55, height_ratios=ratios)  # fmt: skip
     _rate_panel(fig.add_subplot(grid[0, :]), report)
     if spool:
         _spool_panel(fig.add_subplot(grid[1, :]), spool)
@@ -257,7 +284,7 @@ def render(report: dict[str, Any], path: Path) -> None:
           "no requests recorded", share=True)  # fmt: skip
     _bars(fig.add_subplot(grid[row, 2]), "Failed attempts (retried)", report["retries"], _WARN,
           "no failed attempts")  # fmt: skip
-    _servers_out(fig, report.get("servers_out", []))
+    _servers_out(fig, footer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     fig.savefig(tmp, format="png")

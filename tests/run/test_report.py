@@ -179,10 +179,12 @@ def test_a_spell_out_of_rotation_ends_in_its_own_run_and_shard(tmp_path: Path) -
         )
     )
     spells = build_report(out)["servers_out"]
-    assert [(s["kind"], s["reason"], s["back"] is None) for s in spells] == [
-        ("dump_missing", "dump_missing at 101.0", True),
-        ("unreachable", "unreachable at 102.0", True),
-        ("identity", "identity at 104.0", False),
+    # Issue 39: the unreachable spell read "not back" though the server came back at 105
+    # (refused for a new kind meanwhile): its return ends every spell of that outage.
+    assert [(s["kind"], s["reason"], s["back"]) for s in spells] == [
+        ("dump_missing", "dump_missing at 101.0", None),
+        ("unreachable", "unreachable at 102.0", "1970-01-01T00:01:45+00:00"),
+        ("identity", "identity at 104.0", "1970-01-01T00:01:45+00:00"),
     ]
 
 
@@ -313,3 +315,47 @@ def _keep_run(tmp_path: Path) -> Path:
             "bytes": 0, "samples": 0}  # fmt: skip
     (out / "events.jsonl").write_bytes(orjson.dumps({"event": "start", "time": 1.0, **base}))
     return out
+
+
+def test_the_footer_of_servers_out_fits_the_page_and_says_who_came_back(tmp_path: Path) -> None:
+    """Issue 39: the "Servers out of rotation" footer was one line cut at the page's edge."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from hsx_async.run import report_plot
+
+    reason = "took the request but no meta.json appeared under dump.root " * 3
+    spells = [
+        {"server": f"http://gpu-node-{i}.cluster.internal:30000", "kind": "dump_missing",
+         "reason": f"http://gpu-node-{i}.cluster.internal:30000 {reason}",
+         "out": "2026-12-04T19:00:10+00:00", "back": "2026-12-04T19:00:40+00:00" if i else None}
+        for i in range(6)
+    ]  # fmt: skip
+    report = {
+        "dataset": "/data/out", "generated": "2026-12-04T20:00:00+00:00",
+        "totals": {"samples": 2, "tokens": 5, "bytes": 9, "quarantined": 0, "input_lines": 2},
+        "runs": [{"started": "2026-12-04T19:00:00+00:00", "seconds": 100.0, "tokens": 5}],
+        "rate": [{"run": 0, "t": 50.0, "tokens_per_s": 0.1}], "quarantine_reasons": {},
+        "servers": {}, "retries": {}, "servers_out": spells, "spool": None,
+    }  # fmt: skip
+    drawn: list[Figure] = []
+    real_savefig = Figure.savefig
+
+    def savefig(fig: Figure, *args: object, **kwargs: object) -> None:
+        drawn.append(fig)
+        real_savefig(fig, *args, **kwargs)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Figure, "savefig", savefig)
+        report_plot.render(report, tmp_path / "report.png")
+    [fig] = drawn
+    [footer] = [t for t in fig.texts if t.get_text().startswith("Servers out of rotation")]
+    lines = footer.get_text().splitlines()
+    assert lines[0] == "Servers out of rotation (and 2 earlier):"
+    assert lines[1].startswith("  http://gpu-node-2.cluster.internal:30000: dump_missing at ")
+    assert "back at 19:00:40 (took the request" in lines[1] and len(lines) == 5
+    box = footer.get_window_extent(fig.canvas.get_renderer())  # type: ignore[attr-defined]
+    page = fig.bbox
+    assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0, (box, page)
+    panels = min(ax.get_tightbbox().y0 for ax in fig.axes)  # type: ignore[union-attr]
+    assert box.y1 <= panels, "the footer overlaps the panels"
