@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -240,6 +240,10 @@ class DoneSet:
     ids: frozenset[str]
     lines: frozenset[int]
     manifest: tuple[ManifestEntry, ...]
+    # What the directory holds (every shard): samples, tokens, bytes (retired ones too)
+    # and quarantined lines; a run's start line records it (the job report's per-run
+    # counts of a killed run come from it).
+    counts: Mapping[str, int] = field(default_factory=dict)
 
     def is_done(self, sample_id: SampleId, line: int) -> bool:
         return canonical_id(sample_id) in self.ids or line in self.lines
@@ -255,7 +259,13 @@ def load_done(out_dir: Path) -> DoneSet:
     ids.update(canonical_id(q.own_id) for q in quarantine if q.own_id is not None)
     gone = retired_paths(out_dir)
     held = tuple(e for e in manifest if e.path not in gone)
-    return DoneSet(frozenset(ids), frozenset(q.line for q in quarantine), held)
+    counts = {
+        "samples": len(manifest),
+        "tokens": sum(e.num_tokens for e in manifest),
+        "bytes": sum(e.size for e in manifest),
+        "quarantined": len(quarantine),
+    }
+    return DoneSet(frozenset(ids), frozenset(q.line for q in quarantine), held, counts)
 
 
 class LogTail:

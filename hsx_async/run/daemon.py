@@ -21,7 +21,7 @@ import dataclasses
 import gc
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -125,6 +125,7 @@ class Daemon:
         self.pipeline: Pipeline | None = None
         self.servers: ServerPool | None = None
         self.admission: Admission | None = None
+        self._held: Mapping[str, int] = {}  # what the directory held at the start
         # Called (on the event loop) with (server, in_rotation) whenever a server leaves
         # rotation, is refused again or comes back: for code embedding a Daemon.
         self.on_server_change: list[Callable[[Server, bool], None]] = []
@@ -156,6 +157,7 @@ class Daemon:
                 prepare_output, cfg, stack, allow_provenance_change=self.allow_provenance_change
             )
             job = await asyncio.to_thread(job_record, out, done)
+            self._held = done.counts
             self.feeder = Feeder(cfg, done, self.metrics, on_input_read=self.recorder.input_read)
             try:
                 await self._connect_and_serve(self.feeder, manifest, quarantine, job)
@@ -227,7 +229,9 @@ class Daemon:
                 stop_requested=self.stop_requested,
                 allow_provenance_change=self.allow_provenance_change,
             )
-            await self.recorder.start()
+            # One shard in the directory: what it held at the start, so the report counts
+            # a run killed after its last tick whole (with shards, other runs write too).
+            await self.recorder.start(self._held if cfg.shard.count == 1 else None)
             try:
                 await self._serve(pipeline, client, feeder)
             finally:

@@ -38,7 +38,14 @@ import structlog
 from hsx_async.dataset.durable import write_atomic
 from hsx_async.dataset.events import EVENTS, event_files, input_lines, read_events
 from hsx_async.dataset.inspection import require_dataset
-from hsx_async.dataset.manifest import AppendLog, log_name, read_manifest, read_quarantine
+from hsx_async.dataset.manifest import (
+    AppendLog,
+    ManifestEntry,
+    QuarantineEntry,
+    log_name,
+    read_manifest,
+    read_quarantine,
+)
 from hsx_async.dataset.provenance import read_provenance
 from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.errors import DatasetError
@@ -171,9 +178,13 @@ class RunRecorder:
             **extra,
         }
 
-    async def start(self) -> None:
+    async def start(self, before: Mapping[str, int] | None = None) -> None:
+        """The ``start`` line; ``before``: what the shard's logs held at the start (samples,
+        tokens, bytes, quarantined), so a run killed after its last tick is counted whole
+        by the next one's start (:func:`_run_summaries`)."""
         self._started = time.monotonic()
-        await self._write(self._record("start", pid=os.getpid()))
+        extra = {"before": dict(before)} if before else {}
+        await self._write(self._record("start", pid=os.getpid(), **extra))
 
     async def run(self) -> None:
         """Tick until cancelled (a long-lived task of the daemon's TaskGroup)."""
@@ -280,22 +291,44 @@ def _iso(epoch: float) -> str:
     return dt.datetime.fromtimestamp(epoch, dt.UTC).isoformat(timespec="seconds")
 
 
-def _run_summary(run: list[dict[str, Any]]) -> dict[str, Any]:
+_COUNTS = ("samples", "tokens", "bytes", "quarantined")
+
+
+def _run_summary(run: list[dict[str, Any]], after: Mapping[str, Any] | None) -> dict[str, Any]:
+    """One run's line; ``after``: what its shard held when the next run of it started (or
+    holds now, for the last run), when known."""
     first, last = run[0], run[-1]
     ended = last.get("event") == "end"
+    counts = {key: int(last[key]) for key in _COUNTS}
+    before = first.get("before")
+    if not ended and isinstance(before, Mapping) and after is not None:
+        # Killed: what it committed after its last tick is in the logs the next start read.
+        for key in _COUNTS:
+            counts[key] = max(counts[key], int(after.get(key, 0)) - int(before.get(key, 0)))
     return {
         "shard": first.get("shard", "0/1"),
         "started": _iso(float(first["time"])),
         "ended": _iso(float(last["time"])) if ended else None,
         "seconds": round(float(last["time"]) - float(first["time"]), 1),
-        "samples": last["samples"],
-        "tokens": last["tokens"],
-        "bytes": last["bytes"],
-        "quarantined": last["quarantined"],
+        **counts,
         "outcome": ("stopped" if last.get("stopped") else "finished")
         if ended
         else "killed or still running",
     }
+
+
+def _run_summaries(
+    runs: list[list[dict[str, Any]]], now: Mapping[str, int]
+) -> list[dict[str, Any]]:
+    """Each run's line. A run of a job in one shard that was killed is counted up to the
+    next run's start (its ``before``), or, the last one, up to what the logs hold ``now``
+    (before, per-run counts fell short of the dataset by what it wrote after its last
+    tick). With shards in one directory, ``before`` is not recorded: last ticks."""
+    lines = []
+    for index, run in enumerate(runs):
+        later = runs[index + 1][0].get("before") if index + 1 < len(runs) else now
+        lines.append(_run_summary(run, later if isinstance(later, Mapping) else None))
+    return lines
 
 
 def _summed(runs: list[list[dict[str, Any]]], key: str) -> dict[str, int]:
@@ -354,11 +387,22 @@ def servers_out(out_dir: Path) -> list[dict[str, Any]]:
     return spells
 
 
+def _held_now(manifest: list[ManifestEntry], quarantine: list[QuarantineEntry]) -> dict[str, int]:
+    """What the logs hold, as a start line's ``before`` counts it (load_done)."""
+    return {
+        "samples": len(manifest),
+        "tokens": sum(e.num_tokens for e in manifest),
+        "bytes": sum(e.size for e in manifest),
+        "quarantined": len(quarantine),
+    }
+
+
 def build_report(out_dir: Path) -> dict[str, Any]:
     """Every number of the report, from the files of ``out_dir`` (an hsx dataset: the
     rule of status, verify and export)."""
     require_dataset(out_dir)
     manifest = read_manifest(out_dir)
+    manifest_all = read_manifest(out_dir, retired=True)
     quarantine = read_quarantine(out_dir)
     runs = _read_runs(out_dir)
     t0 = float(runs[0][0]["time"]) if runs else 0.0
@@ -375,7 +419,7 @@ def build_report(out_dir: Path) -> dict[str, Any]:
             # every input line, once a run has read the whole input (None before)
             "input_lines": sum(lines.values()) if lines else None,
         },
-        "runs": [_run_summary(r) for r in runs],
+        "runs": _run_summaries(runs, _held_now(manifest_all, quarantine)),
         "rate": _rate_series(runs, t0),
         "quarantine_reasons": dict(reasons.most_common()),
         "servers": _summed(runs, "servers"),

@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from hsx_async import cli
-from hsx_async.dataset.events import event_files
-from hsx_async.dataset.manifest import read_manifest, read_quarantine
+from hsx_async.dataset.events import event_files, read_events
+from hsx_async.dataset.manifest import ManifestEntry, read_manifest, read_quarantine
 from hsx_async.dataset.provenance import PROVENANCE
 from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.run.daemon import Daemon
@@ -135,6 +135,50 @@ def test_a_killed_run_keeps_its_last_tick(tmp_path: Path) -> None:
     assert report["runs"][0]["outcome"] == "killed or still running"
     assert [p["tokens_per_s"] for p in report["rate"]] == [50.0, 50.0]
     assert report["servers"] == {"http://s": 3}
+
+
+@pytest.mark.parametrize("last", ["ended", "killed"])
+def test_a_killed_run_is_counted_up_to_what_it_committed(tmp_path: Path, last: str) -> None:
+    """Issue 39: per-run counts summed to 1,996 of 2,000: a SIGKILLed run lost what it
+    committed after its last tick. The next start's ``before`` (or, for the last run,
+    the logs now) gives its whole count."""
+    out = tmp_path / "out"
+    _run_dir(out)
+    entries = [
+        ManifestEntry(f"s{i}", f"data/0{i}/s{i}.safetensors", 10, 100, "0" * 16) for i in range(10)
+    ]
+    (out / "manifest.jsonl").write_bytes(b"".join(e.to_line() for e in entries))
+    base = {"shard": "0/1", "quarantined": 0, "retries": {}, "servers": {}}
+    zero = {"samples": 0, "tokens": 0, "bytes": 0, "quarantined": 0}
+    held = {"samples": 6, "tokens": 60, "bytes": 600, "quarantined": 0}
+
+    def at(event: str, t: float, n: int, **extra: object) -> dict[str, object]:
+        return {"event": event, "time": t, "samples": n, "tokens": 10 * n, "bytes": 100 * n,
+                **base, **extra}  # fmt: skip
+
+    lines = [
+        at("start", 100.0, 0, before=zero),
+        at("tick", 101.0, 4),  # then it committed 2 more and was killed
+        at("start", 200.0, 0, before=held),
+        at("tick", 201.0, 1),
+        *([at("end", 202.0, 4, stopped=False, unfinished=0)] if last == "ended" else []),
+    ]
+    (out / "events.jsonl").write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    runs = build_report(out)["runs"]
+    assert [(r["samples"], r["tokens"], r["bytes"]) for r in runs] == [(6, 60, 600), (4, 40, 400)]
+    assert sum(r["samples"] for r in runs) == len(entries)
+
+
+async def test_each_start_line_says_what_the_directory_held(tmp_path: Path, shm_root: Path) -> None:
+    out, _ = await _run_twice(tmp_path, shm_root)
+    starts = [r for r in read_events(out / "events.jsonl") if r["event"] == "start"]
+    held = {
+        "samples": len(read_manifest(out)),
+        "tokens": sum(e.num_tokens for e in read_manifest(out)),
+        "bytes": sum(e.size for e in read_manifest(out)),
+        "quarantined": len(read_quarantine(out)),
+    }
+    assert [s["before"] for s in starts] == [dict.fromkeys(held, 0), held]
 
 
 def test_a_spell_out_of_rotation_ends_in_its_own_run_and_shard(tmp_path: Path) -> None:
