@@ -173,6 +173,13 @@ def test_readme_online_job_runs_as_written() -> None:
     assert re.search(r"^trained on 200 samples$", proc.stdout, re.M), out[-4000:]
     assert re.search(r"^200 samples written, 0 quarantined", proc.stdout, re.M), out[-4000:]
     assert "0 B of 4.0 MiB held, 200 samples deleted" in proc.stdout, out[-4000:]
+    # Issue 39: the config said ~25 MiB, the README ~50, the run made 53.5: one figure.
+    done = re.search(r"^done:\s+200 samples, [\d,]+ tokens, ([\d.]+) MiB$", proc.stdout, re.M)
+    said = (REPO / "deploy/examples/small-online.toml").read_text()
+    stated = re.search(r"the dataset is\s+#?\s*~(\d+) MiB: ([\d.]+) MiB measured", said)
+    assert done is not None and stated is not None, out[-4000:]
+    assert abs(float(done[1]) - float(stated[2])) < 1.0, (done[1], stated[2])
+    assert f"the dataset is ~{stated[1]} MiB" in " ".join(README.read_text().split())
     assert "drafter: 200 acknowledged, 0 behind, 0 leased now" in proc.stdout, out[-4000:]
     assert "intake_paused_limit" in out, out[-4000:]  # the spool, not the disk, paused it
     assert "Traceback" not in out and "Unhandled exception" not in out
@@ -278,3 +285,32 @@ def test_readme_says_what_the_final_slot_holds_per_engine() -> None:
     assert shown is not None and shown[1] in FINAL_STATES
     params = inspect.signature(HiddenStateDataset).parameters
     assert {"final_state", "model"} <= set(params)
+
+
+def test_the_aux_layer_table_is_sglangs_default_and_its_draft_ids() -> None:
+    """Issue 39: nothing said how to choose the aux layers for one's own model. The
+    README's table is SGLang's default for each n, and the drafter ids it quotes are the
+    ones hsx prints (hsx_async.layer_ids)."""
+    from hsx_async.layer_ids import default_capture, draft_ids
+
+    text = README.read_text()
+    section = text[text.index("### Choosing the aux layers") :]
+    section = section[: section.index("\n## ")]
+    rows = re.findall(r"^\| ([^|]+) \| (\d+) \| `([\d,]+)` \|$", section, re.M)
+    assert len(rows) == 3, section
+    for _, n, layers in rows:
+        assert tuple(map(int, layers.split(","))) == default_capture(int(n))
+    assert "HSX_AUX_LAYERS=2,30,58" in text  # the Kimi example: its row
+    llama = draft_ids("LlamaForCausalLM", (2, 16, 29), 32).ids
+    kimi = draft_ids("KimiK25ForConditionalGeneration", (2, 30, 58), 61).ids
+    flat = " ".join(section.split())
+    assert f"Llama's `2,16,29` is `{list(llama or ())}` there" in flat
+    assert f"Kimi's `2,30,58` is `{list(kimi or ())}`" in flat
+
+
+def test_the_configuration_says_what_the_direct_copy_does() -> None:
+    """Issue 39: "direct (O_DIRECT from mmap)" contradicted "no part is ever mapped"; the
+    writer reads each part into a buffer and writes it with O_DIRECT (run/writer.py)."""
+    text = README.read_text()
+    assert "from mmap" not in text
+    assert "direct (read into a buffer, written O_DIRECT)" in text
