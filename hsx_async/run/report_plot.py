@@ -69,35 +69,67 @@ def _rate_panel(ax: Axes, report: dict[str, Any]) -> None:
         _empty(ax, "Rate over time", "no run events yet (written by hsx run)")
         return
     _style(ax, "Rate over time (tokens/s)")
-    span = max(p["t"] for p in rate)
-    scale, unit = (1.0, "s") if span < 120 else (60.0, "min") if span < 3 * 3600 else (3600.0, "h")
+    gaps = idle_gaps(report)
+    span = squeeze(max(p["t"] for p in rate), gaps)
+    scale, unit = _time_unit(span)
     starts = _run_starts(report)
     for seconds, y in _segments(rate, starts):
-        t = [x / scale for x in seconds]
+        t = [squeeze(x, gaps) / scale for x in seconds]
         ax.fill_between(t, y, step="pre", color=_ACCENT, alpha=0.18, linewidth=0)
         ax.step(t, y, where="pre", color=_ACCENT, linewidth=1.6)
-    ax.set_xlabel(f"time since the first start ({unit})", color=_MUTED, fontsize=8)
+    ax.set_xlabel(_AXIS_LABEL.format(unit=unit), color=_MUTED, fontsize=8)
     ax.set_xlim(left=0)
     # An all-zero run still gets a readable axis (not 0 to 0).
     top = max(p["tokens_per_s"] for p in rate)
     ax.set_ylim(0, top * 1.08 if top > 0 else 1.0)
     ax.yaxis.set_major_formatter(lambda v, _: _human(v))
     for start in starts[1:]:
-        ax.axvline(start / scale, color=_MUTED, linestyle="--", linewidth=0.8)
-        ax.text(start / scale, ax.get_ylim()[1] * 0.97, " resumed", color=_MUTED, fontsize=7,
-                va="top")  # fmt: skip
+        at = squeeze(start, gaps) / scale
+        idle = sum(length for begin, length in gaps if begin + length == start)
+        note = f" resumed after {_duration(idle)} idle" if idle else " resumed"
+        ax.axvline(at, color=_MUTED, linestyle="--", linewidth=0.8)
+        ax.text(at, ax.get_ylim()[1] * 0.97, note, color=_MUTED, fontsize=7, va="top")
 
 
-def _spool_panel(ax: Axes, spool: dict[str, Any]) -> None:
+# The time axes show the time runs ran: the idle time between runs is cut out, so the
+# axis ends where the header's duration says (issue 39: hours between a kill and its
+# resume were drawn as part of the job).
+_AXIS_LABEL = "time running, idle time between runs left out ({unit})"
+
+
+def _time_unit(span: float) -> tuple[float, str]:
+    return (1.0, "s") if span < 120 else (60.0, "min") if span < 3 * 3600 else (3600.0, "h")
+
+
+def idle_gaps(report: dict[str, Any]) -> list[tuple[float, float]]:
+    """(start, length) of each stretch no run covered, in seconds since the first start
+    (runs of shards that overlap in time leave no gap between them)."""
+    t0 = _first_start(report)
+    spans = sorted((_epoch(r["started"]) - t0, float(r["seconds"])) for r in report["runs"])
+    gaps: list[tuple[float, float]] = []
+    covered: float | None = None  # the end of the runs so far
+    for start, seconds in spans:
+        if covered is not None and start > covered:
+            gaps.append((covered, start - covered))
+        covered = start + seconds if covered is None else max(covered, start + seconds)
+    return gaps
+
+
+def squeeze(t: float, gaps: list[tuple[float, float]]) -> float:
+    """``t`` (seconds since the first start) on the axis without the idle gaps."""
+    return t - sum(min(length, max(0.0, t - begin)) for begin, length in gaps)
+
+
+def _spool_panel(ax: Axes, spool: dict[str, Any], report: dict[str, Any]) -> None:
     """The spool's fill (bytes, with its limit) and each consumer's lag (samples, right)."""
     limit = spool["limit"]
     _style(
         ax, "Spool on disk and consumer lag" + (f" (limit {human_bytes(limit)})" if limit else "")
     )
     series = spool["series"]
-    span = max(p["t"] for p in series)
-    scale, unit = (1.0, "s") if span < 120 else (60.0, "min") if span < 3 * 3600 else (3600.0, "h")
-    t = [p["t"] / scale for p in series]
+    gaps = idle_gaps(report)
+    scale, unit = _time_unit(squeeze(max(p["t"] for p in series), gaps))
+    t = [squeeze(p["t"], gaps) / scale for p in series]
     ax.step(t, [p["held"] for p in series], where="post", color=_ACCENT, linewidth=1.6,
             label="spool held")  # fmt: skip
     if limit:
@@ -105,7 +137,7 @@ def _spool_panel(ax: Axes, spool: dict[str, Any]) -> None:
     ax.set_xlim(left=0)
     ax.set_ylim(0, max(limit, spool["peak_held"], 1) * 1.1)
     ax.yaxis.set_major_formatter(lambda v, _: human_bytes(v))
-    ax.set_xlabel(f"time since the first start ({unit})", color=_MUTED, fontsize=8)
+    ax.set_xlabel(_AXIS_LABEL.format(unit=unit), color=_MUTED, fontsize=8)
     lag_ax = ax.twinx()
     for name in spool["peak_lag"]:
         lag_ax.step(t, [p["lag"].get(name, 0) for p in series], where="post", color=_WARN,
@@ -276,7 +308,7 @@ def render(report: dict[str, Any], path: Path) -> None:
                             hspace=0.5, wspace=0.55, height_ratios=ratios)  # fmt: skip
     _rate_panel(fig.add_subplot(grid[0, :]), report)
     if spool:
-        _spool_panel(fig.add_subplot(grid[1, :]), spool)
+        _spool_panel(fig.add_subplot(grid[1, :]), spool, report)
     row = len(ratios) - 1
     _bars(fig.add_subplot(grid[row, 0]), "Quarantine reasons", report["quarantine_reasons"], _BAD,
           "nothing quarantined")  # fmt: skip

@@ -403,3 +403,26 @@ def test_the_footer_of_servers_out_fits_the_page_and_says_who_came_back(tmp_path
     assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0, (box, page)
     panels = min(ax.get_tightbbox().y0 for ax in fig.axes)  # type: ignore[union-attr]
     assert box.y1 <= panels, "the footer overlaps the panels"
+
+
+def test_the_time_axis_leaves_out_the_idle_time_between_runs() -> None:
+    """Issue 39: the rate panel's axis ran from the first start to the last end, so the
+    14 minutes between a run and its resume were drawn as part of the job (the axis said
+    17 min, the header 3m10s). The axis now shows the time runs ran."""
+    pytest.importorskip("matplotlib")
+    from hsx_async.run.report_plot import idle_gaps, squeeze
+
+    def run(started: str, seconds: float) -> dict[str, object]:
+        return {"started": started, "seconds": seconds}
+
+    report = {"runs": [run("2026-12-04T10:00:00+00:00", 160.0),
+                       run("2026-12-04T10:16:40+00:00", 30.0)]}  # fmt: skip
+    gaps = idle_gaps(report)
+    assert gaps == [(160.0, 840.0)]
+    assert squeeze(100.0, gaps) == 100.0  # within the first run
+    assert squeeze(1000.0, gaps) == 160.0  # the resume starts where the first run ended
+    assert squeeze(1030.0, gaps) == 190.0  # the header's 160 + 30 s
+    # Shards that run side by side leave no gap between them.
+    side = {"runs": [run("2026-12-04T10:00:00+00:00", 100.0),
+                     run("2026-12-04T10:00:30+00:00", 100.0)]}  # fmt: skip
+    assert idle_gaps(side) == []
