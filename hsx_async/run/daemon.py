@@ -126,6 +126,7 @@ class Daemon:
         self.servers: ServerPool | None = None
         self.admission: Admission | None = None
         self._held: Mapping[str, int] = {}  # what the directory held at the start
+        self._began = time.time()  # when run() began (epoch seconds)
         # Called (on the event loop) with (server, in_rotation) whenever a server leaves
         # rotation, is refused again or comes back: for code embedding a Daemon.
         self.on_server_change: list[Callable[[Server, bool], None]] = []
@@ -142,6 +143,7 @@ class Daemon:
 
     async def run(self) -> RunSummary:
         started = time.monotonic()
+        self._began = time.time()  # the start line's time: the report times what we do
         cfg = self.config
         # The operator mistakes `hsx check` reports, said the same way (one line, exit 2).
         problem = await asyncio.to_thread(operator_problem, cfg)
@@ -231,7 +233,9 @@ class Daemon:
             )
             # One shard in the directory: what it held at the start, so the report counts
             # a run killed after its last tick whole (with shards, other runs write too).
-            await self.recorder.start(self._held if cfg.shard.count == 1 else None)
+            await self.recorder.start(
+                self._held if cfg.shard.count == 1 else None, began=self._began
+            )
             try:
                 await self._serve(pipeline, client, feeder)
             finally:

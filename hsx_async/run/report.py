@@ -178,13 +178,20 @@ class RunRecorder:
             **extra,
         }
 
-    async def start(self, before: Mapping[str, int] | None = None) -> None:
+    async def start(
+        self, before: Mapping[str, int] | None = None, *, began: float | None = None
+    ) -> None:
         """The ``start`` line; ``before``: what the shard's logs held at the start (samples,
         tokens, bytes, quarantined), so a run killed after its last tick is counted whole
-        by the next one's start (:func:`_run_summaries`)."""
+        by the next one's start (:func:`_run_summaries`); ``began``: when the command's
+        run began (epoch seconds), the line's time, so the report's duration and rate are
+        the terminal's (its start-up checks and resume counted in both)."""
         self._started = time.monotonic()
         extra = {"before": dict(before)} if before else {}
-        await self._write(self._record("start", pid=os.getpid(), **extra))
+        record = self._record("start", pid=os.getpid(), **extra)
+        if began is not None:
+            record["time"] = round(began, 3)
+        await self._write(record)
 
     async def run(self) -> None:
         """Tick until cancelled (a long-lived task of the daemon's TaskGroup)."""
@@ -309,7 +316,7 @@ def _run_summary(run: list[dict[str, Any]], after: Mapping[str, Any] | None) -> 
         "shard": first.get("shard", "0/1"),
         "started": _iso(float(first["time"])),
         "ended": _iso(float(last["time"])) if ended else None,
-        "seconds": round(float(last["time"]) - float(first["time"]), 1),
+        "seconds": round(float(last["time"]) - float(first["time"]), 3),
         **counts,
         "outcome": ("stopped" if last.get("stopped") else "finished")
         if ended

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -426,3 +427,35 @@ def test_the_time_axis_leaves_out_the_idle_time_between_runs() -> None:
     side = {"runs": [run("2026-12-04T10:00:00+00:00", 100.0),
                      run("2026-12-04T10:00:30+00:00", 100.0)]}  # fmt: skip
     assert idle_gaps(side) == []
+
+
+async def test_the_report_times_a_run_as_the_terminal_does(tmp_path: Path, shm_root: Path) -> None:
+    """Issue 39: the terminal said 745 tokens/s, the report 1.3k: the report's run began at
+    its start line, after the start-up checks and the resume's reading that the terminal
+    counted. The start line now carries the run's own start."""
+    samples = write_samples(tmp_path / "in.jsonl", 12, max_len=24)
+    async with running_fake_server(FakeOptions(hidden_size=H, aux_layers=AUX,
+                                               dump_root=shm_root)) as srv:  # fmt: skip
+        config = make_config(tmp_path, samples.path, [srv.url], shm_root)
+        daemon = Daemon(config)
+        slow_check = preflight_delay(0.5)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("hsx_async.run.daemon.operator_problem", slow_check)
+            summary = await daemon.run()
+    [run] = build_report(config.output.dir)["runs"]
+    assert run["tokens"] == summary.tokens
+    assert run["seconds"] >= 0.5  # the start-up is in it, as in the terminal's
+    assert abs(run["seconds"] - summary.seconds) < 0.05, (run["seconds"], summary.seconds)
+
+
+def preflight_delay(seconds: float) -> Any:
+    """hsx run's operator checks, taking ``seconds`` longer (a slow disk's probe write)."""
+    import time
+
+    from hsx_async.run.preflight import operator_problem
+
+    def slow(config: Any) -> str:
+        time.sleep(seconds)  # the start-up being timed, not a synchronisation
+        return operator_problem(config)
+
+    return slow
