@@ -51,7 +51,7 @@ def local(files: list[str]) -> None:
 
 
 def http(url: str, entries_json: str) -> None:
-    from hsx_async.dataset.live_remote import RemoteSource
+    from hsx_async.dataset.live.remote import RemoteSource
     from hsx_async.dataset.manifest import manifest_entry
 
     entries = [manifest_entry(rec, "bench") for rec in json.loads(Path(entries_json).read_bytes())]

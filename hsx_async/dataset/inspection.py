@@ -27,6 +27,7 @@ from hsx_async.dataset.layout import (
     expected_tensors,
     read_header,
 )
+from hsx_async.dataset.live.retire import spool_lines
 from hsx_async.dataset.manifest import (
     MANIFEST,
     QUARANTINE,
@@ -41,7 +42,6 @@ from hsx_async.dataset.manifest import (
 from hsx_async.dataset.provenance import PROVENANCE, dataset_storage, read_provenance, shard_lock
 from hsx_async.dataset.quarantine import after_attempts, retried_before
 from hsx_async.dataset.running import Running, running_runs
-from hsx_async.dataset.spool import spool_lines
 from hsx_async.errors import DatasetError, DumpError
 from hsx_async.logs import configure_logging
 from hsx_async.protocol import (

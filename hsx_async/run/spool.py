@@ -1,7 +1,7 @@
 """The run's side of a bounded spool (``[output].spool_limit``, PROTOCOL §6).
 
 The bytes this shard holds on disk are the sample files it committed that are not yet
-retired (deleted once every consumer acknowledged them, :mod:`hsx_async.dataset.spool`)
+retired (deleted once every consumer acknowledged them, :mod:`hsx_async.dataset.live.retire`)
 plus the files of the samples admitted and not yet committed or quarantined. A worker
 asks :class:`SpoolLimit` (through the disk guard, :meth:`DiskGuard.admit`) for room for
 a sample's whole file *before* it sends the request; when it does not fit, the sample goes
@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from hsx_async.config import Config
-from hsx_async.dataset.consumers import (
+from hsx_async.dataset.layout import build_layout, canonical_id
+from hsx_async.dataset.live.ledger import (
     ACKED,
     KEEP,
     ConsumerLog,
@@ -32,7 +33,7 @@ from hsx_async.dataset.consumers import (
     read_registry,
     record_registry,
 )
-from hsx_async.dataset.layout import build_layout, canonical_id
+from hsx_async.dataset.live.retire import Retirer, delete_retired, finish_retirement, read_retired
 from hsx_async.dataset.manifest import (
     MANIFEST,
     QUARANTINE,
@@ -42,7 +43,6 @@ from hsx_async.dataset.manifest import (
     manifest_entry,
     read_manifest,
 )
-from hsx_async.dataset.spool import Retirer, delete_retired, finish_retirement, read_retired
 from hsx_async.protocol import POST_NORM
 from hsx_async.run.guard import DiskGuard
 from hsx_async.run.source import Sample

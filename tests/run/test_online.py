@@ -29,12 +29,12 @@ import orjson
 import pytest
 
 from hsx_async.config import config_from_dict, spool_bytes_bound
-from hsx_async.dataset.consumers import ConsumerLog
 from hsx_async.dataset.layout import canonical_id
+from hsx_async.dataset.live.ledger import ConsumerLog
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.server.reference.server import ReferenceOptions, running_reference_server
+from tests.dataset.live.procs import Child, server_faults, start_consumer, start_server
 from tests.e2e import config_raw, free_port, shm_leftovers, write_config
-from tests.online.procs import Child, server_faults, start_consumer, start_server
 from tests.run.test_spool import DiskWatch, data_bytes
 
 pytestmark = pytest.mark.timeout(300)

@@ -24,7 +24,9 @@ from pathlib import Path
 
 import orjson
 
-from hsx_async.dataset.consumers import (
+from hsx_async.dataset.durable import exclusive_lock, fsync_dir
+from hsx_async.dataset.layout import canonical_id
+from hsx_async.dataset.live.ledger import (
     ACKED,
     CONSUMERS_DIR,
     KEEP,
@@ -33,8 +35,6 @@ from hsx_async.dataset.consumers import (
     consumer_names,
     read_registry,
 )
-from hsx_async.dataset.durable import exclusive_lock, fsync_dir
-from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import (
     RETIRED,
     AppendLog,

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from hsx_async.dataset.consumers import check_name, check_owner
+from hsx_async.dataset.live.ledger import check_name, check_owner
 from hsx_async.errors import DatasetError
 
 WIRE_VERSION = 5  # the PROTOCOL version that defines it

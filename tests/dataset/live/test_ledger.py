@@ -8,7 +8,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from hsx_async.dataset.consumers import (
+from hsx_async.dataset.inspection import dataset_status
+from hsx_async.dataset.live.ledger import (
     ACKED,
     KEEP,
     ConsumerLog,
@@ -17,9 +18,8 @@ from hsx_async.dataset.consumers import (
     read_registry,
     record_registry,
 )
-from hsx_async.dataset.inspection import dataset_status
+from hsx_async.dataset.live.retire import Retirer, finish_retirement, read_retired, spool_lines
 from hsx_async.dataset.manifest import RETIRED, load_done, read_manifest
-from hsx_async.dataset.spool import Retirer, finish_retirement, read_retired, spool_lines
 from hsx_async.errors import DatasetError
 from hsx_async.units import human_bytes
 from tests.dataset_factory import write_dataset

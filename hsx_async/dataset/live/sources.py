@@ -1,7 +1,7 @@
 """Where a live reader leases, fetches and acknowledges (PROTOCOL §6): the output
 directory itself (this node, or a shared file system: :class:`LocalSource`, also what
 ``hsx serve`` runs for remote readers), or ``hsx serve`` on the node that holds it
-(:class:`~hsx_async.dataset.live_remote.RemoteSource`).
+(:class:`~hsx_async.dataset.live.remote.RemoteSource`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from hsx_async.dataset.consumers import ACKED, ConsumerLog, check_name, read_registry
 from hsx_async.dataset.export.plan import DatasetFacts, dataset_facts
-from hsx_async.dataset.follow import DatasetFollower
+from hsx_async.dataset.live.follow import DatasetFollower
+from hsx_async.dataset.live.ledger import ACKED, ConsumerLog, check_name, read_registry
+from hsx_async.dataset.live.retire import RETIRE_EPOCH, Retirer
 from hsx_async.dataset.manifest import ManifestEntry
-from hsx_async.dataset.spool import RETIRE_EPOCH, Retirer
 from hsx_async.errors import DatasetError
 
 
@@ -121,7 +121,7 @@ def open_source(source: str | Path, consumer: str, *, cache_dir: Path | None) ->
     """A local (or shared-file-system) output directory, or ``http(s)://`` ``hsx serve``."""
     text = str(source)
     if text.startswith(("http://", "https://")):
-        from hsx_async.dataset.live_remote import RemoteSource  # noqa: PLC0415 - it imports us
+        from hsx_async.dataset.live.remote import RemoteSource  # noqa: PLC0415 - it imports us
 
         return RemoteSource(text, consumer, cache_dir=cache_dir)
     return LocalSource(Path(source), consumer)

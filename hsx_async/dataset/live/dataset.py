@@ -2,7 +2,7 @@
 dataset as samples commit (PROTOCOL §6).
 
 Each sample goes to exactly one data-parallel rank: a rank *leases* a few samples at a time
-(:class:`~hsx_async.dataset.consumers.ConsumerLog`, under the consumer's lock, fsynced),
+(:class:`~hsx_async.dataset.live.ledger.ConsumerLog`, under the consumer's lock, fsynced),
 yields them, and the trainer *acknowledges* them when the step that used them is durable —
 its optimizer step or its checkpoint::
 
@@ -30,7 +30,7 @@ its optimizer step or its checkpoint::
   each lease and ``done`` renew them), so a live but slow trainer keeps its samples.
 
 ``source`` is an output directory (this node, or a shared file system) or the URL of
-``hsx serve`` on the node that holds it (:mod:`hsx_async.dataset.live_remote`): the same
+``hsx serve`` on the node that holds it (:mod:`hsx_async.dataset.live.remote`): the same
 leases and acks, made by the server in the same logs; files travel over HTTP and are
 checked against their manifest hash before they are read.
 
@@ -58,11 +58,11 @@ import structlog
 from torch.utils.data import IterableDataset
 
 from hsx_async.dataset import reader
-from hsx_async.dataset.consumers import check_name
 from hsx_async.dataset.export import export_format
 from hsx_async.dataset.export.plan import DatasetFacts, ExportPlan, find_target, plan_conversion
+from hsx_async.dataset.live.ledger import check_name
+from hsx_async.dataset.live.sources import Source, open_source
 from hsx_async.dataset.manifest import ManifestEntry
-from hsx_async.dataset.sources import Source, open_source
 from hsx_async.errors import DatasetError, LiveError
 from hsx_async.protocol import BF16
 

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from hsx_async.dataset.live import HSX_ID, LiveDataset
+from hsx_async.dataset.live.dataset import HSX_ID, LiveDataset
 
 
 def emit(**event: object) -> None:

@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from hsx_async.dataset import PadCollator
-from hsx_async.dataset.consumers import ACKED, ConsumerLog, Registry, record_registry
-from hsx_async.dataset.live import HSX_ID, HSX_IDS, LiveCollator, LiveDataset
+from hsx_async.dataset.live.dataset import HSX_ID, HSX_IDS, LiveCollator, LiveDataset
+from hsx_async.dataset.live.ledger import ACKED, ConsumerLog, Registry, record_registry
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.errors import DatasetError, LiveError
 from tests.dataset_factory import (

@@ -35,11 +35,10 @@ from typing import Any
 import orjson
 import xxhash
 
-from hsx_async.dataset.consumers import check_name
 from hsx_async.dataset.export.plan import DatasetFacts
-from hsx_async.dataset.manifest import ManifestEntry, manifest_entry
-from hsx_async.dataset.sources import Leased
-from hsx_async.dataset.wire import (
+from hsx_async.dataset.live.ledger import check_name
+from hsx_async.dataset.live.sources import Leased
+from hsx_async.dataset.live.wire import (
     ACK,
     FILE,
     INFO,
@@ -51,6 +50,7 @@ from hsx_async.dataset.wire import (
     RENEW,
     WIRE_VERSION,
 )
+from hsx_async.dataset.manifest import ManifestEntry, manifest_entry
 from hsx_async.errors import DatasetError, LiveError
 from hsx_async.protocol import Storage
 

@@ -6,7 +6,7 @@ the leases and acknowledgements of remote readers in the very logs a local reade
 with ``sendfile`` from the page cache. It holds no state of its own that matters: killed
 and started again, it goes on from the logs; a reader retries through the gap.
 
-Bounded everywhere (:mod:`hsx_async.dataset.wire`): bodies, leases, acks, the long poll,
+Bounded everywhere (:mod:`hsx_async.dataset.live.wire`): bodies, leases, acks, the long poll,
 and at most ``--max-streams`` files in flight at once (more wait their turn).
 """
 
@@ -30,14 +30,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hsx_async.config import listen_address, listen_ok
-from hsx_async.dataset.consumers import read_registry
 from hsx_async.dataset.export.plan import dataset_facts
-from hsx_async.dataset.follow import DatasetFollower
 from hsx_async.dataset.layout import manifest_path_problem
-from hsx_async.dataset.manifest import ManifestEntry
-from hsx_async.dataset.sources import LocalSource
-from hsx_async.dataset.wire import (
+from hsx_async.dataset.live.follow import DatasetFollower
+from hsx_async.dataset.live.ledger import read_registry
+from hsx_async.dataset.live.sources import LocalSource
+from hsx_async.dataset.live.wire import (
     ACK,
     FILE,
     INFO,
@@ -54,8 +52,10 @@ from hsx_async.dataset.wire import (
     lease_request,
     renew_timeout,
 )
+from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DatasetError
 from hsx_async.logs import configure_logging
+from hsx_async.net import listen_address, listen_ok
 
 log = structlog.get_logger("hsx.serve")
 

@@ -23,16 +23,16 @@ import orjson
 import pytest
 import torch
 
-from hsx_async.dataset.consumers import ACKED, ConsumerLog, Registry, record_registry
-from hsx_async.dataset.live import HSX_ID, LiveDataset
-from hsx_async.dataset.live_remote import CACHE_PREFIX, RemoteSource
+from hsx_async.dataset.live.dataset import HSX_ID, LiveDataset
+from hsx_async.dataset.live.ledger import ACKED, ConsumerLog, Registry, record_registry
+from hsx_async.dataset.live.remote import CACHE_PREFIX, RemoteSource
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.errors import DatasetError, LiveError
 from tests.conftest import SHM
-from tests.dataset.test_live import mark_input
+from tests.dataset.live.procs import Child, server_faults, start_consumer, start_server
+from tests.dataset.live.test_dataset import mark_input
 from tests.dataset_factory import write_dataset
 from tests.e2e import free_port
-from tests.online.procs import Child, server_faults, start_consumer, start_server
 
 pytestmark = pytest.mark.timeout(120)
 
