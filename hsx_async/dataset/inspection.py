@@ -27,7 +27,7 @@ from hsx_async.dataset.layout import (
     expected_tensors,
     read_header,
 )
-from hsx_async.dataset.live.retire import spool_lines
+from hsx_async.dataset.live.view import spool_lines
 from hsx_async.dataset.manifest import (
     MANIFEST,
     QUARANTINE,

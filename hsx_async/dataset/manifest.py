@@ -219,10 +219,19 @@ def read_manifest(out_dir: Path, *, retired: bool = False) -> list[ManifestEntry
 RETIRED = "retired.jsonl"
 
 
+def retired_record(rec: Any) -> tuple[str, int] | None:
+    """(path, bytes) of one ``retired.jsonl`` line (PROTOCOL §6.1); None for a line that is
+    none: the one parser of that log."""
+    if isinstance(rec, dict) and isinstance(rec.get("path"), str):
+        size = rec.get("bytes", 0)
+        return rec["path"], size if type(size) is int else 0
+    return None
+
+
 def retired_paths(out_dir: Path) -> set[str]:
     """Paths of the samples ``retired.jsonl`` records as deleted from the spool."""
     records, _ = read_log(out_dir / RETIRED)
-    return {rec["path"] for _, rec in records if isinstance(rec, dict) and "path" in rec}
+    return {r[0] for r in (retired_record(rec) for _, rec in records) if r is not None}
 
 
 def read_quarantine(out_dir: Path) -> list[QuarantineEntry]:

@@ -38,7 +38,13 @@ import structlog
 from hsx_async.dataset.durable import write_atomic
 from hsx_async.dataset.events import EVENTS, event_files, input_lines, read_events
 from hsx_async.dataset.inspection import require_dataset
-from hsx_async.dataset.manifest import AppendLog, log_name, read_manifest, read_quarantine
+from hsx_async.dataset.manifest import (
+    AppendLog,
+    log_name,
+    read_manifest,
+    read_quarantine,
+    retired_paths,
+)
 from hsx_async.dataset.provenance import read_provenance
 from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.errors import DatasetError
@@ -355,7 +361,8 @@ def build_report(out_dir: Path) -> dict[str, Any]:
     """Every number of the report, from the files of ``out_dir`` (an hsx dataset: the
     rule of status, verify and export)."""
     require_dataset(out_dir)
-    manifest = read_manifest(out_dir)
+    manifest = read_manifest(out_dir, retired=True)  # a retired sample was written (and used)
+    gone = retired_paths(out_dir)
     quarantine = read_quarantine(out_dir)
     runs = _read_runs(out_dir)
     t0 = float(runs[0][0]["time"]) if runs else 0.0
@@ -367,7 +374,8 @@ def build_report(out_dir: Path) -> dict[str, Any]:
         "totals": {
             "samples": len(manifest),
             "tokens": sum(e.num_tokens for e in manifest),
-            "bytes": sum(e.size for e in manifest),
+            "bytes": sum(e.size for e in manifest if e.path not in gone),  # on disk now
+            "retired": len(gone),  # deleted by the spool once every consumer had them
             "quarantined": len(quarantine),
             # every input line, once a run has read the whole input (None before)
             "input_lines": sum(lines.values()) if lines else None,

@@ -1,146 +1,91 @@
-"""The consumers of a live dataset (PROTOCOL §6): who must have a sample before a bounded
-spool may delete it, and each consumer's durable leases and acknowledgements.
+"""One consumer's ledger (PROTOCOL §6.1, version 6): its durable leases and
+acknowledgements, fenced by owner.
 
-Files, in the output directory:
+``consumers/<name>/log.jsonl`` is append-only. Every line is appended under
+``consumers/<name>/.lock`` (``flock``) after reading what others appended, and fsynced
+before the call that wrote it returns; so the data-parallel ranks of one consumer (local
+processes, or ``hsx serve`` leasing on behalf of remote ones) never lease a sample twice,
+and what a call reported done survives any crash. Lines (``op``):
 
-- ``consumers.json`` — the registry: the retention (``keep``, or ``acked``: a sample is
-  deleted once every registered consumer acknowledged it), the registered consumer names
-  and the spool limit. ``hsx run`` writes it (temp → fsync → rename) before its first
-  sample, from ``[output]``.
-- ``consumers/<name>/log.jsonl`` — one consumer's append-only log. Every line is appended
-  under ``consumers/<name>/.lock`` (``flock``) after reading the whole log, and fsynced
-  before the call that wrote it returns; so the data-parallel ranks of one consumer (local
-  processes, or a server leasing on behalf of remote ones) never lease a sample twice, and
-  what a call reported done survives any crash. Lines (``op``):
+- ``start`` ``{owner, rank}``: a process (an *owner*: one incarnation of one rank) begins.
+  Every earlier owner of the same rank is *void* from here: that process was replaced, its
+  leases come back at once and nothing it sends is applied any more.
+- ``lease`` ``{owner, rank, epoch, ids, call?, via?, timeout?}``: the samples are this
+  owner's while it lives (:mod:`~hsx_async.dataset.live.owners`) and is not void. ``call``
+  is the request's id: a repeated call (its answer was lost) gets the same samples, even
+  from a restarted ``hsx serve``. ``via: "serve"`` and ``timeout`` (seconds without a
+  heartbeat) say that serve keeps the owner alive.
+- ``ack`` ``{owner, epoch, ids, call?, from?}``: the trainer's step that used these
+  samples is durable. Only the holder of a sample's lease may acknowledge it, or — ``from``
+  an earlier owner, when a trainer restored from a checkpoint acknowledges what that
+  checkpoint holds — an owner the sample was once leased to. An acknowledged sample is
+  never leased again in that epoch; a second ack of it is counted, never applied twice.
+- ``release`` ``{owner, epoch, ids}``: the owner gives leased samples back unused.
+- ``renew`` (version 5) is read and ignored: leases follow liveness now.
 
-  - ``start`` ``{owner, rank}``: a process (an *owner*: one incarnation of one rank) begins.
-    The leases of every earlier owner of the same rank are void from here: that process is
-    gone (it was restarted), so its samples come back at once, not after a timeout.
-  - ``lease`` ``{owner, rank, epoch, ids, until}``: the samples are this owner's until the
-    wall-clock time ``until``; it also renews the owner's other leases to ``until``.
-  - ``renew`` ``{owner, until}``: the owner is alive; its leases last until ``until``.
-  - ``ack`` ``{owner, epoch, ids}``: the trainer's step that used these samples is done
-    (durable: its optimizer step or checkpoint). An acknowledged sample is never delivered
-    again in that epoch, to any rank; a second ack of it is counted, never applied twice.
-  - ``release`` ``{owner, epoch, ids}``: the owner gives leased samples back unused.
-
-  A complete line that does not parse is corruption (the error names file and line); a
-  torn last line (a crash mid-append, never acknowledged) is cut before the next append.
+A complete line that does not parse is corruption (the error names file and line); a torn
+last line (a crash mid-append, never acknowledged) is cut before the next append.
 
 A sample is *available* to a consumer in an epoch when it is in the dataset, not
-acknowledged in that epoch, and not under a live lease: leased by an owner that is not
-void, whose lease (or latest renewal) runs until a time still ahead.
+acknowledged in that epoch, and not under a live lease: one whose owner is alive and not
+void.
 """
 
 from __future__ import annotations
 
+import collections
 import re
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any
 
 import orjson
 
-from hsx_async.dataset.durable import exclusive_lock, fsync_dir, write_atomic
+from hsx_async.dataset.durable import exclusive_lock, fsync_dir
+from hsx_async.dataset.live.owners import alive
+from hsx_async.dataset.live.registry import CONSUMERS_DIR, check_name
 from hsx_async.dataset.manifest import AppendLog, LogTail
 from hsx_async.errors import DatasetError
-from hsx_async.protocol import NS_PATTERN, valid_ns
+from hsx_async.protocol import valid_ns
 
-REGISTRY = "consumers.json"
-CONSUMERS_DIR = "consumers"
 LOG_NAME = "log.jsonl"
 LOCK_NAME = ".lock"
-KEEP: Final = "keep"
-ACKED: Final = "acked"
-Retention = Literal["keep", "acked"]
-RETENTIONS: tuple[str, ...] = (KEEP, ACKED)
 _OWNER = re.compile(r"[0-9a-f]{8,64}")
 LOCK_WAIT_S = 30.0  # a lease or ack holds the lock for one read and one fsynced append
 MAX_IDS_PER_LINE = 4096
+REPLAY = 64  # calls remembered per owner (a repeated call gets its answer again)
 Ids = set[str] | frozenset[str]
+Alive = Callable[[str], bool]
+
+# Why an acknowledgement was refused (PROTOCOL §6.2): said to the trainer per sample.
+VOID = "this process was replaced by a newer one of its rank (its leases are void)"
+NOT_LEASED = "never leased to this owner"
+LOST = "its lease ended (the owner was not alive) and it went to another owner"
+UNKNOWN = "no committed sample of this dataset has this id"
 
 
-def check_name(name: object) -> str:
-    """A consumer name becomes a directory name: the rule of a dump namespace (PROTOCOL §2:
-    letters, digits and ``._-``, 1–64 characters), the same function."""
-    if not valid_ns(name):
-        raise DatasetError(
-            f"consumer name {name!r} must match {NS_PATTERN} (letters, digits, '._-', ≤ 64)"
-        )
-    assert isinstance(name, str)
-    return name
-
-
-# -- the registry ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Registry:
-    retention: Retention
-    consumers: tuple[str, ...]
-    spool_limit: int  # bytes of sample files a run may hold at once; 0: no limit
-
-    def to_json(self) -> bytes:
-        record = {
-            "retention": self.retention,
-            "consumers": list(self.consumers),
-            "spool_limit": self.spool_limit,
-        }
-        return orjson.dumps(record, option=orjson.OPT_INDENT_2) + b"\n"
-
-    def must_ack(self, name: str) -> bool:
-        """Whether ``name``'s acknowledgements decide when a sample is deleted."""
-        return self.retention == ACKED and name in self.consumers
-
-
-def read_registry(out_dir: Path) -> Registry | None:
-    path = out_dir / REGISTRY
-    try:
-        raw = orjson.loads(path.read_bytes())
-    except FileNotFoundError:
-        return None
-    except orjson.JSONDecodeError:
-        raise DatasetError(f"{path} is not valid JSON; hsx did not write it") from None
-    try:
-        retention = raw["retention"]
-        names = tuple(check_name(n) for n in raw["consumers"])
-        limit = raw["spool_limit"]
-    except (KeyError, TypeError) as exc:
-        raise DatasetError(f"{path}: missing or mistyped {exc}; hsx did not write it") from None
-    if retention not in RETENTIONS or type(limit) is not int or limit < 0:
-        raise DatasetError(f"{path}: retention {retention!r} / spool_limit {limit!r} invalid")
-    return Registry(retention, names, limit)
-
-
-def record_registry(out_dir: Path, registry: Registry, *, retired: int) -> None:
-    """Write the registry for a run (blocking; under the directory lock). A consumer added
-    after samples were deleted could never receive those: refused."""
-    old = read_registry(out_dir)
-    if old == registry:
-        return
-    if old is not None and retired and registry.retention == ACKED:
-        added = sorted(set(registry.consumers) - set(old.consumers))
-        if added:
-            raise DatasetError(
-                f"[output].consumers adds {', '.join(added)}, but the spool has already "
-                f"deleted {retired:,} samples the registered consumers "
-                f"({', '.join(old.consumers) or 'none'}) acknowledged: the new ones could "
-                "never receive them. Remove them from [output].consumers, or extract into a "
-                "new [output].dir"
-            )
-    write_atomic(out_dir / REGISTRY, registry.to_json())
-
-
-# -- one consumer's state -------------------------------------------------------------------
+class OwnerVoid(DatasetError):
+    """The owner was replaced by a newer process of its rank: nothing it asks is applied."""
 
 
 @dataclass(slots=True)
 class Lease:
     owner: str
     rank: int
-    until: float
+
+
+@dataclass(frozen=True, slots=True)
+class AckResult:
+    """What an acknowledgement did: the ids newly acknowledged, those acknowledged before
+    (counted), and those refused with the reason (nothing of theirs was recorded)."""
+
+    acked: list[str] = field(default_factory=list)
+    again: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"acked": len(self.acked), "again": len(self.again), "refused": self.refused}
 
 
 @dataclass
@@ -149,9 +94,11 @@ class ConsumerState:
 
     acked: dict[int, set[str]] = field(default_factory=dict)  # epoch → ids
     leases: dict[tuple[int, str], Lease] = field(default_factory=dict)  # (epoch, id)
+    delivered: dict[tuple[int, str], set[str]] = field(default_factory=dict)  # → owners
     ranks: dict[str, int] = field(default_factory=dict)  # owner → rank
-    renewed: dict[str, float] = field(default_factory=dict)  # owner → until
     void: set[str] = field(default_factory=set)  # owners whose rank started again
+    served: dict[str, float] = field(default_factory=dict)  # owner → heartbeat timeout
+    calls: dict[str, collections.OrderedDict[str, list[str]]] = field(default_factory=dict)
     duplicate_acks: int = 0
 
     def apply(self, rec: Any, where: str) -> None:
@@ -172,27 +119,39 @@ class ConsumerState:
                 self.void.add(other)
         self.ranks[owner] = rank
 
+    def _remember(self, owner: str, call: Any, ids: list[str]) -> None:
+        if not isinstance(call, str):
+            return
+        calls = self.calls.setdefault(owner, collections.OrderedDict())
+        calls[call] = ids
+        while len(calls) > REPLAY:
+            calls.popitem(last=False)
+
     def _lease(self, rec: Any) -> None:
         owner, rank, epoch = str(rec["owner"]), int(rec["rank"]), int(rec["epoch"])
-        until = float(rec["until"])
         self.ranks.setdefault(owner, rank)
-        for sample in rec["ids"]:
-            self.leases[(epoch, str(sample))] = Lease(owner, rank, until)
-        self.renewed[owner] = max(self.renewed.get(owner, 0.0), until)
+        ids = [str(i) for i in rec["ids"]]
+        for sample in ids:
+            self.leases[(epoch, sample)] = Lease(owner, rank)
+            self.delivered.setdefault((epoch, sample), set()).add(owner)
+        if rec.get("via") == "serve":
+            self.served[owner] = float(rec.get("timeout", 0.0))
+        self._remember(owner, rec.get("call"), ids)
 
     def _renew(self, rec: Any) -> None:
-        owner = str(rec["owner"])
-        self.renewed[owner] = max(self.renewed.get(owner, 0.0), float(rec["until"]))
+        str(rec["owner"])  # version 5: leases followed a wall clock; now liveness
 
     def _ack(self, rec: Any) -> None:
         epoch = int(rec["epoch"])
         done = self.acked.setdefault(epoch, set())
-        for sample in map(str, rec["ids"]):
+        ids = [str(i) for i in rec["ids"]]
+        for sample in ids:
             if sample in done:
                 self.duplicate_acks += 1
             else:
                 done.add(sample)
             self.leases.pop((epoch, sample), None)
+        self._remember(str(rec["owner"]), rec.get("call"), ids)
 
     def _release(self, rec: Any) -> None:
         owner, epoch = str(rec["owner"]), int(rec["epoch"])
@@ -206,24 +165,40 @@ class ConsumerState:
     def is_acked(self, epoch: int, sample: str) -> bool:
         return sample in self.acked.get(epoch, ())
 
-    def live_lease(self, epoch: int, sample: str, now: float) -> Lease | None:
+    def live_lease(self, epoch: int, sample: str, is_alive: Alive) -> Lease | None:
         lease = self.leases.get((epoch, sample))
-        if lease is None or lease.owner in self.void:
+        if lease is None or lease.owner in self.void or not is_alive(lease.owner):
             return None
-        until = max(lease.until, self.renewed.get(lease.owner, 0.0))
-        return lease if until > now else None
+        return lease
 
-    def held(self, epoch: int, now: float) -> dict[str, int]:
+    def held(self, epoch: int, is_alive: Alive) -> dict[str, int]:
         """Live leases of ``epoch`` per rank."""
         counts: dict[str, int] = {}
         for (e, sample), lease in self.leases.items():
-            if e == epoch and self.live_lease(e, sample, now) is not None:
+            if e == epoch and self.live_lease(e, sample, is_alive) is not None:
                 counts[str(lease.rank)] = counts.get(str(lease.rank), 0) + 1
         return counts
 
-    def lapsed(self, epoch: int, now: float) -> list[str]:
-        """Leased samples of ``epoch`` that are available again (void or expired)."""
-        return [s for (e, s) in self.leases if e == epoch and self.live_lease(e, s, now) is None]
+    def lapsed(self, epoch: int, is_alive: Alive) -> list[str]:
+        """Leased samples of ``epoch`` that are available again (void or dead owner)."""
+        return [
+            s for (e, s) in self.leases if e == epoch and self.live_lease(e, s, is_alive) is None
+        ]
+
+    def judge_ack(
+        self, owner: str, epoch: int, sample: str, known: Ids | None, adopted_from: str | None
+    ) -> str:
+        """ "" when ``owner`` may acknowledge ``sample``, else the reason it may not."""
+        if known is not None and sample not in known:
+            return UNKNOWN
+        lease = self.leases.get((epoch, sample))
+        if lease is not None and lease.owner == owner:
+            return ""
+        if adopted_from is not None and adopted_from in self.delivered.get((epoch, sample), ()):
+            return ""  # delivered to the checkpoint's process: that model trained it
+        if owner in self.delivered.get((epoch, sample), ()):
+            return LOST
+        return NOT_LEASED
 
 
 _OPS = {
@@ -241,6 +216,25 @@ def check_owner(owner: object) -> str:
     return owner
 
 
+class Liveness:
+    """Whether each owner is alive, asked of its lock at most once per :meth:`fresh` (one
+    decision per call: every sample of one owner gets the same answer)."""
+
+    def __init__(self, consumer_dir: Path) -> None:
+        self.consumer_dir = consumer_dir
+        self._seen: dict[str, bool] = {}
+
+    def fresh(self) -> Liveness:
+        self._seen.clear()
+        return self
+
+    def __call__(self, owner: str) -> bool:
+        found = self._seen.get(owner)
+        if found is None:
+            found = self._seen[owner] = alive(self.consumer_dir, owner)
+        return found
+
+
 class ConsumerLog:
     """One consumer's log, followed incrementally; every change is made under its lock
     after reading what others appended, and fsynced. Blocking: call from a thread.
@@ -256,10 +250,11 @@ class ConsumerLog:
         self.path = self.dir / LOG_NAME
         self.lock_wait = lock_wait
         self.state = ConsumerState()
+        self.alive = Liveness(self.dir)
         self._tail = LogTail(self.path)
         self._cursor: dict[int, int] = {}  # epoch → index into `order`
 
-    def _ensure_dir(self) -> None:
+    def ensure_dir(self) -> None:
         if not self.dir.is_dir():
             self.dir.mkdir(parents=True, exist_ok=True)
             fsync_dir(self.dir.parent)
@@ -286,13 +281,20 @@ class ConsumerLog:
         self._tail.read()  # step over our own lines (already applied)
 
     def _locked(self) -> Any:
-        self._ensure_dir()
+        self.ensure_dir()
         return exclusive_lock(
             self.dir / LOCK_NAME,
             f"{self.dir / LOCK_NAME}: another process held the consumer lock for "
             f"{self.lock_wait:.0f} s; is one stuck?",
             wait=self.lock_wait,
         )
+
+    def _check_live_owner(self, owner: str, rank: int | None) -> None:
+        if owner in self.state.void:
+            where = "" if rank is None else f" rank {rank}"
+            raise OwnerVoid(
+                f"consumer {self.name!r}{where} owner {owner}: {VOID}; run one process per rank"
+            )
 
     def lease(
         self,
@@ -303,39 +305,47 @@ class ConsumerLog:
         order: Sequence[str],
         present: Ids,
         count: int,
-        timeout: float,
-        now: float | None = None,
+        call: str | None = None,
+        via: str | None = None,
+        timeout: float | None = None,
     ) -> list[str]:
         """Lease up to ``count`` available samples of ``epoch`` to ``owner`` (rank
-        ``rank``) for ``timeout`` seconds; ``present``: ids the dataset still holds."""
+        ``rank``); ``present``: ids the dataset still holds. A repeated ``call`` gets
+        the samples it leased, those still this owner's."""
         with self._locked():
             self.refresh()
-            now = time.time() if now is None else now
+            self._check_live_owner(owner, rank)
+            replay = self._replayed(owner, call)
+            if replay is not None:
+                return [s for s in replay if self._holds(owner, epoch, s)]
             records: list[dict[str, Any]] = []
-            if owner in self.state.void:
-                raise DatasetError(
-                    f"consumer {self.name!r} rank {rank}: another process started as this "
-                    "rank after this one (its leases are void): run one process per rank"
-                )
             if owner not in self.state.ranks:
-                records.append({"op": "start", "owner": owner, "rank": rank, "time": now})
+                records.append({"op": "start", "owner": owner, "rank": rank})
                 self.state.apply(records[-1], str(self.path))  # voids before picking
-            picked = self._pick(epoch, order, present, count, now)
-            until = now + timeout
+            picked = self._pick(epoch, order, present, count)
             if picked:
-                lease = {"op": "lease", "owner": owner, "rank": rank, "epoch": epoch}
-                records.append(lease | {"ids": picked, "until": until})
-            elif records:
-                records.append({"op": "renew", "owner": owner, "until": until})
+                line: dict[str, Any] = {"op": "lease", "owner": owner, "rank": rank}
+                line |= {"epoch": epoch, "ids": picked}
+                if call is not None:
+                    line["call"] = call
+                if via is not None:
+                    line |= {"via": via, "timeout": timeout}
+                records.append(line)
             if records:
                 self._append(records)
         return picked
 
-    def _pick(
-        self, epoch: int, order: Sequence[str], present: Ids, count: int, now: float
-    ) -> list[str]:
-        state = self.state
-        picked = [s for s in state.lapsed(epoch, now) if s in present][:count]
+    def _replayed(self, owner: str, call: str | None) -> list[str] | None:
+        calls = self.state.calls.get(owner)
+        return None if calls is None or call is None else calls.get(call)
+
+    def _holds(self, owner: str, epoch: int, sample: str) -> bool:
+        lease = self.state.leases.get((epoch, sample))
+        return lease is not None and lease.owner == owner
+
+    def _pick(self, epoch: int, order: Sequence[str], present: Ids, count: int) -> list[str]:
+        state, is_alive = self.state, self.alive.fresh()
+        picked = [s for s in state.lapsed(epoch, is_alive) if s in present][:count]
         taken = set(picked)
         cursor = self._cursor.get(epoch, 0)
         while len(picked) < count and cursor < len(order):
@@ -352,19 +362,48 @@ class ConsumerLog:
         self._cursor[epoch] = cursor
         return picked
 
-    def ack(self, *, owner: str, epoch: int, ids: Iterable[str]) -> list[str]:
-        """Record the acknowledgement of ``ids`` durably; the ids newly acknowledged."""
+    def ack(
+        self,
+        *,
+        owner: str,
+        epoch: int,
+        ids: Iterable[str],
+        known: Ids | None = None,
+        adopted_from: str | None = None,
+        call: str | None = None,
+    ) -> AckResult:
+        """Record the acknowledgement of those of ``ids`` that ``owner`` holds (or that
+        were delivered to ``adopted_from``) durably; ``known``: the dataset's committed
+        ids (an id outside them is refused)."""
         wanted = list(dict.fromkeys(map(str, ids)))
         with self._locked():
             self.refresh()
-            fresh = [s for s in wanted if not self.state.is_acked(epoch, s)]
-            records = [
-                {"op": "ack", "owner": owner, "epoch": epoch, "ids": chunk}
-                for chunk in _chunks(wanted)
-            ]
+            self._check_live_owner(owner, None)
+            replay = self._replayed(owner, call)
+            if replay is not None:
+                return AckResult(acked=list(replay))
+            result = AckResult()
+            for sample in wanted:
+                if self.state.is_acked(epoch, sample):
+                    result.again.append(sample)
+                    continue
+                reason = self.state.judge_ack(owner, epoch, sample, known, adopted_from)
+                if reason:
+                    result.refused[sample] = reason
+                else:
+                    result.acked.append(sample)
+            accepted = result.acked + result.again
+            records: list[dict[str, Any]] = []
+            for chunk in _chunks(accepted):
+                line: dict[str, Any] = {"op": "ack", "owner": owner, "epoch": epoch, "ids": chunk}
+                if adopted_from is not None:
+                    line["from"] = adopted_from
+                records.append(line)
+            if records and call is not None:
+                records[-1]["call"] = call
             if records:
                 self._append(records)
-        return fresh
+        return result
 
     def release(self, *, owner: str, epoch: int, ids: Iterable[str]) -> None:
         wanted = list(dict.fromkeys(map(str, ids)))
@@ -372,13 +411,15 @@ class ConsumerLog:
             return
         with self._locked():
             self.refresh()
+            own = [s for s in wanted if self._holds(owner, epoch, s)]
             line = {"op": "release", "owner": owner, "epoch": epoch}
-            self._append([line | {"ids": chunk} for chunk in _chunks(wanted)])
+            if own:
+                self._append([line | {"ids": chunk} for chunk in _chunks(own)])
 
-    def renew(self, *, owner: str, until: float) -> None:
-        with self._locked():
-            self.refresh()
-            self._append([{"op": "renew", "owner": owner, "until": until}])
+    def holds(self, owner: str, epoch: int, sample: str) -> bool:
+        """Whether ``owner`` holds ``sample``'s lease now, as the log says (refreshed)."""
+        self.refresh()
+        return owner not in self.state.void and self._holds(owner, epoch, sample)
 
 
 def _chunks(ids: list[str]) -> list[list[str]]:

@@ -27,30 +27,38 @@ import orjson
 import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from hsx_async.dataset.export.plan import dataset_facts
 from hsx_async.dataset.layout import manifest_path_problem
 from hsx_async.dataset.live.follow import DatasetFollower
-from hsx_async.dataset.live.ledger import read_registry
-from hsx_async.dataset.live.sources import LocalSource
+from hsx_async.dataset.live.ledger import VOID, OwnerVoid, consumer_names
+from hsx_async.dataset.live.registry import dataset_identity, read_registry
+from hsx_async.dataset.live.remote import DEFAULT_TIMEOUT_S
+from hsx_async.dataset.live.sources import LeaseLost, LocalSource, check_live_dir
+from hsx_async.dataset.live.view import ConsumerProgress, consumer_families, progress
 from hsx_async.dataset.live.wire import (
     ACK,
     FILE,
+    GONE,
     INFO,
     LEASE,
     MAX_BODY,
+    MAX_HOLDERS,
     RELEASE,
     RENEW,
     REPLAY,
+    VOID_STATUS,
     WIRE_VERSION,
     Caller,
     WireError,
+    adopted_from,
     caller,
+    file_request,
+    heartbeat_timeout,
     id_list,
     lease_request,
-    renew_timeout,
 )
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DatasetError
@@ -59,30 +67,38 @@ from hsx_async.net import listen_address, listen_ok
 
 log = structlog.get_logger("hsx.serve")
 
-LONG_POLL_S = 0.2  # between looks while a lease waits for a sample
+LONG_POLL_S = 0.2  # between looks while a lease waits for a sample (holding no lock)
+REAP_S = 1.0  # how often owners not heard from are let go
+SERVE = "serve"  # the `via` of the leases serve makes
 MAX_STREAMS = 8
 
 
 @dataclass
+class _Holder:
+    """A remote owner this serve keeps alive: its lock, when it was last heard from (this
+    process's monotonic clock) and how long it may stay silent."""
+
+    heard: float
+    timeout: float
+    answers: collections.OrderedDict[str, dict[str, Any]] = field(
+        default_factory=collections.OrderedDict
+    )
+
+
+@dataclass
 class _Consumer:
-    """One consumer's source, used by one call at a time, and each owner's last answers
-    (a repeated ``call`` gets its answer again)."""
+    """One consumer's source (its ledger calls run one at a time, under ``lock``, which
+    no waiting lease holds) and the remote owners serve keeps alive."""
 
     source: LocalSource
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    answers: dict[str, collections.OrderedDict[str, dict[str, Any]]] = field(default_factory=dict)
-    stats: tuple[int, int, int] = (0, 0, 0)  # lag, acked, live leases: after the last call
-
-
-def _stats(source: LocalSource) -> tuple[int, int, int]:
-    committed = set(source.follower.state.entries)
-    state = source.log.state
-    acked = len(state.acked.get(0, set()) & committed)
-    return len(committed) - acked, acked, sum(state.held(0, time.time()).values())
+    holders: dict[str, _Holder] = field(default_factory=dict)
+    progress: ConsumerProgress | None = None  # after the last call
 
 
 class LiveServer:
     def __init__(self, out_dir: Path, *, max_streams: int = MAX_STREAMS) -> None:
+        check_live_dir(out_dir)
         if not out_dir.is_dir():
             raise DatasetError(f"{out_dir} is not a directory; give an output directory")
         self.out_dir = out_dir
@@ -95,56 +111,147 @@ class LiveServer:
         self.bytes_sent = Counter("hsx_serve_bytes", "Sample bytes sent", registry=self.registry)
         self.registry.register(_ServeCollector(self))
 
-    def _consumer(self, name: str) -> _Consumer:
+    async def _consumer(self, name: str, epoch: int = 0) -> _Consumer:
+        """The consumer, if the registry in force lets it read ``epoch`` (a new one:
+        at most MAX_CONSUMERS of an unregistered dataset)."""
         found = self.consumers.get(name)
         if found is None:
-            found = self.consumers[name] = _Consumer(LocalSource(self.out_dir, name))
+            source = await asyncio.to_thread(LocalSource, self.out_dir, name)
+            found = self.consumers.setdefault(name, _Consumer(source))
+        await asyncio.to_thread(found.source.check, epoch)
         return found
 
+    # -- liveness of remote owners (serve's monotonic clock) -------------------------------
+
+    async def adopt_served_owners(self) -> int:
+        """At start: every owner whose leases serve made, not void, is held for its
+        timeout from now (a restarted serve gives its readers time to come back)."""
+        adopted = 0
+        for name in await asyncio.to_thread(consumer_names, self.out_dir):
+            consumer = await self._consumer_or_none(name)
+            if consumer is None:
+                continue
+            state = await asyncio.to_thread(consumer.source.log.refresh)
+            holding = {lease.owner for lease in state.leases.values()}
+            for owner, timeout in state.served.items():
+                if owner in holding and owner not in state.void:
+                    await self._hear(consumer, owner, timeout)
+                    adopted += 1
+        return adopted
+
+    async def _consumer_or_none(self, name: str) -> _Consumer | None:
+        try:
+            return await self._consumer(name)
+        except DatasetError:
+            return None  # no longer registered: nothing of it is served
+
+    async def _hear(self, consumer: _Consumer, owner: str, timeout: float) -> _Holder:
+        holder = consumer.holders.get(owner)
+        if holder is None:
+            if len(consumer.holders) >= MAX_HOLDERS:
+                raise Busy(
+                    f"consumer {consumer.source.consumer!r} has {MAX_HOLDERS} live readers at "
+                    "this serve; a reader is started per rank and DataLoader worker: check for "
+                    "a loop that starts new ones"
+                )
+            await asyncio.to_thread(consumer.source.hold, owner)
+            holder = consumer.holders[owner] = _Holder(time.monotonic(), timeout)
+        holder.heard, holder.timeout = time.monotonic(), timeout
+        return holder
+
+    def lapse(self, now: float | None = None) -> int:
+        """Let go of every owner not heard from within its timeout: its leases end. The
+        count let go."""
+        now = time.monotonic() if now is None else now
+        gone = 0
+        for consumer in self.consumers.values():
+            for owner, holder in list(consumer.holders.items()):
+                if now - holder.heard > holder.timeout:
+                    del consumer.holders[owner]
+                    consumer.source.drop(owner)
+                    gone += 1
+        return gone
+
+    async def reap(self, every: float = REAP_S) -> None:
+        """A task of serve: :meth:`lapse` every ``every`` seconds."""
+        while True:
+            if self.lapse():
+                log.info("serve_owners_lapsed")
+            await asyncio.sleep(every)
+
+    def close(self) -> None:
+        for consumer in self.consumers.values():
+            consumer.source.close()
+            consumer.holders.clear()
+
+    # -- one call ---------------------------------------------------------------------------
+
     async def _once(
-        self, who: Caller, call: Callable[[_Consumer], Awaitable[dict[str, Any]]]
-    ) -> dict[str, Any]:
-        """Run ``call`` for ``who`` unless it repeats one of the owner's last calls."""
-        consumer = self._consumer(who.consumer)
+        self,
+        who: Caller,
+        timeout: float | None,
+        call: Callable[[_Consumer], Awaitable[dict[str, Any] | None]],
+        epoch: int = 0,
+    ) -> dict[str, Any] | None:
+        """Run ``call`` under the consumer's lock unless it repeats one of the owner's last
+        calls; None from ``call``: nothing to answer yet (the lease waits, unlocked)."""
+        consumer = await self._consumer(who.consumer, epoch)
         async with consumer.lock:
-            answers = consumer.answers.setdefault(who.owner, collections.OrderedDict())
-            if who.call in answers:
-                return answers[who.call]
+            holder = await self._hear(
+                consumer,
+                who.owner,
+                timeout if timeout is not None else self._timeout(consumer, who),
+            )
+            if who.call in holder.answers:
+                return holder.answers[who.call]
             answer = await call(consumer)
-            answers[who.call] = answer
-            while len(answers) > REPLAY:
-                answers.popitem(last=False)
-            consumer.stats = await asyncio.to_thread(_stats, consumer.source)
+            if answer is None:
+                return None
+            holder.answers[who.call] = answer
+            while len(holder.answers) > REPLAY:
+                holder.answers.popitem(last=False)
+            consumer.progress = await asyncio.to_thread(_progress, consumer.source)
             return answer
+
+    @staticmethod
+    def _timeout(consumer: _Consumer, who: Caller) -> float:
+        holder = consumer.holders.get(who.owner)
+        return holder.timeout if holder is not None else DEFAULT_TIMEOUT_S
 
     # -- handlers -------------------------------------------------------------------------
 
     async def lease(self, raw: dict[str, Any]) -> dict[str, Any]:
         who, req = caller(raw), lease_request(raw)
 
-        async def call(consumer: _Consumer) -> dict[str, Any]:
-            deadline = time.monotonic() + req.wait
-            while True:
-                leased = await asyncio.to_thread(
-                    consumer.source.lease, who.owner, req.rank, req.epoch, req.count, req.timeout
-                )
-                if leased.entries or leased.ended or time.monotonic() >= deadline:
-                    return {
-                        "entries": [orjson.loads(e.to_line()) for e in leased.entries],
-                        "ended": leased.ended,
-                    }
-                await asyncio.sleep(LONG_POLL_S)  # a poll of logs other processes append to
+        async def attempt(consumer: _Consumer) -> dict[str, Any] | None:
+            leased = await asyncio.to_thread(
+                consumer.source.lease, who.owner, req.rank, req.epoch, req.count,
+                call=who.call, via=SERVE, timeout=req.timeout,
+            )  # fmt: skip
+            if not (leased.entries or leased.ended or time.monotonic() >= deadline):
+                return None
+            return {
+                "entries": [orjson.loads(e.to_line()) for e in leased.entries],
+                "ended": leased.ended,
+            }
 
-        return await self._once(who, call)
+        deadline = time.monotonic() + req.wait
+        while True:
+            answer = await self._once(who, req.timeout, attempt, req.epoch)
+            if answer is not None:
+                return answer
+            await asyncio.sleep(LONG_POLL_S)  # a poll of logs other processes append to
 
     async def ack(self, raw: dict[str, Any]) -> dict[str, Any]:
-        who, (epoch, ids) = caller(raw), id_list(raw)
+        who, (epoch, ids), earlier = caller(raw), id_list(raw), adopted_from(raw)
 
         async def call(consumer: _Consumer) -> dict[str, Any]:
-            await asyncio.to_thread(consumer.source.ack, who.owner, epoch, ids)
-            return {"acked": len(ids)}
+            result = await asyncio.to_thread(
+                consumer.source.ack, who.owner, epoch, ids, adopted_from=earlier, call=who.call
+            )
+            return result.to_json()
 
-        return await self._once(who, call)
+        return await self._answer(who, None, call, epoch)
 
     async def release(self, raw: dict[str, Any]) -> dict[str, Any]:
         who, (epoch, ids) = caller(raw), id_list(raw)
@@ -153,17 +260,30 @@ class LiveServer:
             await asyncio.to_thread(consumer.source.release, who.owner, epoch, ids)
             return {}
 
-        return await self._once(who, call)
+        return await self._answer(who, None, call, epoch)
 
     async def renew(self, raw: dict[str, Any]) -> dict[str, Any]:
-        who, timeout = caller(raw), renew_timeout(raw)
+        """The heartbeat: the owner is alive (its leases stay its own)."""
+        who, timeout = caller(raw), heartbeat_timeout(raw)
 
         async def call(consumer: _Consumer) -> dict[str, Any]:
-            until = time.time() + timeout
-            await asyncio.to_thread(consumer.source.renew, who.owner, until)
+            state = await asyncio.to_thread(consumer.source.log.refresh)
+            if who.owner in state.void:
+                raise OwnerVoid(f"owner {who.owner}: {VOID}")
             return {}
 
-        return await self._once(who, call)
+        return await self._answer(who, timeout, call)
+
+    async def _answer(
+        self,
+        who: Caller,
+        timeout: float | None,
+        call: Callable[[_Consumer], Awaitable[dict[str, Any]]],
+        epoch: int = 0,
+    ) -> dict[str, Any]:
+        answer = await self._once(who, timeout, call, epoch)
+        assert answer is not None
+        return answer
 
     async def info(self) -> dict[str, Any]:
         def facts() -> dict[str, Any]:
@@ -173,6 +293,7 @@ class LiveServer:
             registry = read_registry(self.out_dir)
             return {
                 "protocol": WIRE_VERSION,
+                "dataset": dataset_identity(self.out_dir),
                 "facts": {
                     "aux_layers": None if f.aux_layers is None else list(f.aux_layers),
                     "hidden_size": f.hidden_size,
@@ -186,37 +307,51 @@ class LiveServer:
         async with self._follow_lock:
             return await asyncio.to_thread(facts)
 
-    async def sample_file(self, rel: str) -> tuple[Path, ManifestEntry]:
-        problem = manifest_path_problem(rel)
+    async def sample_file(self, query: Any) -> tuple[Path, ManifestEntry]:
+        """The file ``query`` asks for, if its owner holds the sample's lease now."""
+        req = file_request(query)
+        problem = manifest_path_problem(req.path)
         if problem:
             raise WireError(problem)
         async with self._follow_lock:
             followed = await asyncio.to_thread(self.follower.refresh)
-        entry = next((e for e in followed.entries.values() if e.path == rel), None)
-        if entry is None or rel in followed.retired:
-            raise FileNotFoundError(rel)
-        return self.out_dir / rel, entry
+        entry = next((e for e in followed.entries.values() if e.path == req.path), None)
+        if entry is None or req.path in followed.retired:
+            raise FileNotFoundError(req.path)
+        consumer = await self._consumer(req.consumer, req.epoch)
+        holder = consumer.holders.get(req.owner)
+        if holder is not None:
+            holder.heard = time.monotonic()
+        held = await asyncio.to_thread(consumer.source.still_holds, req.owner, req.epoch, entry)
+        if not held:
+            raise LeaseLost(f"sample {entry.id} is not leased to owner {req.owner}")
+        return self.out_dir / req.path, entry
+
+
+class Busy(WireError):
+    """A bound of serve is reached (HTTP 429): the request may come again later."""
+
+
+def _progress(source: LocalSource) -> ConsumerProgress:
+    return progress(
+        source.consumer,
+        source.log.state,
+        set(source.follower.state.entries),
+        source.log.alive.fresh(),
+    )
 
 
 class _ServeCollector(Collector):
-    """Per consumer: its lag, acknowledged samples and live leases (after its last call)."""
+    """Per consumer: its lag, acknowledged samples and live leases (after its last call),
+    as :mod:`~hsx_async.dataset.live.view` computes them for the run and ``hsx status``."""
 
     def __init__(self, server: LiveServer) -> None:
         self.server = server
 
     def collect(self) -> Iterator[Metric]:
-        families = [
-            GaugeMetricFamily(name, doc, labels=["consumer"])
-            for name, doc in (
-                ("hsx_consumer_lag_samples", "Committed samples not acknowledged"),
-                ("hsx_consumer_acked_samples", "Samples acknowledged (epoch 0)"),
-                ("hsx_consumer_leases", "Live leases of the consumer"),
-            )
-        ]
-        for name, consumer in self.server.consumers.items():
-            for family, value in zip(families, consumer.stats, strict=True):
-                family.add_metric([name], value)
-        yield from families
+        yield from consumer_families(
+            [c.progress for c in self.server.consumers.values() if c.progress is not None]
+        )
 
 
 # -- the aiohttp application ----------------------------------------------------------------
@@ -236,9 +371,8 @@ def build_app(server: LiveServer) -> web.Application:
         async def route(request: web.Request) -> web.Response:
             try:
                 answer = await handler(await json_body(request))
-            except (WireError, DatasetError) as exc:
-                status = 400 if isinstance(exc, WireError) else 409
-                return web.json_response({"error": str(exc)}, status=status, dumps=_dumps)
+            except DatasetError as exc:
+                return web.json_response({"error": str(exc)}, status=_status(exc), dumps=_dumps)
             return web.json_response(answer, dumps=_dumps)
 
         return route
@@ -248,9 +382,9 @@ def build_app(server: LiveServer) -> web.Application:
 
     async def file(request: web.Request) -> web.StreamResponse:
         try:
-            path, entry = await server.sample_file(request.query.get("path", ""))
-        except WireError as exc:
-            return web.json_response({"error": str(exc)}, status=400)
+            path, entry = await server.sample_file(request.query)
+        except DatasetError as exc:
+            return web.json_response({"error": str(exc)}, status=_status(exc))
         except FileNotFoundError:
             return web.json_response({"error": "no such sample in the dataset"}, status=404)
         async with server.streams:  # sent while held: at most max_streams at once
@@ -273,6 +407,17 @@ def build_app(server: LiveServer) -> web.Application:
     app.router.add_post(RENEW, post(server.renew))
     app.router.add_get("/metrics", metrics)
     return app
+
+
+def _status(exc: DatasetError) -> int:
+    """The HTTP status of a refusal (PROTOCOL §6.4)."""
+    if isinstance(exc, Busy):
+        return 429
+    if isinstance(exc, WireError):
+        return 400
+    if isinstance(exc, LeaseLost):
+        return GONE
+    return VOID_STATUS  # a replaced owner, an unregistered consumer, a refused epoch
 
 
 def _dumps(obj: Any) -> str:
@@ -313,6 +458,7 @@ async def serve(
     if own_stop:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+    reaper: asyncio.Task[None] | None = None
     try:
         site = web.TCPSite(runner, host, port)
         try:
@@ -321,9 +467,11 @@ async def serve(
             raise DatasetError(
                 f"cannot listen on {listen}: {exc.strerror}; pick another --listen"
             ) from None
+        adopted = await server.adopt_served_owners()
+        reaper = asyncio.create_task(server.reap())
         bound = runner.addresses[0]
         url = f"http://{bound[0]}:{bound[1]}"
-        log.info("serve_listening", url=url, out=str(out_dir))
+        log.info("serve_listening", url=url, out=str(out_dir), owners_adopted=adopted)
         if on_bound is not None:
             on_bound(url)
         await stop.wait()
@@ -331,7 +479,12 @@ async def serve(
         if own_stop:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+        if reaper is not None:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
         await runner.cleanup()
+        server.close()
 
 
 def serve_command(args: argparse.Namespace) -> int:
