@@ -309,15 +309,16 @@ class LiveServer:
 
     async def sample_file(self, query: Any) -> tuple[Path, ManifestEntry]:
         """The file ``query`` asks for, if its owner holds the sample's lease now."""
-        req = file_request(query)
-        problem = manifest_path_problem(req.path)
+        rel = str(query.get("path", ""))
+        problem = manifest_path_problem(rel)
         if problem:
             raise WireError(problem)
         async with self._follow_lock:
             followed = await asyncio.to_thread(self.follower.refresh)
-        entry = next((e for e in followed.entries.values() if e.path == req.path), None)
-        if entry is None or req.path in followed.retired:
-            raise FileNotFoundError(req.path)
+        entry = next((e for e in followed.entries.values() if e.path == rel), None)
+        if entry is None or rel in followed.retired:
+            raise FileNotFoundError(rel)
+        req = file_request(query)
         consumer = await self._consumer(req.consumer, req.epoch)
         holder = consumer.holders.get(req.owner)
         if holder is not None:
@@ -325,7 +326,7 @@ class LiveServer:
         held = await asyncio.to_thread(consumer.source.still_holds, req.owner, req.epoch, entry)
         if not held:
             raise LeaseLost(f"sample {entry.id} is not leased to owner {req.owner}")
-        return self.out_dir / req.path, entry
+        return self.out_dir / rel, entry
 
 
 class Busy(WireError):
