@@ -147,8 +147,9 @@ def _fds(child: Child) -> int:
     return len(list(Path(f"/proc/{child.proc.pid}/fd").iterdir()))
 
 
-async def _offline(tmp: Path, reference: tuple[str, int, tuple[int, ...]], shm: Path) -> Path:
-    url, hidden, aux = reference
+async def _offline(tmp: Path, server: tuple[str, int, tuple[int, ...]], shm: Path) -> Path:
+    url, hidden, aux = server
+    await asyncio.to_thread(tmp.mkdir)
     config, _ = _job(tmp, url, hidden, aux, shm, online=False)
     run = await Child.start("hsx run", "-m", "hsx_async", "run", "--config", str(config),
                             "--no-report", logs=True)  # fmt: skip
@@ -157,10 +158,10 @@ async def _offline(tmp: Path, reference: tuple[str, int, tuple[int, ...]], shm: 
 
 
 async def test_every_consumer_gets_every_sample_once_whatever_each_side_does(
-    tmp_path: Path, shm_root: Path, reference: tuple[str, int, tuple[int, ...]]
+    tmp_path: Path, shm_root: Path, fake: tuple[str, int, tuple[int, ...]]
 ) -> None:
-    offline = _offline_digests(await _offline(tmp_path / "offline", reference, shm_root))
-    url, hidden, aux = reference
+    offline = _offline_digests(await _offline(tmp_path / "offline", fake, shm_root))
+    url, hidden, aux = fake
     config, limit = _job(tmp_path, url, hidden, aux, shm_root, consumers=list(RANKS))
     out = tmp_path / "out"
     out.mkdir()
