@@ -261,3 +261,14 @@ def test_trainer_views_are_the_exports_samples(tmp_path: Path) -> None:
 def _torch_load(path: Path) -> dict[str, torch.Tensor]:
     loaded: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
     return loaded
+
+
+def test_a_directory_that_is_no_dataset_is_refused_at_once(tmp_path: Path) -> None:
+    """Issue 39 (2.2): LiveDataset on a directory that is no dataset hung silently and made
+    consumers/ inside it."""
+    (tmp_path / "model.safetensors").write_bytes(b"weights, not a dataset")
+    with pytest.raises(DatasetError, match="is not an hsx dataset"):
+        LiveDataset(tmp_path, consumer="train")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    with pytest.raises(DatasetError, match="not a directory"):
+        LiveDataset(tmp_path / "model.safetensors", consumer="train")
