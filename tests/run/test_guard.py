@@ -3,7 +3,9 @@ so its pauses are said once a run, not four times a second; a full disk is still
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
@@ -26,7 +28,7 @@ class _Spool:
         return "raise output.spool_limit"
 
 
-def _loud(logs: list[dict[str, object]]) -> list[object]:
+def _loud(logs: list[MutableMapping[str, Any]]) -> list[object]:
     return [e["event"] for e in logs if e["log_level"] in ("info", "warning", "error")]
 
 

@@ -11,12 +11,17 @@ import pytest
 
 from hsx_async import cli
 from hsx_async.dataset.events import event_files
+from hsx_async.dataset.live.ledger import ConsumerLog
+from hsx_async.dataset.live.owners import OwnerHold
+from hsx_async.dataset.live.registry import ACKED, Registry, record_registry
+from hsx_async.dataset.live.retire import Retirer
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
 from hsx_async.dataset.provenance import PROVENANCE
 from hsx_async.dataset.quarantine import reason_kind
 from hsx_async.run.daemon import Daemon
 from hsx_async.run.report import PLOT_HINT, REPORT_JSON, REPORT_PNG, build_report, write_report
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
+from tests.dataset_factory import write_dataset
 from tests.e2e import make_config, write_samples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -313,3 +318,22 @@ def _keep_run(tmp_path: Path) -> Path:
             "bytes": 0, "samples": 0}  # fmt: skip
     (out / "events.jsonl").write_bytes(orjson.dumps({"event": "start", "time": 1.0, **base}))
     return out
+
+
+def test_a_consumed_and_deleted_sample_counts_as_written(tmp_path: Path) -> None:
+    """Issue 37 (8): a finished online job of 60 acknowledged samples was reported as "0
+    samples written of 60 total, 0 tokens, 0 B on disk"."""
+    write_dataset(tmp_path, num_samples=4)
+    entries = read_manifest(tmp_path)
+    ids = [str(e.id) for e in entries]
+    record_registry(tmp_path, Registry(ACKED, ("train",), 0), retired=0)
+    hold = OwnerHold(tmp_path / "consumers" / "train", "ab" * 8)
+    log = ConsumerLog(tmp_path, "train")
+    log.lease(owner="ab" * 8, rank=0, epoch=0, order=ids, present=set(ids), count=3)
+    log.ack(owner="ab" * 8, epoch=0, ids=ids[:3])
+    hold.close()
+    assert len(Retirer(tmp_path).retire(entries)) == 3
+    totals = build_report(tmp_path)["totals"]
+    assert totals["samples"] == 4 and totals["retired"] == 3
+    assert totals["tokens"] == sum(e.num_tokens for e in entries)
+    assert totals["bytes"] == entries[3].size  # on disk now
