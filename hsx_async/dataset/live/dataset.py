@@ -73,7 +73,8 @@ from hsx_async.dataset.export import export_format
 from hsx_async.dataset.export.plan import DatasetFacts, ExportPlan, find_target, plan_conversion
 from hsx_async.dataset.live.ledger import OwnerVoid
 from hsx_async.dataset.live.registry import check_name
-from hsx_async.dataset.live.sources import LeaseLost, Source, open_source
+from hsx_async.dataset.live.remote import RemoteSource
+from hsx_async.dataset.live.sources import LeaseLost, LocalSource, Source
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DatasetError, LiveError
 from hsx_async.protocol import BF16
@@ -314,6 +315,16 @@ def make_reader(
     conv = plan_conversion(fmt.name, fmt.final_state, facts, target, model is not None)
     plan = ExportPlan(conv, BF16, 0)
     return lambda path, entry: dict(fmt.tensors(path, entry, plan))
+
+
+def open_source(
+    source: str | Path, consumer: str, *, cache_dir: Path | None, **remote: object
+) -> Source:
+    """A local (or shared-file-system) output directory, or ``http(s)://`` ``hsx serve``."""
+    text = str(source)
+    if text.startswith(("http://", "https://")):
+        return RemoteSource(text, consumer, cache_dir=cache_dir, **remote)  # type: ignore[arg-type]
+    return LocalSource(Path(source), consumer)
 
 
 __all__ = ["HSX_ID", "HSX_IDS", "LiveCollator", "LiveDataset", "make_reader", "sample_ids"]

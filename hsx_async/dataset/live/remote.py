@@ -44,6 +44,7 @@ from hsx_async.dataset.live.registry import check_name
 from hsx_async.dataset.live.sources import Leased, LeaseLost
 from hsx_async.dataset.live.wire import (
     ACK,
+    DEFAULT_TIMEOUT_S,
     FILE,
     GONE,
     INFO,
@@ -63,7 +64,6 @@ from hsx_async.protocol import Storage
 log = structlog.get_logger("hsx.live")
 
 UNREACHABLE_S = 600.0
-DEFAULT_TIMEOUT_S = 600.0  # an owner not heard from this long is dead (no hold)
 REQUEST_S = 60.0  # one call (a lease's long poll is at most MAX_WAIT_S of it)
 RELEASE_S = 5.0  # a release is best effort: the leases lapse anyway
 _CHUNK = 4 << 20

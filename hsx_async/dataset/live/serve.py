@@ -35,11 +35,11 @@ from hsx_async.dataset.layout import manifest_path_problem
 from hsx_async.dataset.live.follow import DatasetFollower
 from hsx_async.dataset.live.ledger import VOID, OwnerVoid, consumer_names
 from hsx_async.dataset.live.registry import dataset_identity, read_registry
-from hsx_async.dataset.live.remote import DEFAULT_TIMEOUT_S
 from hsx_async.dataset.live.sources import LeaseLost, LocalSource, check_live_dir
 from hsx_async.dataset.live.view import ConsumerProgress, consumer_families, progress
 from hsx_async.dataset.live.wire import (
     ACK,
+    DEFAULT_TIMEOUT_S,
     FILE,
     GONE,
     INFO,

@@ -214,15 +214,3 @@ class LocalSource:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
-
-
-def open_source(
-    source: str | Path, consumer: str, *, cache_dir: Path | None, **remote: object
-) -> Source:
-    """A local (or shared-file-system) output directory, or ``http(s)://`` ``hsx serve``."""
-    text = str(source)
-    if text.startswith(("http://", "https://")):
-        from hsx_async.dataset.live.remote import RemoteSource  # noqa: PLC0415 - it imports us
-
-        return RemoteSource(text, consumer, cache_dir=cache_dir, **remote)  # type: ignore[arg-type]
-    return LocalSource(Path(source), consumer)

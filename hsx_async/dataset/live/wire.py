@@ -52,6 +52,7 @@ REPLAY = 64  # answers kept per owner for repeated calls
 GONE = 410  # a file or sample no longer this owner's (its lease ended): skipped
 VOID_STATUS = 409  # a replaced owner, or a consumer that is not registered
 MAX_HOLDERS = 1024  # live owners per consumer at one serve
+DEFAULT_TIMEOUT_S = 600.0  # an owner not heard from this long is dead (serve lets go)
 MIN_TIMEOUT_S = 1.0  # the shortest heartbeat timeout a reader may ask for
 _CALL = re.compile(r"[0-9a-f]{16,32}")
 INFO, LEASE, FILE, ACK, RELEASE, RENEW = (
