@@ -58,14 +58,15 @@ def http(url: str, entries_json: str) -> None:
     entries = [manifest_entry(rec, "bench") for rec in json.loads(Path(entries_json).read_bytes())]
     source = RemoteSource(url, "bench")
     owner = secrets.token_hex(8)
+    rank = int(Path(entries_json).stem.rsplit("-", 1)[1])  # entries-<i>.json: one rank a peer
     # Files go only to the owner of their lease (PROTOCOL 6): this peer leases as many
     # samples as its listing names (the bench's samples are all one size), fetches them,
     # and gives them back for the next round.
     t0, c0, total = time.perf_counter(), cpu(), 0
     leased: list[Any] = []
     while len(leased) < len(entries):
-        got = source.lease(owner, 0, 0, len(entries) - len(leased)).entries
-        assert got, "hsx serve leased fewer samples than the bench's listing"
+        got = source.lease(owner, rank, 0, len(entries) - len(leased)).entries
+        assert got, f"hsx serve leased {len(leased)} samples, the listing names {len(entries)}"
         leased += got
     for entry in leased:
         path, _ = source.fetch(owner, 0, entry)

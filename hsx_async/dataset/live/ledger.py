@@ -98,6 +98,7 @@ class ConsumerState:
     ranks: dict[str, int] = field(default_factory=dict)  # owner → rank
     void: set[str] = field(default_factory=set)  # owners whose rank started again
     served: dict[str, float] = field(default_factory=dict)  # owner → heartbeat timeout
+    returned: dict[int, dict[str, None]] = field(default_factory=dict)  # epoch → released
     calls: dict[str, collections.OrderedDict[str, list[str]]] = field(default_factory=dict)
     duplicate_acks: int = 0
 
@@ -131,9 +132,11 @@ class ConsumerState:
         owner, rank, epoch = str(rec["owner"]), int(rec["rank"]), int(rec["epoch"])
         self.ranks.setdefault(owner, rank)
         ids = [str(i) for i in rec["ids"]]
+        returned = self.returned.get(epoch, {})
         for sample in ids:
             self.leases[(epoch, sample)] = Lease(owner, rank)
             self.delivered.setdefault((epoch, sample), set()).add(owner)
+            returned.pop(sample, None)
         if rec.get("via") == "serve":
             self.served[owner] = float(rec.get("timeout", 0.0))
         self._remember(owner, rec.get("call"), ids)
@@ -151,6 +154,7 @@ class ConsumerState:
             else:
                 done.add(sample)
             self.leases.pop((epoch, sample), None)
+            self.returned.get(epoch, {}).pop(sample, None)
         self._remember(str(rec["owner"]), rec.get("call"), ids)
 
     def _release(self, rec: Any) -> None:
@@ -159,6 +163,7 @@ class ConsumerState:
             lease = self.leases.get((epoch, sample))
             if lease is not None and lease.owner == owner:
                 del self.leases[(epoch, sample)]
+                self.returned.setdefault(epoch, {})[sample] = None  # offered again first
 
     # -- questions ------------------------------------------------------------------------
 
@@ -180,8 +185,10 @@ class ConsumerState:
         return counts
 
     def lapsed(self, epoch: int, is_alive: Alive) -> list[str]:
-        """Leased samples of ``epoch`` that are available again (void or dead owner)."""
-        return [
+        """Samples of ``epoch`` leased once and available again: released, or leased to an
+        owner now void or dead (those a cursor passed over)."""
+        back = [s for s in self.returned.get(epoch, {}) if not self.is_acked(epoch, s)]
+        return back + [
             s for (e, s) in self.leases if e == epoch and self.live_lease(e, s, is_alive) is None
         ]
 

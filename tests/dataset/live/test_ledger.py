@@ -206,6 +206,18 @@ def test_a_released_sample_is_available_again(tmp_path: Path, owners: Owners) ->
     assert _lease(ConsumerLog(tmp_path, "train"), OWNER_B, 1, 1) == got[1:]
 
 
+def test_a_released_sample_comes_back_through_the_same_log(tmp_path: Path, owners: Owners) -> None:
+    """One process (hsx serve) leasing for many owners through one log: a sample released
+    behind its cursor is offered again (it was lost until serve restarted)."""
+    log = ConsumerLog(tmp_path, "train")
+    got = _lease(log, OWNER_A, 0, 6)
+    log.release(owner=OWNER_A, epoch=0, ids=got[:3])
+    assert _lease(log, OWNER_B, 1, 6) == got[:3]
+    log.release(owner=OWNER_B, epoch=0, ids=got[:1])
+    log.ack(owner=OWNER_A, epoch=0, ids=got[3:])
+    assert _lease(log, OWNER_B, 1, 6) == got[:1]
+
+
 def test_epochs_are_counted_apart(tmp_path: Path, owners: Owners) -> None:
     log = ConsumerLog(tmp_path, "train")
     got = _lease(log, OWNER_A, 0, 6)
