@@ -45,12 +45,12 @@ CPU tensors: ``async_d2h`` then copies nothing (as SGLang's does on the CPU), an
 ``--smoke`` the glue is told the CPU is its device, so the device path's code (the stack,
 the rounding) runs too. Those figures measure nothing about a GPU.
 
-On a lent device (the H200 image has torch and numpy, not orjson/tomli_w), carry their
+On a lent device (the H200 image has torch and numpy, not orjson/structlog/tomli_w), carry their
 wheels. The device tool sends the checkout its session started in (main, where this
 script lands), so in that checkout: ``echo /.whl/ >> .git/info/exclude`` and
 ``python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
---platform manylinux2014_x86_64 -d .whl orjson tomli_w``; then one call, with
+--platform manylinux2014_x86_64 -d .whl orjson structlog tomli_w``; then one call, with
 ``carry=[".whl"]`` and ``timeout_s=540``: ``python3 -m pip install -q --no-index --no-deps
 --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export
 PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && python3 bench/hook_gpu.py --warmup 8
@@ -166,11 +166,20 @@ class Copies:
 
 def host_grown(torch: Any, device: str) -> tuple[int, float]:
     """Blocks PyTorch's caching host allocator has page-locked to grow its pool so far in
-    this process, and the seconds it spent doing so (0 on the CPU: no pool)."""
+    this process, and the seconds it spent doing so (0 on the CPU: no pool; -1 where this
+    torch keeps no such counts)."""
     if device == "cpu":
         return 0, 0.0
-    stats = torch.cuda.host_memory_stats()
-    return int(stats.get("num_host_alloc", 0)), float(stats.get("host_alloc_time.total", 0)) / 1e6
+    read = getattr(torch.cuda, "host_memory_stats", None)
+    stats = read() if read is not None else {}
+    if "num_host_alloc" not in stats:
+        return -1, -1.0
+    return int(stats["num_host_alloc"]), float(stats.get("host_alloc_time.total", 0)) / 1e6
+
+
+def grew(before: float, after: float) -> Any:
+    """``after - before`` of a :func:`host_grown` count, None where torch keeps none."""
+    return None if before < 0 or after < 0 else after - before
 
 
 def empty_host_cache(torch: Any, device: str) -> None:
@@ -387,10 +396,10 @@ class Run:
                 "encoded_passes": self.state.encoded_passes,
                 # Pinned blocks grown (page-locked on the calling thread) and the seconds
                 # it took: by the warm-up, in the first passes, in the steady passes.
-                "grown_warmup": grown1[0] - grown0[0],
-                "grown_first": grown2[0] - grown1[0],
-                "grown_steady": grown3[0] - grown2[0],
-                "grow_s_first": grown2[1] - grown1[1],
+                "grown_warmup": grew(grown0[0], grown1[0]),
+                "grown_first": grew(grown1[0], grown2[0]),
+                "grown_steady": grew(grown2[0], grown3[0]),
+                "grow_s_first": grew(grown1[1], grown2[1]),
                 **first,
             }
         )
