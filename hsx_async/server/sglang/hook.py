@@ -28,9 +28,9 @@ server's settings, then patches four methods in that process:
   before the first forward, the decoder stack's ``layers_to_capture`` is set to
   ``HSX_AUX_LAYERS`` (layer k = the residual stream entering layer k = Hugging Face
   ``hidden_states[k]``), whatever numbering the model's ``set_eagle3_layers_to_capture``
-  uses; and the writing rank makes ready the page-locked host memory its passes' copies
-  will take (:mod:`hsx_async.server.pinned`, ``HSX_PASS_ROWS``), so that no pass grows
-  PyTorch's pinned cache on the scheduler thread. That first forward is SGLang's own
+  uses; and the page-locked host memory the passes' copies will take is made ready
+  (:mod:`hsx_async.server.pinned`, ``HSX_PASS_ROWS``), so that no pass grows PyTorch's
+  pinned cache on the scheduler thread. That first forward is SGLang's own
   warm-up request, before any client's.
 - ``SchedulerBatchResultProcessor.process_batch_result_prefill``: before SGLang consumes a
   prefill result, attention-TP rank 0 (of each DP group, under DP attention) hands the
@@ -565,8 +565,7 @@ def _wrap_forward(original: Wrapper, state: HookState | None) -> Wrapper:
         if state is not None:
             if state.stack is None:
                 set_capture_layers(state, self.model)
-                if state.writer:
-                    warm_host_memory(state, self.model)
+                warm_host_memory(state, self.model)
             batch = args[0] if args else kwargs.get("forward_batch")
             rids = getattr(batch, "rids", None)
             state.pass_rids = tuple(rids) if isinstance(rids, list | tuple) else None
@@ -644,9 +643,11 @@ def model_pass_shape(config: HookConfig, stack: Any) -> PassShape | None:
 
 def warm_host_memory(state: HookState, model: Any) -> WarmResult | None:
     """Before the first pass: make ready the page-locked blocks the passes' copies will
-    take (:mod:`hsx_async.server.pinned`) and say what it cost in the log. A no-op, said in
-    the log, with ``HSX_PASS_ROWS=0``, where torch has no page-locked memory (a CPU-only
-    build) or where the model shows no hidden size."""
+    take (:mod:`hsx_async.server.pinned`) and say what it cost in the log. Every rank
+    copies its passes (SGLang's aux copy, the hook's final or stacked copy); only a
+    writing rank's passes wait for the writers, so the others hold the passes in flight.
+    A no-op, said in the log, with ``HSX_PASS_ROWS=0``, where torch has no page-locked
+    memory (a CPU-only build) or where the model shows no hidden size."""
     config = state.config
     stack = state.stack if state.stack is not None else find_capture_stack(model)
     shape = model_pass_shape(config, stack)

@@ -685,7 +685,7 @@ def test_the_warm_up_sizes_a_float32_models_plain_copies(
         st.background.close(10.0)
 
 
-@pytest.mark.parametrize("why", ["no-cuda", "rows-0", "no-norm", "non-writer"])
+@pytest.mark.parametrize("why", ["no-cuda", "rows-0", "no-norm"])
 def test_the_warm_up_is_a_no_op_said_in_the_log(
     api: SglangApi,
     shm_root: Path,
@@ -694,8 +694,7 @@ def test_the_warm_up_is_a_no_op_said_in_the_log(
     why: str,
 ) -> None:
     """A CPU-only torch has no page-locked memory: nothing is allocated and the log says
-    why, as it does for HSX_PASS_ROWS=0 and a stack without a final norm; a non-writing
-    rank queues nothing for writers and warms nothing."""
+    why, as it does for HSX_PASS_ROWS=0 and a stack without a final norm."""
     allocator = CachingHostAllocator()
     allocate: Any = allocator.allocate
     if why == "no-cuda":
@@ -705,7 +704,6 @@ def test_the_warm_up_is_a_no_op_said_in_the_log(
     st = warming_state(
         api, shm_root, allocate, pass_rows=0 if why == "rows-0" else 6, queue_bytes=1 << 20
     )
-    st.writer = why != "non-writer"
     caplog.set_level(logging.INFO, logger=sglang_hook.__name__)
     try:
         model = CausalLM() if why == "no-norm" else normed_model()
@@ -719,11 +717,30 @@ def test_the_warm_up_is_a_no_op_said_in_the_log(
         "no-cuda": "(torch has no page-locked memory here (no CUDA))",
         "rows-0": "(HSX_PASS_ROWS=0)",
         "no-norm": "(Stack has no final norm to read the hidden size from)",
-    }.get(why)
-    if expected is None:
-        assert lines == []
-    else:
-        assert lines == [f"hsx hook: no page-locked host memory made ready {expected}"]
+    }[why]
+    assert lines == [f"hsx hook: no page-locked host memory made ready {expected}"]
+
+
+def test_a_non_writing_rank_warms_only_the_passes_in_flight(
+    api: SglangApi, shm_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-writing rank copies its passes too (SGLang's own aux copy at least) but queues
+    none for writers: it makes ready the passes in flight, so its first passes (which its
+    peers wait for) grow nothing either."""
+    monkeypatch.setattr(sglang_hook, "_on_accelerator", lambda t: True)
+    allocator = CachingHostAllocator()
+    hooked = dataclasses.replace(api, async_d2h=pinned_d2h(allocator))
+    rows = 6
+    cfg = dataclasses.replace(config(shm_root), pass_rows=rows)
+    st = HookState(cfg, PrefillDumper(cfg, model="tiny"), False, allocate_pinned=allocator.allocate)
+    install(st, hooked)
+    runner = hooked.runner_cls(normed_model())
+    pass_bytes = rows * (len(LAYERS) + 1) * H * 2
+    for p in range(3):
+        reqs = [hooked.req_cls(f"r{p}", list(range(rows)), params())]
+        run_pass(hooked, runner, reqs, [(0, rows)], torch.randn(rows, H))
+    assert allocator.grown == [size_class(pass_bytes)] * IN_FLIGHT_PASSES
+    assert not (shm_root / NS).exists()  # and it wrote nothing
 
 
 def test_pinned_allocator_takes_page_locked_memory_as_async_d2h_does(
