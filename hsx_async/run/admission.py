@@ -362,7 +362,7 @@ class Admission:
             if server.url in self._contacted and (error := await health):
                 return _unreachable(server, error)
             self._contacted.add(server.url)
-            info = asyncio.ensure_future(self._info(server))
+            info = asyncio.ensure_future(server_info(self.client, server))
             probe = asyncio.ensure_future(self._probe(server, info))
             tasks += [info, probe]
             if error := await health:
@@ -393,29 +393,6 @@ class Admission:
             )
         return _Examined(identity, parse_final_norm(info.result().get("final_norm")), rows)
 
-    async def _info(self, server: Server) -> dict[str, Any]:
-        """What the server says about itself; whatever it does not say stays out."""
-        found: dict[str, Any] = {}
-        engine = server.engine
-        raw = await info_of(self.client, server, engine.model_info_path)
-        if isinstance(raw, Mapping):
-            found["model"] = engine.model_of(raw)
-            for key, ours in (("hidden_size", "hidden_size"), ("hsx_aux_layers", "aux_layers"),
-                              ("hsx_final_norm", "final_norm"), ("weight_version", "revision"),
-                              ("hsx_dump_root", "dump_root")):  # fmt: skip
-                if key in raw:
-                    found[ours] = raw[key]
-        raw = await info_of(self.client, server, engine.version_path)
-        if isinstance(raw, Mapping):
-            found["version"] = str(raw.get("version", ""))
-            for key, ours in (("revision", "revision"), ("hsx_dump_root", "dump_root")):
-                if raw.get(key):
-                    found[ours] = raw[key]
-        found = {k: v for k, v in found.items() if v not in ("", None)}
-        if "revision" in found:
-            found["revision"] = str(found["revision"])
-        return found
-
     def _claims(self, server: Server, info: dict[str, Any]) -> Claim | None:
         """What the server reports about its shape, against the config (conclusive: it
         is the server's own word)."""
@@ -434,7 +411,7 @@ class Admission:
     async def _probe_once(
         self, server: Server, info: Awaitable[dict[str, Any]], again: bool = True
     ) -> tuple[DumpMeta, Fingerprint]:
-        """``info``: what :meth:`_info` found, read only when the probe fails (it runs
+        """``info``: what :func:`server_info` found, read only when the probe fails (it runs
         side by side with the probe)."""
         assert self._ns_dir is not None, "run() first"
         cfg = self.config
@@ -567,6 +544,30 @@ def settle_eviction(server: Server, admitted: bool) -> None:
     samples'; refused, it was broken, and they are forgiven."""
     if server.evictions and server.evictions[-1].verdict is None:
         server.evictions[-1].verdict = admitted
+
+
+async def server_info(client: SGLangClient, server: Server) -> dict[str, Any]:
+    """What the server says about itself; whatever it does not say stays out."""
+    found: dict[str, Any] = {}
+    engine = server.engine
+    raw = await info_of(client, server, engine.model_info_path)
+    if isinstance(raw, Mapping):
+        found["model"] = engine.model_of(raw)
+        for key, ours in (("hidden_size", "hidden_size"), ("hsx_aux_layers", "aux_layers"),
+                          ("hsx_final_norm", "final_norm"), ("weight_version", "revision"),
+                          ("hsx_dump_root", "dump_root")):  # fmt: skip
+            if key in raw:
+                found[ours] = raw[key]
+    raw = await info_of(client, server, engine.version_path)
+    if isinstance(raw, Mapping):
+        found["version"] = str(raw.get("version", ""))
+        for key, ours in (("revision", "revision"), ("hsx_dump_root", "dump_root")):
+            if raw.get(key):
+                found[ours] = raw[key]
+    found = {k: v for k, v in found.items() if v not in ("", None)}
+    if "revision" in found:
+        found["revision"] = str(found["revision"])
+    return found
 
 
 async def info_of(client: SGLangClient, server: Server, path: str) -> object:
