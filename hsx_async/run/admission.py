@@ -131,8 +131,8 @@ class Admission:
         self.stop_requested = stop_requested
         self.ever_admitted = False
         self._probes = 0
-        # Probe requests at a server, and the removal of a probe's dump.
-        self._in_flight: set[asyncio.Future[None]] = set()
+        # Probe requests at a server, the removal of a probe's dump, arbitrations.
+        self._in_flight: set[asyncio.Future[Any]] = set()
         self._ns_dir: Path | None = None
         self._contacted: set[str] = set()  # the servers examined before (their URLs)
         # Each server heard from: its latest answer's claim against the config (None: none).
@@ -167,11 +167,11 @@ class Admission:
             # what a killed run left, when this one asked no server anything).
             await self._settle_probes()
 
-    def _track(self, request: asyncio.Future[None]) -> None:
+    def _track(self, request: asyncio.Future[Any]) -> None:
         self._in_flight.add(request)
         request.add_done_callback(self._forget)
 
-    def _forget(self, request: asyncio.Future[None]) -> None:
+    def _forget(self, request: asyncio.Future[Any]) -> None:
         self._in_flight.discard(request)
         if not request.cancelled():
             request.exception()  # retrieved: a probe abandoned at the run's end may fail
@@ -274,10 +274,10 @@ class Admission:
         if server.worked > sent:
             return True
         held = self._arbitrations.get(server.url)
-        if held is None or held[0] < sent or (held[1].done() and server.requests > held[0]):
+        if held is None or held[0] < sent:  # none yet, or sent before this request was
             verdict = asyncio.ensure_future(self._arbitration(server))
-            held = (server.requests, verdict)
-            self._arbitrations[server.url] = held
+            self._track(verdict)
+            held = self._arbitrations[server.url] = (server.requests, verdict)
         return await asyncio.shield(held[1])
 
     async def _arbitration(self, server: Server) -> bool:
@@ -290,8 +290,11 @@ class Admission:
         else:
             reason, kind = self._refusal(result)
         log.warning("server_refusals_not_the_samples", server=server.display, reason=reason)
-        server.last_error = reason
-        await self.pool.evict(server, reason, kind)
+        if server.healthy:
+            server.last_error = reason
+            await self.pool.evict(server, reason, kind)
+        else:  # out already (another fault): it stays out, for this reason
+            await self.pool.refuse(server, reason, kind)
         settle_eviction(server, False)
         return False
 
