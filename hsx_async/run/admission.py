@@ -19,9 +19,20 @@ What a contact can show, and what it means:
   (:mod:`hsx_async.run.retry`).
 - the server and the *config* disagree (layers, hidden size, dump root, engine): a
   **job** cause when nothing stands with the config — no server of this run was admitted
-  and the dataset holds no sample made with it. The run stops before any sample is sent
-  (:class:`~hsx_async.errors.ConfigError`, exit 2, naming the key and what the server
-  reported). With something on the config's side, it is that server's fault instead.
+  and the dataset holds no sample made with it — and every server has been heard from
+  and all say the same (:mod:`hsx_async.run.claims`, the rule ``hsx check`` applies
+  too). The run stops before any sample is sent (:class:`~hsx_async.errors.ConfigError`,
+  exit 2, naming the key and which server said what). Otherwise it is the fault of the
+  servers that disagree: refused, naming what each said.
+- the server says it is the job's but its probe's rows are not the pinned ones (other
+  weights under the same model path: :mod:`hsx_async.run.fingerprint`): refused, naming
+  both servers.
+
+The probe runs the checks the copy runs on its own dump (the FP8 scales and outliers):
+a server whose every dump the copy refuses does not pass it. And it arbitrates refusals:
+a 4xx is the sample's only once its server is shown to work for a request sent at or
+after it (:meth:`Admission.arbitrate`); a server that refuses its probe too leaves
+rotation, and its refusals cost no sample.
 - the servers serve another model than the dataset was made with: a job cause too
   (:class:`~hsx_async.errors.DatasetError`), unless ``--allow-provenance-change``.
 
