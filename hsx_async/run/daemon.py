@@ -227,6 +227,7 @@ class Daemon:
                 stop_requested=self.stop_requested,
                 allow_provenance_change=self.allow_provenance_change,
             )
+            pipeline.workers.arbiter = self.admission.arbitrate
             await self.recorder.start()
             try:
                 await self._serve(pipeline, client, feeder)

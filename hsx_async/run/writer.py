@@ -54,7 +54,7 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +67,7 @@ from hsx_async.dataset.durable import fsync_dir, write_error
 from hsx_async.dataset.layout import ALIGN, FileLayout
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DumpError, WriteError
-from hsx_async.protocol import SectionCheck, check_unit, num_layers, section_check
+from hsx_async.protocol import Section, SectionCheck, check_unit, num_layers, section_check
 from hsx_async.run.dump import Dump, DumpLinkError, open_dump_dir, open_dump_file
 from hsx_async.run.failpoints import failpoint
 from hsx_async.run.source import Sample
@@ -525,18 +525,59 @@ def _pieces(job: WriteJob) -> list[_Piece]:
     """What the file's hidden sections are made of when the dump holds the dataset's own
     storage: each section in turn, each part's range of it in row order (a part holds its
     rows' sections back to back, the file each section over all rows)."""
-    meta = job.dump.meta
+    return [piece for _, piece in _sections(job.dump)]
+
+
+def _sections(dump: Dump) -> list[tuple[Section, _Piece]]:
+    """Each section of ``dump`` (in its own storage), each part's range of it in row order."""
+    meta = dump.meta
     rows = [e - s for s, e in meta.parts]
-    sections = job.layout.storage.sections(num_layers(meta.aux_layers), meta.hidden_size)
+    sections = meta.storage.sections(num_layers(meta.aux_layers), meta.hidden_size)
     per_row = sum(section.row_bytes for section in sections)
-    pieces: list[_Piece] = []
+    pieces: list[tuple[Section, _Piece]] = []
     before = 0  # bytes per row of the sections before this one
     for section in sections:
         check, unit = section_check(section, meta.hidden_size), check_unit(section)
-        for path, n in zip(job.dump.part_paths(), rows, strict=True):
-            pieces.append(_Piece(path, n * per_row, n * before, n * section.row_bytes, check, unit))
+        for path, n in zip(dump.part_paths(), rows, strict=True):
+            piece = _Piece(path, n * per_row, n * before, n * section.row_bytes, check, unit)
+            pieces.append((section, piece))
         before += section.row_bytes
     return pieces
+
+
+def check_sections(dump: Dump) -> None:
+    """The checks the copy runs on a dump's bytes (:func:`_copy_checked`: the FP8 scales
+    and outliers), run on ``dump`` without copying it: what an admission's probe runs on
+    its own dump, so that a server whose every dump the copy refuses is not admitted
+    (issue 38). :class:`DumpError` with the copy's words."""
+    scratch = memoryview(bytearray(SUB))
+    for _, piece in _sections(dump):
+        if piece.check is None:
+            continue
+        part_fd = _open_part(piece.path, piece.part_bytes)
+        try:
+            _copy_checked(part_fd, piece, scratch, lambda _block: None)
+        finally:
+            os.close(part_fd)
+
+
+def read_sections(dump: Dump, names: Collection[str]) -> dict[str, tuple[Section, bytes]]:
+    """The bytes of the sections of ``dump`` named in ``names``, each over all its rows
+    (for a small dump: a probe's)."""
+    found: dict[str, tuple[Section, bytearray]] = {}
+    for section, piece in _sections(dump):
+        if section.name not in names:
+            continue
+        block = bytearray(piece.length)
+        part_fd = _open_part(piece.path, piece.part_bytes)
+        try:
+            with memoryview(block) as view:
+                _read_exact(part_fd, piece.path.name, view, piece.offset)
+        finally:
+            os.close(part_fd)
+        _, held = found.setdefault(section.name, (section, bytearray()))
+        held += block
+    return {name: (section, bytes(data)) for name, (section, data) in found.items()}
 
 
 def _copy_checked(
