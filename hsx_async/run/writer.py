@@ -93,6 +93,7 @@ if TYPE_CHECKING:
 
 CHUNK = 8 << 20  # bytes per O_DIRECT write: large enough to keep the device streaming
 SUB = 256 << 10  # bytes read then hashed at once: still in the L2 cache when hashed
+WATCHED = 1 << 20  # bytes a watch sees at once (see _read_hashed)
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 Hasher = xxhash.xxh3_64
 Flusher = futures.Executor
@@ -416,9 +417,20 @@ def _write_all(fd: int, data: memoryview | bytes | mmap.mmap) -> None:
                 done += os.write(fd, rest)
 
 
-def _read_hashed(part_fd: int, name: str, view: memoryview, offset: int, hasher: Hasher) -> None:
-    """Fill ``view`` from the part at ``offset``, hashing each piece right after reading it."""
-    done, total = 0, view.nbytes
+def _read_hashed(
+    part_fd: int,
+    name: str,
+    view: memoryview,
+    offset: int,
+    hasher: Hasher,
+    *,
+    watch: tuple[Watch, int] | None = None,
+) -> None:
+    """Fill ``view`` from the part at ``offset``, hashing each piece right after reading it
+    and, with ``watch`` (the check, and the offset of ``view`` in its range), showing it
+    what was read, ``WATCHED`` bytes at a time (a call costs a few µs of numpy whatever its
+    size; bench/fp8_copy_check.py measured 256 KiB, 1 MiB and 8 MiB alike)."""
+    done, total, seen = 0, view.nbytes, 0
     while done < total:
         with view[done : done + SUB] as piece:
             got = os.preadv(part_fd, [piece], offset + done)
@@ -427,6 +439,10 @@ def _read_hashed(part_fd: int, name: str, view: memoryview, offset: int, hasher:
             with piece[:got] as filled:
                 hasher.update(filled)
         done += got
+        if watch is not None and (done - seen >= WATCHED or done == total):
+            with view[seen:done] as stretch:
+                watch[0](stretch, watch[1] + seen)
+            seen = done
 
 
 class _AlignedFile:
@@ -467,16 +483,14 @@ class _AlignedFile:
     def copy_part(
         self, part_fd: int, name: str, start: int, length: int, watch: Watch | None = None
     ) -> None:
-        """A range of a dump part, read into the buffer in pieces, each hashed while in
-        the cache; ``watch`` sees each filled stretch of the buffer (and its offset in the
-        range) before it is written."""
+        """A range of a dump part, read into the buffer in pieces, each hashed (and shown
+        to ``watch``) while in the cache, before it is written."""
         pos, end = start, start + length
         while pos < end:
             n = min(end - pos, CHUNK - self.fill)
+            seen = None if watch is None else (watch, pos - start)
             with self.whole[self.fill : self.fill + n] as view:
-                _read_hashed(part_fd, name, view, pos, self.hasher)
-                if watch is not None:
-                    watch(view, pos - start)
+                _read_hashed(part_fd, name, view, pos, self.hasher, watch=seen)
             self.fill, pos = self.fill + n, pos + n
             if self.fill == CHUNK:
                 self._write_buffer()
@@ -599,7 +613,9 @@ class _OutlierWatch:
     ±448 with its value's sign (:func:`~hsx_async.protocol.saturated_codes`), as ``hsx
     verify --deep`` requires. A dump whose outlier values are not listed in their channels'
     order (say, by magnitude) passes every per-section check and fails this one. Costs a
-    gather of 16 bytes a vector from the copy's buffer (bench/fp8_copy_check.py)."""
+    gather of 16 bytes a vector from the copy's buffer (bench/fp8_copy_check.py); the
+    entries' offsets (8 bytes each) are made at the part's first bytes, dropped after its
+    last."""
 
     def __init__(
         self, name: str, hidden: int, index: _Piece, values: _Piece, scales: _Piece
@@ -607,36 +623,44 @@ class _OutlierWatch:
         """The part's outlier sections and scales, each read and checked before."""
         assert index.data is not None and values.data is not None and scales.data is not None
         vectors = scales.length // SCALE_BYTES
-        self.name, self.hidden = name, hidden
+        self.name, self.hidden, self.length = name, hidden, vectors * hidden
         self.index = np.frombuffer(index.data, dtype="<u2").reshape(vectors, -1)
         self.values = np.frombuffer(values.data, dtype="<u2").reshape(vectors, -1)
-        self.checked, self.codes = saturated_codes(
-            self.index, self.values, np.frombuffer(scales.data, dtype="<u4"), hidden
-        )
+        self.scales = np.frombuffer(scales.data, dtype="<u4")
+        self._entries: tuple[np.ndarray, np.ndarray] | None = None
 
     def __call__(self, view: memoryview, at: int) -> None:
-        """``view``: the bytes ``at …`` of the part's FP8 values (vectors of H bytes)."""
-        h = self.hidden
-        first, last = at // h, min(-(-(at + view.nbytes) // h), len(self.index))
-        base = np.arange(first, last, dtype=np.int64) * h - at
-        pos = self.index[first:last] + base[:, None]  # int64: the entries' offsets in view
-        take = self.checked[first:last] & (pos >= 0) & (pos < view.nbytes)
-        got = np.frombuffer(view, dtype=np.uint8)[pos[take]]
-        wrong = got != self.codes[first:last][take]
-        if wrong.any():
-            self._refuse(first, take, got, wrong)
+        """``view``: the bytes ``at …`` of the part's FP8 values (vectors of H bytes), in
+        order over the part."""
+        if self._entries is None:
+            self._entries = self._checked()
+        offsets, codes = self._entries
+        # scalar searches, take and a bytes compare: a few µs a call (numpy's general
+        # forms cost 5x as much, more than the gather itself)
+        lo, hi = int(offsets.searchsorted(at)), int(offsets.searchsorted(at + view.nbytes))
+        got = np.frombuffer(view, dtype=np.uint8).take(offsets[lo:hi] - at)
+        if got.tobytes() != codes[lo:hi].tobytes():
+            self._refuse(offsets[lo:hi][got != codes[lo:hi]])
+        if at + view.nbytes >= self.length:
+            self._entries = None
 
-    def _refuse(self, first: int, take: np.ndarray, got: np.ndarray, wrong: np.ndarray) -> None:
-        vector, entry = (int(i) for i in np.argwhere(take)[int(np.argmax(wrong))])
-        vector += first
-        channel = int(self.index[vector, entry])
+    def _checked(self) -> tuple[np.ndarray, np.ndarray]:
+        """The offsets in the part's FP8 values of the outlier entries the rule fixes,
+        ascending (vectors in order, each one's channels ascending), and their codes."""
+        checked, codes = saturated_codes(self.index, self.values, self.scales, self.hidden)
+        rows = np.arange(len(self.index), dtype=np.int64)[:, None] * self.hidden
+        return (rows + self.index)[checked], codes[checked]
+
+    def _refuse(self, wrong: np.ndarray) -> None:
+        vector, channel = divmod(int(wrong[0]), self.hidden)
+        entry = int(np.argmax(self.index[vector] == channel))
         bits = np.array([self.values[vector, entry]], dtype="<u4") << 16
         value = float(bits.view("<f4")[0])  # bfloat16: float32's upper half
         raise DumpError(
-            f"{self.name}: {int(wrong.sum())} FP8 outliers' own values are not ±448 with their "
-            f"sign (first: vector {vector}, channel {channel}: code {int(got[wrong][0]):#04x} "
-            f"beside the value {value:g}); the quantization rule saturates each outlier there, "
-            "so these values are not their channels' (listed in another order?)"
+            f"{self.name}: FP8 outliers' own values are not ±448 with their sign ({len(wrong)} "
+            f"in a stretch; first: vector {vector}, channel {channel}, beside the value "
+            f"{value:g}); the quantization rule saturates each outlier there, so these values "
+            "are not their channels' (listed in another order?)"
         )
 
 
@@ -763,10 +787,9 @@ def _copy_direct(out: _AlignedFile, piece: _Piece) -> None:
 def _hash_piece(part_fd: int, piece: _Piece, hasher: Hasher, scratch: memoryview) -> None:
     end = piece.offset + piece.length
     for offset in range(piece.offset, end, SUB):
+        seen = None if piece.watch is None else (piece.watch, offset - piece.offset)
         with scratch[: min(SUB, end - offset)] as view:
-            _read_hashed(part_fd, piece.path.name, view, offset, hasher)
-            if piece.watch is not None:
-                piece.watch(view, offset - piece.offset)
+            _read_hashed(part_fd, piece.path.name, view, offset, hasher, watch=seen)
 
 
 def _send_piece(fd: int, piece: _Piece, hasher: Hasher, scratch: memoryview) -> None:
