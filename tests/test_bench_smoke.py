@@ -492,3 +492,23 @@ def test_buffer_placement_compares_the_two_buffers_round_by_round(tmp_path: Path
     assert data["median_ratio"] == statistics.median(data["ratios"])
     assert list(disk.iterdir()) == [], "its file left on the disk"
     assert "aligned / kernel's, median" in done.stdout
+
+
+def test_fp8_copy_check_compares_the_copy_with_and_without_its_check(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    disk, results = tmp_path / "disk", tmp_path / "results"
+    argv = [sys.executable, str(BENCH / "fp8_copy_check.py"), "--smoke", "--out-dir",
+            str(disk), "--shm-dir", str(shm_root), "--results-dir", str(results)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data: dict[str, Any] = orjson.loads((results / "fp8_copy_check.json").read_bytes())
+    assert set(data["methods"]) == {"direct", "sendfile"}
+    for method in data["methods"].values():
+        assert len(method["cpu_ratios"]) == 2
+        pairs = zip(method["cpu_s_per_gb"]["checked"], method["cpu_s_per_gb"]["unchecked"],
+                    strict=True)  # fmt: skip
+        assert method["cpu_ratios"] == [c / u for c, u in pairs]
+        assert all(positive(v) for side in method["gb_per_s"].values() for v in side)
+    assert list(disk.iterdir()) == [] and list(shm_root.iterdir()) == []
+    assert "checked / unchecked" in done.stdout

@@ -46,7 +46,7 @@ from hsx_async.dataset.manifest import (
     retired_paths,
 )
 from hsx_async.dataset.provenance import read_provenance
-from hsx_async.dataset.quarantine import reason_kind
+from hsx_async.dataset.quarantine import reason_of
 from hsx_async.errors import DatasetError
 from hsx_async.logs import configure_logging
 
@@ -367,7 +367,8 @@ def build_report(out_dir: Path) -> dict[str, Any]:
     runs = _read_runs(out_dir)
     t0 = float(runs[0][0]["time"]) if runs else 0.0
     lines = input_lines(out_dir, (read_provenance(out_dir) or {}).get("input_lines"))
-    reasons = Counter(reason_kind(q.reason) for q in quarantine)
+    reasons = [reason_of(q) for q in quarantine]
+    kinds = Counter((r.cause, r.kind, r.retriable) for r in reasons)
     return {
         "dataset": str(out_dir),
         "generated": _iso(time.time()),
@@ -382,7 +383,12 @@ def build_report(out_dir: Path) -> dict[str, Any]:
         },
         "runs": [_run_summary(r) for r in runs],
         "rate": _rate_series(runs, t0),
-        "quarantine_reasons": dict(reasons.most_common()),
+        "quarantine_reasons": dict(Counter(r.kind for r in reasons).most_common()),
+        # by cause, kind and whether a rerun may pass (cause null: a line written before it)
+        "quarantine_kinds": [
+            {"cause": c, "kind": k, "retriable": r, "count": n}
+            for (c, k, r), n in kinds.most_common()
+        ],
         "servers": _summed(runs, "servers"),
         "retries": _summed(runs, "retries"),
         "servers_out": servers_out(out_dir),

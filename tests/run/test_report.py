@@ -17,8 +17,9 @@ from hsx_async.dataset.live.registry import ACKED, Registry, record_registry
 from hsx_async.dataset.live.retire import Retirer
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
 from hsx_async.dataset.provenance import PROVENANCE
-from hsx_async.dataset.quarantine import reason_kind
+from hsx_async.dataset.quarantine import INPUT_KINDS, reason_kind
 from hsx_async.run.daemon import Daemon
+from hsx_async.run.faults import KINDS
 from hsx_async.run.report import PLOT_HINT, REPORT_JSON, REPORT_PNG, build_report, write_report
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
 from tests.dataset_factory import write_dataset
@@ -77,6 +78,13 @@ async def test_report_numbers_come_from_the_durable_files(tmp_path: Path, shm_ro
         "input_lines": len((tmp_path / "in.jsonl").read_bytes().splitlines()),
     }
     assert sum(report["quarantine_reasons"].values()) == len(quarantine)
+    # issue 38: by the lines' fields (every line of this run has them)
+    by_kind = report["quarantine_kinds"]
+    assert sum(k["count"] for k in by_kind) == len(quarantine) > 0
+    assert {k["kind"] for k in by_kind} <= set(KINDS) | set(INPUT_KINDS)
+    assert all(k["cause"] in ("sample", "server") for k in by_kind)
+    for k in by_kind:
+        assert k["retriable"] == (k["kind"] not in INPUT_KINDS)
     assert failed > 0 and sum(report["retries"].values()) == failed
     # Every request the first run sent, by server, as it counted them (the second sent
     # none). Not "both served": a probe that draws a fault (its rid holds the run's random
