@@ -74,6 +74,7 @@ async def test_report_numbers_come_from_the_durable_files(tmp_path: Path, shm_ro
         "samples": len(manifest),
         "tokens": sum(e.num_tokens for e in manifest),
         "bytes": sum(e.size for e in manifest),
+        "retired": 0,
         "quarantined": len(quarantine),
         "input_lines": len((tmp_path / "in.jsonl").read_bytes().splitlines()),
     }
