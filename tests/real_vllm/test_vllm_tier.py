@@ -296,7 +296,8 @@ def test_connector_refuses_prefix_caching_and_bad_layer_ids() -> None:
     cmd = [str(vllm_python()), "-c", _REFUSAL]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.strip().splitlines()
+    # (vLLM may log to stdout on import: 0.27 does)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("refused:", "accepted", "ok"))]
     assert lines[0].startswith("refused:") and "--no-enable-prefix-caching" in lines[0]
     assert lines[1].startswith("refused:") and "followed by 6" in lines[1]
     assert lines[2].startswith("refused:") and "strictly ascending" in lines[2]
@@ -353,7 +354,7 @@ def test_vllm_names_the_connector_relies_on_still_exist() -> None:
     cmd = [str(vllm_python()), "-c", _DRIFT]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "ok", out.stdout
+    assert out.stdout.strip().splitlines()[-1:] == ["ok"], out.stdout
 
 
 # -- issue 24, case 1: vLLM restarted without --kv-transfer-config -------------------------

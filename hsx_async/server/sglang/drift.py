@@ -156,5 +156,8 @@ def release_problems(root: SourceRoot) -> list[str]:
     if LAUNCH_SCRIPT.is_file():
         flags = launch_flags(LAUNCH_SCRIPT.read_text(encoding="utf-8"))
         unknown = sorted(set(flags) - server_arguments(root))
-        problems += [f"--{f.replace('_', '-')}: deploy/sglang/launch.sh passes it" for f in unknown]
+        problems += [
+            f"--{f.replace('_', '-')}: no such server argument; deploy/sglang/launch.sh passes it"
+            for f in unknown
+        ]
     return problems

@@ -38,6 +38,9 @@ VLLM_TARGETS: tuple[Target, ...] = (
            ("self", "req_id", "future")),
     *_methods(_EX, _CONN, "register_kv_caches _get_copy_stream wait_for_save",
               "relies on it to read finished requests' rows back"),
+    Target(_EX, _CONN, "get_finished", "method",
+           "overrides it to report only the requests whose rows it reads back",
+           ("self", "finished_req_ids")),
     Target(_EX, _CONN, "get_finished", "calls",
            "relies on it to hand each finished request to _submit_async_write and to poll "
            "the copies' events", ("_submit_async_write", "query")),

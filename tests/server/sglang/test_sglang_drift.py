@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,17 @@ def test_readme_shows_the_launch_command() -> None:
     script = (DEPLOY / "launch.sh").read_text(encoding="utf-8")
     optional = {"chunked_prefill_size"}
     assert set(launch_flags(block)) == set(launch_flags(script)) - optional
+
+
+def test_a_launch_flag_the_release_lacks_is_named(tmp_path: Path) -> None:
+    """0.5.14-0.5.22 have no --enable-return-aux-hidden-states: .ci/engine-drift names it."""
+    fields = Path("srt") / "arg_groups" / "fields"
+    shutil.copytree(sglang_root() / fields, tmp_path / "sglang" / fields)
+    exec_ = tmp_path / "sglang" / fields / "exec_.py"
+    text = exec_.read_text(encoding="utf-8")
+    exec_.write_text(text.replace("enable_return_aux_hidden_states:", "moved:"), encoding="utf-8")
+    flags = [p for p in release_problems(tmp_path / "sglang") if p.startswith("--")]
+    assert flags == [
+        "--enable-return-aux-hidden-states: no such server argument; deploy/sglang/launch.sh "
+        "passes it"
+    ]
