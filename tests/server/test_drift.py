@@ -104,9 +104,11 @@ def test_engine_drift_passes_the_range_and_fails_a_passing_release_below(tmp_pat
         sglang_wheel(tmp_path, version, SGLANG_SOURCE, drop_flag=True)
     done = run_engine_drift(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert (
-        f"engine-drift: {supported.describe()}: checked sglang 0.5.23, sglang 0.5.14" in done.stdout
-    )
+    assert done.stdout.splitlines()[:3] == [
+        f"engine-drift: {supported.describe()}: {1 + len(below)} releases checked",
+        "  sglang 0.5.23: passes",
+        "  sglang 0.5.14 (below the range): fails (1 problems)",
+    ]
     # A release below the range that passes: the table is too narrow.
     (tmp_path / f"sglang-{below[-1]}-py3-none-any.whl").unlink()
     sglang_wheel(tmp_path, below[-1], SGLANG_SOURCE, drop_flag=False)
