@@ -1,5 +1,6 @@
-"""The hsx hook inside SGLang 0.5.23: thin glue between SGLang's scheduler and the engine
-interface every hook implements (``hsx_async/server/README.md``).
+"""The hsx hook inside SGLang (the releases of :data:`SGLANG_RANGE`): thin glue between
+SGLang's scheduler and the engine interface every hook implements
+(``hsx_async/server/README.md``).
 
 How it gets loaded: SGLang runs its schedulers (one per tensor-parallel rank) in spawned
 processes, so a patch applied in the launcher would be lost. ``--forward-hooks`` names
@@ -71,6 +72,7 @@ from hsx_async.protocol import (
 )
 from hsx_async.quantize import encode_rows
 from hsx_async.server.dumper import PrefillDumper
+from hsx_async.server.engine_versions import ENGINE_RANGES, check_engine_version
 from hsx_async.server.hook_core import (
     DEFAULT_MAX_OPEN,
     ENV_AUX_LAYERS,
@@ -86,7 +88,8 @@ from hsx_async.server.sglang.settings import ServerSettings, check_server_settin
 
 logger = logging.getLogger(__name__)
 
-SGLANG_VERSION = "0.5.23"
+# The SGLang releases the hook accepts (the one table: hsx_async.server.engine_versions).
+SGLANG_RANGE = ENGINE_RANGES["sglang"]
 # Names the one other SGLang version the operator accepts (the hook refuses others).
 ENV_ALLOW_SGLANG_VERSION = "HSX_ALLOW_SGLANG_VERSION"
 HOOK = HOOKS["sglang"]
@@ -119,28 +122,22 @@ def installed_sglang_version() -> str | None:
 
 
 def check_sglang_version(installed: str | None, env: Mapping[str, str]) -> str:
-    """``installed``, refused unless it is :data:`SGLANG_VERSION` or the operator named
+    """``installed``, refused unless :data:`SGLANG_RANGE` has it or the operator named
     exactly it in ``HSX_ALLOW_SGLANG_VERSION``. Another release can keep every name the glue
     reads and change what a row means (layer numbering, batch order, padding); its dumps
     would pass every client check and train a drafter on the wrong rows."""
-    version = installed or "unknown"
-    if version == SGLANG_VERSION:
-        return version
-    if env.get(ENV_ALLOW_SGLANG_VERSION) == version:
+    allow = env.get(ENV_ALLOW_SGLANG_VERSION)
+    version = check_engine_version(
+        "sglang", installed, allow=allow, allow_env=ENV_ALLOW_SGLANG_VERSION
+    )
+    if not SGLANG_RANGE.accepts(version):
         logger.warning(
-            "hsx hook is checked against sglang %s, running %s (allowed by %s)",
-            SGLANG_VERSION,
+            "hsx hook supports %s, running sglang %s (allowed by %s)",
+            SGLANG_RANGE.describe(),
             version,
             ENV_ALLOW_SGLANG_VERSION,
         )
-        return version
-    raise ConfigError(
-        "",
-        f"the hsx hook is checked against sglang {SGLANG_VERSION}, but sglang {version} is "
-        f"installed: install sglang=={SGLANG_VERSION}, or set {ENV_ALLOW_SGLANG_VERSION}="
-        f"{version} to run it anyway (after checking its dumps, e.g. with the real-SGLang "
-        "test tier)",
-    )
+    return version
 
 
 # --------------------------------------------------------------------------------------
@@ -346,7 +343,7 @@ def install(state: HookState, api: SglangApi) -> None:
         if state.background is not None:
             state.background.close(0.0)
         raise ConfigError(
-            "", f"{', '.join(missing)} missing: the hsx hook needs sglang {SGLANG_VERSION}"
+            "", f"{', '.join(missing)} missing: the hsx hook supports {SGLANG_RANGE.describe()}"
         )
     patched = False
     for cls, name, make in plan:

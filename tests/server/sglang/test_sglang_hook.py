@@ -818,7 +818,8 @@ def server_env(
     monkeypatch.setattr(sglang_hook, "_read_server_info", lambda: info["info"])
     monkeypatch.setattr(sglang_hook, "_load_sglang_api", lambda: api)
     # The dev environment has no sglang; the factory refuses any other version.
-    monkeypatch.setattr(sglang_hook, "installed_sglang_version", lambda: sglang_hook.SGLANG_VERSION)
+    newest = sglang_hook.SGLANG_RANGE.versions[-1]
+    monkeypatch.setattr(sglang_hook, "installed_sglang_version", lambda: newest)
     yield info
     state = sglang_hook._Installed.state
     if state is not None and state.background is not None:
@@ -954,8 +955,12 @@ def test_factory_refuses_other_sglang(
     with pytest.raises(ConfigError) as refused:
         sglang_hook.hsx_hook_factory({})
     message = str(refused.value)
-    assert "checked against sglang 0.5.23, but sglang 0.6.0 is installed" in message
-    assert "HSX_ALLOW_SGLANG_VERSION=0.6.0" in message
+    # One line naming the range (the one table: hsx_async.server.engine_versions).
+    assert message == (
+        "the hsx hook supports sglang 0.5.23, but sglang 0.6.0 is installed: install "
+        "sglang==0.5.23, or set HSX_ALLOW_SGLANG_VERSION=0.6.0 to run it anyway (after "
+        "checking its dumps)"
+    )
     assert sglang_hook._Installed.state is None
     assert api.req_cls("r1", [1], params()).return_hidden_states_mode == NULL
     # An override naming another version does not cover this one.
@@ -976,7 +981,7 @@ def test_factory_runs_other_sglang_when_allowed(
     monkeypatch.setenv("HSX_ALLOW_SGLANG_VERSION", "0.6.0")
     with caplog.at_level(logging.WARNING, logger=sglang_hook.__name__):
         sglang_hook.hsx_hook_factory({})
-    assert "checked against sglang 0.5.23, running 0.6.0 (allowed by" in caplog.text
+    assert "supports sglang 0.5.23, running sglang 0.6.0 (allowed by" in caplog.text
     state = sglang_hook._Installed.state
     assert state is not None and state.config.server == "sglang 0.6.0"
 
@@ -995,8 +1000,20 @@ def test_the_hook_sglang_loads_does_not_import_the_drift_checker() -> None:
 
 def test_checked_version_needs_no_override(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger=sglang_hook.__name__):
-        assert sglang_hook.check_sglang_version("0.5.23", {}) == "0.5.23"
+        for version in sglang_hook.SGLANG_RANGE.versions:
+            assert sglang_hook.check_sglang_version(version, {}) == version
     assert not caplog.records
+
+
+@pytest.mark.parametrize("version", ["0.5.14", "0.5.22", "0.5.24", "0.5.23rc1", ""])
+def test_a_release_outside_the_range_is_refused(version: str) -> None:
+    """SpecForge's 0.5.14 and every release up to 0.5.22 fail the drift check (no
+    capture-only aux mode, no post-norm final state): refused in one line."""
+    with pytest.raises(ConfigError) as refused:
+        sglang_hook.check_sglang_version(version or None, {})
+    message = str(refused.value)
+    assert "\n" not in message and "supports sglang 0.5.23" in message
+    assert f"sglang {version or 'unknown'} is installed" in message
 
 
 # --------------------------------------------------------------------------------------
