@@ -64,8 +64,8 @@ from common import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hsx_async.config import config_from_dict, spool_bytes_bound
-from hsx_async.dataset.consumers import ConsumerLog
-from hsx_async.dataset.live import LiveDataset
+from hsx_async.dataset.live.dataset import LiveDataset
+from hsx_async.dataset.live.ledger import ConsumerLog
 from hsx_async.run.spool_estimate import spool_need
 from tests.run.test_spool import data_bytes
 

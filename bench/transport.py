@@ -48,7 +48,7 @@ from common import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.dataset.test_live import mark_input
+from tests.dataset.live.test_dataset import mark_input
 from tests.dataset_factory import write_dataset
 from tests.e2e import free_port
 

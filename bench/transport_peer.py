@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import resource
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -51,17 +52,28 @@ def local(files: list[str]) -> None:
 
 
 def http(url: str, entries_json: str) -> None:
-    from hsx_async.dataset.live_remote import RemoteSource
+    from hsx_async.dataset.live.remote import RemoteSource
     from hsx_async.dataset.manifest import manifest_entry
 
     entries = [manifest_entry(rec, "bench") for rec in json.loads(Path(entries_json).read_bytes())]
     source = RemoteSource(url, "bench")
+    owner = secrets.token_hex(8)
+    rank = int(Path(entries_json).stem.rsplit("-", 1)[1])  # entries-<i>.json: one rank a peer
+    # Files go only to the owner of their lease (PROTOCOL 6): this peer leases as many
+    # samples as its listing names (the bench's samples are all one size), fetches them,
+    # and gives them back for the next round.
     t0, c0, total = time.perf_counter(), cpu(), 0
-    for entry in entries:
-        path, _ = source.fetch(entry)
+    leased: list[Any] = []
+    while len(leased) < len(entries):
+        got = source.lease(owner, rank, 0, len(entries) - len(leased)).entries
+        assert got, f"hsx serve leased {len(leased)} samples, the listing names {len(entries)}"
+        leased += got
+    for entry in leased:
+        path, _ = source.fetch(owner, 0, entry)
         total += path.stat().st_size
         path.unlink()
     report(total, time.perf_counter() - t0, cpu() - c0)
+    source.release(owner, 0, [str(e.id) for e in leased])
     source.close()
 
 

@@ -24,6 +24,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from hsx_async.engines import EngineName
 from hsx_async.errors import ConfigError
+from hsx_async.net import listen_ok
 from hsx_async.protocol import (
     BF16,
     BF16_STORAGE,
@@ -499,14 +500,6 @@ def _url_ok(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
-def listen_ok(value: str) -> bool:
-    """HOST:PORT (or "": none), the rule of every --listen and *_listen."""
-    if value == "":
-        return True
-    host, sep, port = value.rpartition(":")
-    return bool(sep and host and port.isascii() and port.isdecimal() and int(port) < 65536)
-
-
 def redact_url(url: str) -> str:
     """A URL fit for logs, status and provenance: any password replaced by ``***``."""
     try:
@@ -521,11 +514,6 @@ def redact_url(url: str) -> str:
     host = parts.hostname or ""
     netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-def listen_address(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 # --- live reload ------------------------------------------------------------------------

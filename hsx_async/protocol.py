@@ -624,6 +624,29 @@ def _check_scales(data: bytes | bytearray | memoryview) -> str | None:
     )
 
 
+# e4m3fn's largest finite magnitude, 448, as a code (sign bit clear): an outlier's own q.
+_CODE_448 = 0x7E
+_BF16_NON_FINITE = 0x7F80  # exponent bits all set: Inf or NaN
+
+
+def saturated_codes(
+    index: np.ndarray, value_bits: np.ndarray, scale_bits: np.ndarray, hidden_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rule's outliers saturate their own FP8 value (§3: ``m > r``, so ``|x| / scale``
+    is at least 448): for outlier entries ``[..., K]`` (channels; values as bfloat16 bits,
+    uint16) of vectors with float32 scales ``[...]`` (as bits, uint32), which entries the
+    rule fixes — a used channel below ``hidden_size``, a finite value (a non-finite one is
+    refused as such), a scale above the floor (there ``|x| / scale`` may stay below 448) —
+    and the e4m3fn code each one's own q must hold there: ±448 with its value's sign.
+    One rule for the copy (as it copies) and ``hsx verify --deep``."""
+    used = index < hidden_size
+    finite = (value_bits & _BF16_NON_FINITE) != _BF16_NON_FINITE
+    floor = scale_bits == _SCALE_LOWEST_BITS
+    checked: np.ndarray = used & finite & ~floor[..., None]
+    codes: np.ndarray = (((value_bits >> 8) & 0x80) | _CODE_448).astype(np.uint8)
+    return checked, codes
+
+
 def storage_params(storage: Storage) -> dict[str, Any]:
     """What a request adds to ``custom_params`` (vLLM: ``kv_transfer_params``) to ask the
     hook for ``storage`` (PROTOCOL §2); nothing for bfloat16. A ``per_token_slot`` storage

@@ -78,7 +78,9 @@ def quantize_outliers(
     h = x.shape[-1]
     if h >= OUTLIER_NONE:
         raise ValueError(f"hidden size {h} is too large for uint16 outlier indices")
-    mag = x.abs().nan_to_num_(nan=float("inf"))  # bfloat16: exact; NaN ranks as the largest
+    # bfloat16: exact; NaN ranks as the largest. posinf too: nan_to_num's default would turn
+    # ±inf into bfloat16's largest finite value, and more than k of them a finite scale.
+    mag = x.abs().nan_to_num_(nan=float("inf"), posinf=float("inf"))
     if h <= k:  # fewer channels than outliers: r = 0, every nonzero value is an outlier
         mag = torch.cat([mag, mag.new_zeros((*mag.shape[:-1], k + 1 - h))], dim=-1)
     top, at = torch.topk(mag, k + 1, dim=-1)  # values exact; which of tied channels: moot

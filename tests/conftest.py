@@ -35,8 +35,8 @@ def _no_shm_left_by_kills() -> Iterator[None]:
     before = shm_names()
     yield
     remove_left_shm(before, LEAKED_BY_KILLS)
-    if "hsx_async.dataset.live_remote" in sys.modules:  # live readers killed by a test
-        sys.modules["hsx_async.dataset.live_remote"].sweep_caches(SHM)
+    if "hsx_async.dataset.live.remote" in sys.modules:  # live readers killed by a test
+        sys.modules["hsx_async.dataset.live.remote"].sweep_caches(SHM)
 
 
 @pytest.fixture(autouse=True)

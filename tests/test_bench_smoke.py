@@ -293,26 +293,46 @@ def test_hook_smoke(tmp_path: Path, shm_root: Path) -> None:
 
 def test_hook_gpu_smoke(tmp_path: Path, shm_root: Path) -> None:
     """bench/hook_gpu.py on the CPU: the device path and the plain path, each with a bf16
-    and a float32 model, ran through the real glue and writers, committed every dump and
-    sit side by side in one result (no timing is asserted; on the CPU nothing crosses a
-    bus)."""
+    and a float32 model, and FP8 quantized on the device (issue 40), ran through the real
+    glue and writers, committed every dump and sit side by side in one result, the first
+    passes measured apart; then the writer threads swept (no timing is asserted; on the
+    CPU nothing crosses a bus and there is no page-locked memory to warm)."""
     data = run_smoke("hook_gpu.py", tmp_path, shm_root)
     assert data["device"] == "cpu" and data["target_gb_per_s"] == 2.0
+    settings, shape = data["settings"], data["shape"]
+    assert settings["writers"] == [1, 2] and settings["pinned_warmup"] == "on"
     rows = data["rows"]
-    assert [(r["device_stack"], r["dtype"]) for r in rows] == [
-        (False, "bfloat16"),
-        (True, "bfloat16"),
-        (False, "float32"),
-        (True, "float32"),
+    assert [(r["device_stack"], r["dtype"], r["fp8"]) for r in rows] == [
+        (False, "bfloat16", False),
+        (True, "bfloat16", False),
+        (False, "float32", False),
+        (True, "float32", False),
+        (True, "bfloat16", True),
+        (True, "float32", True),
     ]
-    for row in rows:
-        assert (
-            row["committed"]
-            == (data["settings"]["passes"] + data["settings"]["warmup"])
-            * (data["shape"]["requests_per_pass"])
-        )
+    passes = settings["passes"] + settings["warmup"]
+    for row in rows + data["sweep"]:
+        assert row["committed"] == passes * shape["requests_per_pass"]
         assert positive(row["gb_per_s"]) and positive(row["sched_ms_per_gb"])
         assert row["bus_bytes_per_dump_byte"] == 0  # the CPU: async_d2h copies nothing
+        # The first passes, apart from the steady ones.
+        each = row["first_sched_cpu_ms_per_gb_each"]
+        assert row["first_passes"] == settings["warmup"] == len(each)
+        assert row["first_worst_sched_cpu_ms_per_gb"] == max(each)
+        assert positive(row["first_sched_cpu_ms_per_gb"])
+        # No page-locked memory on a CPU-only torch: the warm-up says so, nothing grows.
+        assert row["pinned_warmup"] == "no page-locked memory (CPU)"
+        assert (row["grown_warmup"], row["grown_first"], row["grown_steady"]) == (0, 0, 0)
+        # FP8 passes are quantized on the device (every one), the others never.
+        assert row["encoded_passes"] == (passes if row["fp8"] else 0)
+    bf16, fp8 = rows[1], rows[4]
+    assert fp8["gb"] < bf16["gb"]  # the FP8 sections: fewer bytes for the same rows
+    for row in rows[4:]:
+        assert positive(row["encode_ms_per_pass"]) and positive(row["top16_ms_per_pass"])
+    assert [(r["mode"], r["threads"]) for r in data["sweep"]] == [
+        ("device stack, bf16 model", 1),
+        ("device stack, bf16 model", 2),
+    ]
     assert set(data["ratios"]) == {"bfloat16", "float32"}
     assert all(positive(v) for ratio in data["ratios"].values() for v in ratio.values())
 
@@ -472,3 +492,23 @@ def test_buffer_placement_compares_the_two_buffers_round_by_round(tmp_path: Path
     assert data["median_ratio"] == statistics.median(data["ratios"])
     assert list(disk.iterdir()) == [], "its file left on the disk"
     assert "aligned / kernel's, median" in done.stdout
+
+
+def test_fp8_copy_check_compares_the_copy_with_and_without_its_check(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    disk, results = tmp_path / "disk", tmp_path / "results"
+    argv = [sys.executable, str(BENCH / "fp8_copy_check.py"), "--smoke", "--out-dir",
+            str(disk), "--shm-dir", str(shm_root), "--results-dir", str(results)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data: dict[str, Any] = orjson.loads((results / "fp8_copy_check.json").read_bytes())
+    assert set(data["methods"]) == {"direct", "sendfile"}
+    for method in data["methods"].values():
+        assert len(method["cpu_ratios"]) == 2
+        pairs = zip(method["cpu_s_per_gb"]["checked"], method["cpu_s_per_gb"]["unchecked"],
+                    strict=True)  # fmt: skip
+        assert method["cpu_ratios"] == [c / u for c, u in pairs]
+        assert all(positive(v) for side in method["gb_per_s"].values() for v in side)
+    assert list(disk.iterdir()) == [] and list(shm_root.iterdir()) == []
+    assert "checked / unchecked" in done.stdout

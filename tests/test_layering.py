@@ -46,7 +46,7 @@ def _contracts() -> list[dict[str, Any]]:
 def test_the_layers_contract_covers_the_whole_stack() -> None:
     """Every module of the package is in a layer, the server and package data excepted
     (import-linter's ``exhaustive`` checks it too; this says which ones stand apart)."""
-    [layers] = [c for c in _contracts() if c["type"] == "layers"]
+    [layers] = [c for c in _contracts() if c.get("containers") == ["hsx_async"]]
     assert layers["containers"] == ["hsx_async"] and layers["exhaustive"] is True
     named = {m.strip() for layer in layers["layers"] for m in layer.split("|")}
     apart = set(layers["exhaustive_ignores"])
@@ -57,6 +57,15 @@ def test_the_layers_contract_covers_the_whole_stack() -> None:
     [apart_contract] = [c for c in _contracts() if "only the demo" in str(c["name"])]
     sources = {m.removeprefix("hsx_async.") for m in apart_contract["source_modules"]}
     assert sources == named - {"__main__", "cli", "demo"}
+
+
+def test_the_live_dataset_is_ordered_inside() -> None:
+    """Issue 37: the online feature is one package whose modules have an order (the layers
+    contract over hsx_async.dataset.live), every one of them in it."""
+    [live] = [c for c in _contracts() if c.get("containers") == ["hsx_async.dataset.live"]]
+    named = {m.strip() for layer in live["layers"] for m in layer.split("|")}
+    children = {m.name for m in pkgutil.iter_modules([str(ROOT / "hsx_async/dataset/live")])}
+    assert live["exhaustive"] is True and children == named, children ^ named
 
 
 def _allowed(imported: str) -> bool:

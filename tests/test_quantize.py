@@ -14,6 +14,7 @@ from hsx_async.errors import DumpError
 from hsx_async.protocol import (
     BF16_STORAGE,
     FP8,
+    OUTLIER_NONE,
     OUTLIERS,
     PER_TOKEN_SLOT,
     PER_TOKEN_SLOT_OUTLIERS16,
@@ -435,3 +436,29 @@ def test_the_estimate_counts_the_exact_outliers() -> None:
     ratio = float(estimate.mean() / measured.mean())
     assert 0.85 < ratio < 1.15, ratio
     assert float(estimate[0].max()) < 1e-3  # the sink vectors: almost all energy exact
+
+
+def test_more_infinities_than_outliers_give_an_infinite_scale_as_the_rule_does() -> None:
+    """PROTOCOL §3: m = |x|, r the 17th largest: with more than 16 infinite values r, and
+    so the scale, is infinite (the copy refuses it), and no channel is above r. (Turning
+    ±inf into bfloat16's largest value first stored them as finite ±3.39e38.)"""
+    x = _rows(t=2, hidden=64)
+    x[0, 0, :20] = float("inf")
+    x[1, 0, :10] = float("-inf")
+    x[1, 0, 10:20] = float("inf")
+    q, scale, index, values = quantize_outliers(x, OUTLIERS)
+    assert math.isinf(float(scale[0, 0])) and math.isinf(float(scale[1, 0]))
+    assert bool((index[:, 0] == OUTLIER_NONE).all())  # nothing is above an infinite r
+    assert bool((values[:, 0].float() == 0).all())
+    assert bool(torch.isfinite(scale[:, 1:]).all())  # the other slots keep their scales
+    back = dequantize(q, scale, torch.float32, index, values)
+    assert not bool(torch.isfinite(back[:, 0]).any())
+
+
+def test_a_few_infinities_are_outliers_kept_as_they_are() -> None:
+    x = _rows(t=1, hidden=64)
+    x[0, 0, 3] = float("-inf")
+    _, scale, index, values = quantize_outliers(x, OUTLIERS)
+    assert math.isfinite(float(scale[0, 0]))
+    assert 3 in index[0, 0].tolist()
+    assert float(values[0, 0][index[0, 0] == 3]) == float("-inf")

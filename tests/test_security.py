@@ -28,11 +28,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hsx_async.cli import build_parser
-from hsx_async.config import DaemonConfig, listen_address
+from hsx_async.config import DaemonConfig
 from hsx_async.dataset.layout import build_layout, data_relpath, sample_key
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
 from hsx_async.errors import DumpError, HsxError, NoServerError
 from hsx_async.logs import configure_logging
+from hsx_async.net import listen_address
 from hsx_async.protocol import (
     DumpMeta,
     generate_body,

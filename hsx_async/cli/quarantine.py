@@ -1,4 +1,4 @@
-"""``hsx quarantine``: the quarantine by reason kind, and putting samples back."""
+"""``hsx quarantine``: the quarantine by cause and kind, and putting samples back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "quarantine",
         help="list quarantined samples by reason, or put them back for the next run",
         description=(
-            "List the quarantine of an output directory by reason kind; with --retry, put "
+            "List the quarantine of an output directory by cause and kind; with --retry, put "
             "back the samples quarantined after failed attempts (or those of a --kind, or "
             "--all lines) so the next `hsx run` extracts them again. Each line put back is "
             "kept in quarantine-retried*.jsonl. Refused while a run writes the directory."
@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--kind",
         action="append",
         metavar="TEXT",
-        help="put back only lines whose reason kind contains TEXT (as listed; repeatable)",
+        help="put back only lines whose kind contains TEXT (as listed: http_5xx, ...)",
     )
     p.add_argument(
         "--all", action="store_true", help="put back every line, the input's own faults too"

@@ -26,4 +26,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="HOST:PORT to listen on (0.0.0.0:PORT for trainers on other nodes)",
     )
     p.add_argument("--max-streams", type=int, default=MAX_STREAMS, help="sample files sent at once")
-    p.set_defaults(handler="hsx_async.online.server:serve_command")
+    p.set_defaults(handler="hsx_async.dataset.live.serve:serve_command")

@@ -4,7 +4,7 @@ merge. Nothing here imports :mod:`hsx_async.run`.
 
 ``from hsx_async.dataset import HiddenStateDataset`` works for every name of
 :mod:`hsx_async.dataset.reader`'s ``__all__`` (and ``LiveDataset`` for those of
-:mod:`hsx_async.dataset.live`'s), loaded on first use: ``hsx run`` imports
+:mod:`hsx_async.dataset.live.dataset`'s), loaded on first use: ``hsx run`` imports
 this package's file modules (``manifest``, ``durable``, ``provenance``), and a bf16 run
 never imports torch, which the reader needs (``tests/run/test_writer.py``).
 """
@@ -15,7 +15,7 @@ import importlib
 import importlib.util
 from typing import Any
 
-_LAZY = ("hsx_async.dataset.reader", "hsx_async.dataset.live")
+_LAZY = ("hsx_async.dataset.reader", "hsx_async.dataset.live.dataset")
 
 
 def __getattr__(name: str) -> Any:

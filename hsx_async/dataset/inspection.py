@@ -27,6 +27,7 @@ from hsx_async.dataset.layout import (
     expected_tensors,
     read_header,
 )
+from hsx_async.dataset.live.view import spool_lines
 from hsx_async.dataset.manifest import (
     MANIFEST,
     QUARANTINE,
@@ -39,9 +40,8 @@ from hsx_async.dataset.manifest import (
     shard_index_of,
 )
 from hsx_async.dataset.provenance import PROVENANCE, dataset_storage, read_provenance, shard_lock
-from hsx_async.dataset.quarantine import after_attempts, retried_before
+from hsx_async.dataset.quarantine import reason_of, retried_before
 from hsx_async.dataset.running import Running, running_runs
-from hsx_async.dataset.spool import spool_lines
 from hsx_async.errors import DatasetError, DumpError
 from hsx_async.logs import configure_logging
 from hsx_async.protocol import (
@@ -174,7 +174,7 @@ def dataset_status(out_dir: Path) -> Status:
         input_lines=input_lines(out_dir, prov.get("input_lines")),
         storage=dataset_storage(prov).describe(),
         running=tuple(running_runs(out_dir)),
-        retriable=sum(after_attempts(q.reason) for q in quarantine),
+        retriable=sum(reason_of(q).retriable for q in quarantine),
         retried=retried_before(out_dir),
         out=str(out_dir),
         spool=tuple(spool_lines(out_dir)),

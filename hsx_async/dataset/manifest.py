@@ -12,12 +12,13 @@ the same for quarantine); readers take the union of every manifest file in the d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import orjson
 import xxhash
@@ -29,6 +30,10 @@ MANIFEST = "manifest"
 QUARANTINE = "quarantine"
 _SHARD_FILE = re.compile(r"(manifest|quarantine)(?:\.shard-([0-9]{5})-of-([0-9]{5}))?\.jsonl")
 _XXH = re.compile(r"[0-9a-f]{16}")
+
+# Whose fault a failure is (:mod:`hsx_async.run.faults`), as a quarantine line records it.
+Cause = Literal["sample", "server", "job"]
+CAUSES: tuple[Cause, ...] = ("sample", "server", "job")
 
 
 def log_name(kind: str, shard_index: int = 0, shard_count: int = 1) -> str:
@@ -85,24 +90,60 @@ class ManifestEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class Reason:
+    """Why a line is quarantined (PROTOCOL §4): ``text``, the prose for people, and for
+    programs ``cause`` (whose fault the failure was: the sample's, a server's, the job's;
+    None on a line written before the field, issue 38), ``kind`` (a word of a fixed
+    vocabulary: a fault kind, :data:`hsx_async.run.faults.KINDS`, or an input kind,
+    :data:`hsx_async.dataset.quarantine.INPUT_KINDS`) and ``retriable`` (the sample was
+    sent and failed, so a rerun may pass once the cause is fixed; not an input line's own
+    fault, which a rerun quarantines again)."""
+
+    text: str
+    cause: Cause | None
+    kind: str
+    retriable: bool
+
+
+@dataclass(frozen=True, slots=True)
 class QuarantineEntry:
     """``id`` is None when the line has no usable id (bad JSON). A repeated id keeps its
     id and names the line holding it first in ``duplicate_of``: that line, not this one,
-    owns the id. ``line`` is 0-based (PROTOCOL §4); messages say ``line + 1``."""
+    owns the id. ``line`` is 0-based (PROTOCOL §4); messages say ``line + 1``. ``cause``,
+    ``kind`` and ``retriable`` (:class:`Reason`) are None on a line written before them:
+    :func:`hsx_async.dataset.quarantine.reason_of` reads those from the prose."""
 
     id: SampleId | None
     line: int
     reason: str
     duplicate_of: int | None = None
+    cause: Cause | None = None
+    kind: str | None = None
+    retriable: bool | None = None
+
+    @classmethod
+    def of(
+        cls, sample_id: SampleId | None, line: int, why: Reason, duplicate_of: int | None = None
+    ) -> QuarantineEntry:
+        return cls(sample_id, line, why.text, duplicate_of, why.cause, why.kind, why.retriable)
 
     @property
     def own_id(self) -> SampleId | None:
         return None if self.duplicate_of is not None else self.id
 
+    @property
+    def why(self) -> Reason | None:
+        """The line's structured reason; None on a line written before it."""
+        if self.kind is None or self.retriable is None:
+            return None
+        return Reason(self.reason, self.cause, self.kind, self.retriable)
+
     def to_line(self) -> bytes:
         record: dict[str, Any] = {"id": self.id, "line": self.line, "reason": self.reason}
         if self.duplicate_of is not None:
             record["duplicate_of"] = self.duplicate_of
+        if self.kind is not None and self.retriable is not None:
+            record.update(cause=self.cause, kind=self.kind, retriable=self.retriable)
         return orjson.dumps(record) + b"\n"
 
 
@@ -146,7 +187,7 @@ def iter_log(path: Path) -> Iterator[tuple[int, Any]]:
 def quarantine_entries(path: Path) -> Iterator[QuarantineEntry]:
     """The entries of one quarantine log (any name: ``hsx regenerate``'s too), streamed."""
     for n, rec in iter_log(path):
-        yield _quarantine_entry(rec, f"{path}:{n}")
+        yield quarantine_entry(rec, f"{path}:{n}")
 
 
 def _id_of(value: object, where: str) -> SampleId:
@@ -177,11 +218,12 @@ def _manifest_entry(rec: Any, where: str) -> ManifestEntry:
     return entry
 
 
-def _quarantine_entry(rec: Any, where: str) -> QuarantineEntry:
+def quarantine_entry(rec: Any, where: str) -> QuarantineEntry:
+    """One quarantine line's record (``where``: its file and line, for the error)."""
     try:
         raw_id = rec["id"]
         dup = rec.get("duplicate_of")
-        return QuarantineEntry(
+        entry = QuarantineEntry(
             id=None if raw_id is None else _id_of(raw_id, where),
             line=int(rec["line"]),
             reason=str(rec["reason"]),
@@ -189,6 +231,21 @@ def _quarantine_entry(rec: Any, where: str) -> QuarantineEntry:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise DatasetError(f"{where}: quarantine line is missing or mistypes {exc}") from None
+    if "kind" not in rec and "retriable" not in rec and "cause" not in rec:
+        return entry  # a line written before the fields (issue 38): its prose says it
+    cause, kind, retriable = rec.get("cause"), rec.get("kind"), rec.get("retriable")
+    if (
+        (cause is not None and cause not in CAUSES)
+        or not isinstance(kind, str)
+        or not kind
+        or not isinstance(retriable, bool)
+    ):
+        raise DatasetError(
+            f"{where}: quarantine line has cause {cause!r}, kind {kind!r}, retriable "
+            f"{retriable!r}; expected one of {', '.join(CAUSES)} (or null), a word and "
+            "true/false: hsx did not write this line"
+        )
+    return dataclasses.replace(entry, cause=cause, kind=kind, retriable=retriable)
 
 
 def read_log(path: Path) -> tuple[list[tuple[int, Any]], bool]:
@@ -219,15 +276,24 @@ def read_manifest(out_dir: Path, *, retired: bool = False) -> list[ManifestEntry
 RETIRED = "retired.jsonl"
 
 
+def retired_record(rec: Any) -> tuple[str, int] | None:
+    """(path, bytes) of one ``retired.jsonl`` line (PROTOCOL §6.1); None for a line that is
+    none: the one parser of that log."""
+    if isinstance(rec, dict) and isinstance(rec.get("path"), str):
+        size = rec.get("bytes", 0)
+        return rec["path"], size if type(size) is int else 0
+    return None
+
+
 def retired_paths(out_dir: Path) -> set[str]:
     """Paths of the samples ``retired.jsonl`` records as deleted from the spool."""
     records, _ = read_log(out_dir / RETIRED)
-    return {rec["path"] for _, rec in records if isinstance(rec, dict) and "path" in rec}
+    return {r[0] for r in (retired_record(rec) for _, rec in records) if r is not None}
 
 
 def read_quarantine(out_dir: Path) -> list[QuarantineEntry]:
     return [
-        _quarantine_entry(rec, f"{path}:{n}")
+        quarantine_entry(rec, f"{path}:{n}")
         for path in log_files(out_dir, QUARANTINE)
         for n, rec in read_log(path)[0]
     ]

@@ -31,7 +31,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hsx_async.protocol import OUTLIER_INDEX, OUTLIER_NONE, OUTLIER_VALUES, SCALES
+from hsx_async.protocol import (
+    OUTLIER_INDEX,
+    OUTLIER_NONE,
+    OUTLIER_VALUES,
+    SCALES,
+    saturated_codes,
+)
 from hsx_async.quantize import FP8_MAX, FP8_MIN_NORMAL, SCALE_MIN, rounding_error
 
 SCALE_FLOOR = np.float32(SCALE_MIN)
@@ -229,8 +235,11 @@ def _outlier_problems(
     v = values.float()
     unused_zero = torch.where(used, True, values.view(torch.int16) == 0)
     finite = torch.where(used, torch.isfinite(v), True)
-    at = q.float().gather(-1, idx.clamp_max(h - 1))
-    floor = torch.from_numpy(scales == SCALE_FLOOR).unsqueeze(-1)
-    saturated = torch.where(used & ~floor & torch.isfinite(v), at == torch.sign(v) * FP8_MAX, True)
+    # each outlier's own code ±448 with its value's sign: the rule the copy checks too
+    checked, codes = saturated_codes(
+        idx.numpy(), values.view(torch.int16).numpy().view(np.uint16), scales.view(np.uint32), h
+    )
+    at = q.view(torch.uint8).gather(-1, idx.clamp_max(h - 1)).numpy()
+    saturated = torch.from_numpy(~checked | (at == codes))
     ok = order & (below & unused_zero & finite & saturated).all(dim=-1)
     return (~ok).numpy(), used.sum(dim=-1).numpy(), (idx < h).sum(dim=-1).numpy()

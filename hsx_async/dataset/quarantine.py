@@ -1,10 +1,14 @@
 """The quarantine: samples that could not be made, and the kinds of reason why.
 
 ``quarantine*.jsonl`` (PROTOCOL §4) holds one line per input line that did not become a
-sample, with its reason. :func:`reason_kind` strips a reason of its particulars (ids,
-numbers, paths, the server it happened on), so the same problem counts once however many
-samples met it: the job report's bars, the Prometheus failure labels and ``hsx status``
-use it.
+sample, with its reason: the prose for people and, since issue 38, the structured record
+programs read (:class:`~hsx_async.dataset.manifest.Reason`: ``cause``, ``kind``,
+``retriable``), written by whoever quarantines (the pipeline's
+:class:`~hsx_async.run.retry.Attempts` from the fault it charged last, the intake for input
+lines: :func:`input_reason`). Every reader — ``hsx quarantine``, its ``--retry``, the job
+report, ``hsx status`` — takes a line's reason from :func:`reason_of`, which reads a line
+written before the fields from its prose (the prefixes below and :func:`reason_kind`): the
+one place the prose is parsed.
 
 A quarantine is not final: once its cause is fixed, :func:`retry` (``hsx quarantine OUT
 --retry``) puts lines back — those quarantined after attempts, or by reason kind, or all
@@ -30,8 +34,11 @@ from hsx_async.dataset.durable import write_atomic
 from hsx_async.dataset.manifest import (
     QUARANTINE,
     AppendLog,
+    QuarantineEntry,
+    Reason,
     log_files,
     log_name,
+    quarantine_entry,
     read_log,
     read_quarantine,
     shard_count_of,
@@ -42,7 +49,10 @@ from hsx_async.errors import DatasetError
 
 
 def reason_kind(reason: str) -> str:
-    """A quarantine reason without its particulars: what a bar in the chart is named."""
+    """A failure's prose without its particulars (ids, numbers, paths, the server it
+    happened on), so the same problem counts once however many samples met it: the kind
+    of an old quarantine line (:func:`reason_of`), and the label of failed attempts in
+    the job report."""
     text = re.sub(r"^\d+ attempts failed; last: ", "", reason)
     exhausted = text != reason
     text = re.sub(r"^https?://\S+?: ", "", text)  # the server a retried attempt went to
@@ -55,43 +65,66 @@ def reason_kind(reason: str) -> str:
     return f"retries exhausted: {text}" if exhausted else text
 
 
-# -- reasons the pipeline gives (one rule: run/retry writes them, this module reads them) --
+# -- the reasons' prose (run/retry writes it; a reader never parses a new line's prose) -----
 
 _ATTEMPTS = re.compile(r"^\d+ attempts failed; last: ")
 _REFUSED = "the server refused the sample itself, not retried: "
 RETRIED = "quarantine-retried"  # the history: every line put back, with when
 
+# The kinds of an input line that is not a sample (the fault kinds: run/faults.KINDS).
+BAD_INPUT = "bad_input"  # not JSON, no input_ids, mismatched loss_mask, too long, ...
+DUPLICATE_ID = "duplicate_id"  # an id an earlier line holds
+INPUT_KINDS = (BAD_INPUT, DUPLICATE_ID)
+
 
 def attempts_reason(count: int, last: str) -> str:
-    """The reason of a sample quarantined after ``count`` charged attempts."""
+    """The prose of a sample quarantined after ``count`` charged attempts."""
     return f"{count} attempts failed; last: {last}"
 
 
 def refused_reason(last: str) -> str:
-    """The reason of a sample whose content the server refused (a 4xx, not retried)."""
+    """The prose of a sample whose content the server refused (a 4xx, not retried)."""
     return f"{_REFUSED}{last}"
 
 
-def after_attempts(reason: str) -> bool:
-    """Whether a quarantine reason is the pipeline's (the sample was sent and failed), as
-    opposed to the input's (not a sample at all: bad JSON, a duplicate id, too long),
-    which a rerun would quarantine again as it is."""
-    return bool(_ATTEMPTS.match(reason)) or reason.startswith(_REFUSED)
+def input_reason(text: str, *, duplicate: bool = False) -> Reason:
+    """An input line that is not a sample: the input's own fault, which a rerun would
+    quarantine again as it is (not retriable)."""
+    return Reason(text, "sample", DUPLICATE_ID if duplicate else BAD_INPUT, retriable=False)
+
+
+def reason_of(entry: QuarantineEntry) -> Reason:
+    """A quarantine line's reason: its structured fields; for a line written before them
+    (issue 38), what its prose says — retriable when the pipeline wrote it (the sample
+    was sent and failed: the prefixes above), its kind the prose without particulars
+    (:func:`reason_kind`), its cause not recorded (None)."""
+    why = entry.why
+    if why is not None:
+        return why
+    text = entry.reason
+    retriable = bool(_ATTEMPTS.match(text)) or text.startswith(_REFUSED)
+    return Reason(text, None, reason_kind(text), retriable)
 
 
 @dataclass(frozen=True)
 class Kind:
+    cause: str | None
     kind: str
     count: int
     retriable: bool  # quarantined after attempts (a fixed cause may make them pass)
+    example: str  # the prose of one of its lines, for people
 
 
 def kinds(out_dir: Path) -> list[Kind]:
-    """The quarantine's lines by reason kind, most first."""
-    counts: Counter[tuple[str, bool]] = Counter(
-        (reason_kind(q.reason), after_attempts(q.reason)) for q in read_quarantine(out_dir)
-    )
-    return [Kind(k, n, r) for (k, r), n in counts.most_common()]
+    """The quarantine's lines by (cause, kind, retriable), most first."""
+    counts: Counter[tuple[str | None, str, bool]] = Counter()
+    examples: dict[tuple[str | None, str, bool], str] = {}
+    for entry in read_quarantine(out_dir):
+        why = reason_of(entry)
+        key = (why.cause, why.kind, why.retriable)
+        counts[key] += 1
+        examples.setdefault(key, why.text)
+    return [Kind(c, k, n, r, examples[c, k, r]) for (c, k, r), n in counts.most_common()]
 
 
 def retried_before(out_dir: Path) -> int:
@@ -121,11 +154,10 @@ def retry(out_dir: Path, *, kinds: Sequence[str] = (), everything: bool = False)
         raise DatasetError(f"{out_dir} is not a directory; give an output directory")
     wanted = [k.lower() for k in kinds]
 
-    def chosen(reason: str) -> bool:
+    def chosen(why: Reason) -> bool:
         if wanted:
-            kind = reason_kind(reason).lower()
-            return any(w in kind for w in wanted)
-        return everything or after_attempts(reason)
+            return any(w in why.kind.lower() for w in wanted)
+        return everything or why.retriable
 
     logs = log_files(out_dir, QUARANTINE)
     by_kind: Counter[str] = Counter()
@@ -138,17 +170,24 @@ def retry(out_dir: Path, *, kinds: Sequence[str] = (), everything: bool = False)
             back, stay = _split(path, chosen)
             kept += len(stay)
             if back:
-                _put_back(out_dir, path, back, stay)
-                by_kind.update(reason_kind(str(rec.get("reason", ""))) for rec in back)
+                _put_back(out_dir, path, [rec for rec, _ in back], stay)
+                by_kind.update(why.kind for _, why in back)
     return Retried(sum(by_kind.values()), kept, dict(by_kind.most_common()))
 
 
-def _split(path: Path, chosen: Callable[[str], bool]) -> tuple[list[Any], list[Any]]:
-    back: list[Any] = []
+def _split(
+    path: Path, chosen: Callable[[Reason], bool]
+) -> tuple[list[tuple[Any, Reason]], list[Any]]:
+    """The log's lines to put back (each with its reason) and those to keep, each line as
+    it is (a field hsx does not know survives the rewrite)."""
+    back: list[tuple[Any, Reason]] = []
     stay: list[Any] = []
-    for _, rec in read_log(path)[0]:
-        reason = rec.get("reason") if isinstance(rec, dict) else None
-        (back if isinstance(reason, str) and chosen(reason) else stay).append(rec)
+    for number, rec in read_log(path)[0]:
+        why = reason_of(quarantine_entry(rec, f"{path}:{number}"))
+        if chosen(why):
+            back.append((rec, why))
+        else:
+            stay.append(rec)
     return back, stay
 
 
@@ -183,7 +222,9 @@ def quarantine_command(args: argparse.Namespace) -> int:
         return 0
     found = kinds(out)
     for k in found:
-        print(f"{k.count:>8,}  {'retriable' if k.retriable else 'input    '}  {k.kind}")
+        label = "retriable" if k.retriable else "input    "
+        example = k.example if len(k.example) <= 80 else k.example[:79] + "…"
+        print(f"{k.count:>8,}  {label}  {k.cause or '?':<6}  {k.kind:<24}  e.g. {example}")
     total, retriable = sum(k.count for k in found), sum(k.count for k in found if k.retriable)
     hint = (
         f"`hsx quarantine {out} --retry` puts those back (--kind TEXT: by kind, --all: every line)"

@@ -19,9 +19,20 @@ What a contact can show, and what it means:
   (:mod:`hsx_async.run.retry`).
 - the server and the *config* disagree (layers, hidden size, dump root, engine): a
   **job** cause when nothing stands with the config — no server of this run was admitted
-  and the dataset holds no sample made with it. The run stops before any sample is sent
-  (:class:`~hsx_async.errors.ConfigError`, exit 2, naming the key and what the server
-  reported). With something on the config's side, it is that server's fault instead.
+  and the dataset holds no sample made with it — and every server has been heard from
+  and all say the same (:mod:`hsx_async.run.claims`, the rule ``hsx check`` applies
+  too). The run stops before any sample is sent (:class:`~hsx_async.errors.ConfigError`,
+  exit 2, naming the key and which server said what). Otherwise it is the fault of the
+  servers that disagree: refused, naming what each said.
+- the server says it is the job's but its probe's rows are not the pinned ones (other
+  weights under the same model path: :mod:`hsx_async.run.fingerprint`): refused, naming
+  both servers.
+
+The probe runs the checks the copy runs on its own dump (the FP8 scales and outliers):
+a server whose every dump the copy refuses does not pass it. And it arbitrates refusals:
+a 4xx is the sample's only once its server is shown to work for a request sent at or
+after it (:meth:`Admission.arbitrate`); a server that refuses its probe too leaves
+rotation, and its refusals cost no sample.
 - the servers serve another model than the dataset was made with: a job cause too
   (:class:`~hsx_async.errors.DatasetError`), unless ``--allow-provenance-change``.
 
@@ -49,7 +60,6 @@ from hsx_async.config import Config
 from hsx_async.dataset.provenance import FinalStateGuard, parse_final_norm
 from hsx_async.engines import ENGINES, EngineName
 from hsx_async.errors import (
-    ConfigError,
     DatasetError,
     DumpError,
     DumpMissingError,
@@ -59,8 +69,10 @@ from hsx_async.errors import (
     RequestError,
 )
 from hsx_async.protocol import DumpMeta, parse_meta
+from hsx_async.run.claims import Claim, info_claim, job_fault, server_fault
 from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.dump import (
+    Dump,
     prepare_namespace,
     remove_stray_dump,
     remove_tree,
@@ -68,8 +80,10 @@ from hsx_async.run.dump import (
     wait_for_meta,
 )
 from hsx_async.run.faults import Fault, fault_of
+from hsx_async.run.fingerprint import TOLERANCE, Fingerprint, fingerprint
 from hsx_async.run.identity import Identity, JobRecord
 from hsx_async.run.notify import Notifier
+from hsx_async.run.writer import check_sections
 
 log = structlog.get_logger("hsx.admission")
 
@@ -86,6 +100,7 @@ Record = Callable[[Server, Identity, dict[str, Any] | None, str | None], asyncio
 class _Examined:
     identity: Identity
     final_norm: dict[str, Any] | None
+    rows: Fingerprint  # what its probe's rows are
 
 
 @dataclass(frozen=True)
@@ -94,15 +109,7 @@ class _Refused:
     answered: bool  # the server answered (it is up, but not usable)
 
 
-@dataclass(frozen=True)
-class _Disagrees:
-    """The server and the config disagree on ``key``: the job's fault or the server's."""
-
-    key: str
-    message: str
-
-
-_Result = _Examined | _Refused | _Disagrees
+_Result = _Examined | _Refused | Claim  # a claim: it disagrees with the config
 
 
 class Admission:
@@ -136,10 +143,16 @@ class Admission:
         self.stop_requested = stop_requested
         self.ever_admitted = False
         self._probes = 0
-        # Probe requests at a server, and the removal of a probe's dump.
-        self._in_flight: set[asyncio.Future[None]] = set()
+        # Probe requests at a server, the removal of a probe's dump, arbitrations.
+        self._in_flight: set[asyncio.Future[Any]] = set()
         self._ns_dir: Path | None = None
         self._contacted: set[str] = set()  # the servers examined before (their URLs)
+        # Each server heard from: its latest answer's claim against the config (None: none).
+        self._heard: dict[str, Claim | None] = {}
+        # The rows of the first admitted server's probe, and that server (issue 38).
+        self._pinned: tuple[Fingerprint, str] | None = None
+        # A refusal's arbitration by probe, per server: (requests sent before it, verdict).
+        self._arbitrations: dict[str, tuple[int, asyncio.Future[bool]]] = {}
 
     def apply(self, config: Config) -> None:
         """A reloaded config (timeouts, intervals; the shape cannot change live)."""
@@ -166,11 +179,11 @@ class Admission:
             # what a killed run left, when this one asked no server anything).
             await self._settle_probes()
 
-    def _track(self, request: asyncio.Future[None]) -> None:
+    def _track(self, request: asyncio.Future[Any]) -> None:
         self._in_flight.add(request)
         request.add_done_callback(self._forget)
 
-    def _forget(self, request: asyncio.Future[None]) -> None:
+    def _forget(self, request: asyncio.Future[Any]) -> None:
         self._in_flight.discard(request)
         if not request.cancelled():
             request.exception()  # retrieved: a probe abandoned at the run's end may fail
@@ -191,24 +204,26 @@ class Admission:
         if not out:
             return
         results = await asyncio.gather(*(self._examine(s) for s in out))
-        with_config: list[_Disagrees] = []  # disagree with the config
+        for server, result in zip(out, results, strict=True):
+            if not (isinstance(result, _Refused) and not result.answered):
+                self._heard[server.display] = result if isinstance(result, Claim) else None
         with_dataset: list[str] = []  # serve another model than the dataset's
         answered = 0
         for server, result in zip(out, results, strict=True):
             admitted, other_model = await self._conclude(server, result)
             settle_eviction(server, admitted)
-            if isinstance(result, _Disagrees):
-                with_config.append(result)
             if other_model:
                 with_dataset.append(other_model)
             answered += not (isinstance(result, _Refused) and not result.answered)
         if self.ever_admitted or not answered:
             return
-        if with_config and len(with_config) == answered and not self.dataset.has_samples:
-            # Every server that answered disagrees with the config, and nothing stands
-            # with the config (no server admitted, no sample made with it): the job is
-            # wrong, not the servers.
-            raise ConfigError(with_config[0].key, with_config[0].message)
+        if not self.dataset.has_samples:
+            # Every server heard from, and all of them say the same against the config,
+            # with nothing on the config's side (no server admitted, no sample made with
+            # it): the job is wrong, not the servers (hsx_async.run.claims).
+            servers = [s.display for s in self.pool.servers if not s.retired]
+            if (error := job_fault(self._heard, servers)) is not None:
+                raise error
         if with_dataset and len(with_dataset) == answered:
             # Its samples were made by servers of another identity than every server that
             # answered: the output.dir is not this job's (or the servers are not).
@@ -222,21 +237,78 @@ class Admission:
     async def _conclude(self, server: Server, result: _Result) -> tuple[bool, str]:
         """Act on one examination: (now in rotation, why it is refused when that is
         because it is not the dataset's model)."""
-        if isinstance(result, _Refused):
-            await self.pool.refuse(server, result.fault.reason, result.fault.kind)
-            return False, ""
-        if isinstance(result, _Disagrees):
-            await self.pool.refuse(
-                server, f"config key {result.key!r} {result.message}", "identity"
-            )
+        if not isinstance(result, _Examined):
+            reason, kind = self._refusal(result)
+            await self.pool.refuse(server, reason, kind)
             return False, ""
         differences, of_dataset = self._differences(result.identity)
         if differences:
             reason = f"{server.display} is not this job's server: " + "; ".join(differences)
             await self.pool.refuse(server, reason, "identity")
             return False, reason if of_dataset else ""
+        if (other := self._other_rows(server, result)) is not None:
+            await self.pool.refuse(server, other, "identity")
+            return False, ""
         await self._admit(server, result)
         return True, ""
+
+    def _refusal(self, result: _Refused | Claim) -> tuple[str, str]:
+        """Why a server is refused, and the fault kind, when it did not pass."""
+        if isinstance(result, _Refused):
+            return result.fault.reason, result.fault.kind
+        return server_fault(result, self._heard), "identity"
+
+    def _other_rows(self, server: Server, examined: _Examined) -> str | None:
+        """Why the server is not the job's although it says so: its probe's rows are not
+        the pinned ones (other weights under the same name); None when they are."""
+        if self._pinned is None:
+            return None
+        pinned, by = self._pinned
+        distance = pinned.differs(examined.rows, TOLERANCE)
+        if distance is None:
+            return None
+        model = examined.identity.model or examined.identity.served_as
+        return (
+            f"{server.display} serves {model!r} with other weights than {by} (the job's): "
+            f"its probe's rows differ from the pinned ones by {distance:.3g} (relative L2; "
+            f"tolerance {TOLERANCE:g}); it stays out until it serves the job's weights"
+        )
+
+    # -- arbitration -----------------------------------------------------------------
+
+    async def arbitrate(self, server: Server, sent: int) -> bool:
+        """A sample's request to ``server`` (lease number ``sent``) was refused (a 4xx):
+        is the refusal the sample's? Only if the server is shown to work for a request
+        sent at or after it: a later request whose dump became a sample, or else the
+        probe — a known-good request — sent now (one for every refusal before it). When
+        the probe fails too, the server leaves rotation with the probe's reason, the
+        eviction is settled as "broken", and the refusals are not the samples' (False)."""
+        if server.worked > sent:
+            return True
+        held = self._arbitrations.get(server.url)
+        if held is None or held[0] < sent:  # none yet, or sent before this request was
+            verdict = asyncio.ensure_future(self._arbitration(server))
+            self._track(verdict)
+            held = self._arbitrations[server.url] = (server.requests, verdict)
+        return await asyncio.shield(held[1])
+
+    async def _arbitration(self, server: Server) -> bool:
+        result = await self._examine(server)
+        if isinstance(result, _Examined):
+            other = self._differences(result.identity)[0] or self._other_rows(server, result)
+            if not other:
+                return True
+            reason, kind = (other if isinstance(other, str) else "; ".join(other)), "identity"
+        else:
+            reason, kind = self._refusal(result)
+        log.warning("server_refusals_not_the_samples", server=server.display, reason=reason)
+        if server.healthy:
+            server.last_error = reason
+            await self.pool.evict(server, reason, kind)
+        else:  # out already (another fault): it stays out, for this reason
+            await self.pool.refuse(server, reason, kind)
+        settle_eviction(server, False)
+        return False
 
     def _differences(self, identity: Identity) -> tuple[list[str], bool]:
         """How ``identity`` differs from the job's, and whether the job's is the dataset's
@@ -266,6 +338,8 @@ class Admission:
         if new_kind is None:
             self.final_states.accept(identity.final_state)
         server.identity = identity
+        if self._pinned is None:
+            self._pinned = (examined.rows, server.display)
         if self.job is None:
             self.job = identity
             log.info("job_identity_pinned", by=server.display, identity=identity.to_record())
@@ -303,7 +377,7 @@ class Admission:
             if server.url in self._contacted and (error := await health):
                 return _unreachable(server, error)
             self._contacted.add(server.url)
-            info = asyncio.ensure_future(self._info(server))
+            info = asyncio.ensure_future(server_info(self.client, server))
             probe = asyncio.ensure_future(self._probe(server, info))
             tasks += [info, probe]
             if error := await health:
@@ -312,7 +386,7 @@ class Admission:
             if claim is not None:
                 return claim  # the probe is not waited for: its dump goes (_probe_once)
             try:
-                meta = await probe
+                meta, rows = await probe
             except _Outcome as outcome:
                 return outcome.result
         finally:
@@ -324,64 +398,24 @@ class Admission:
         identity = Identity.of(server.engine_name, meta, info.result())
         name = self.config.model.name
         if name and name not in (identity.model, identity.served_as):
-            return _Disagrees(
+            return Claim(
+                server.display,
                 "model.name",
+                identity.model or identity.served_as,
                 f"is {name!r}, but {server.display} serves "
                 f"{identity.model or identity.served_as!r}; set [model].name to the model "
                 "this job is for, or point [server].urls at servers of it",
             )
-        return _Examined(identity, parse_final_norm(info.result().get("final_norm")))
+        return _Examined(identity, parse_final_norm(info.result().get("final_norm")), rows)
 
-    async def _info(self, server: Server) -> dict[str, Any]:
-        """What the server says about itself; whatever it does not say stays out."""
-        found: dict[str, Any] = {}
-        engine = server.engine
-        raw = await info_of(self.client, server, engine.model_info_path)
-        if isinstance(raw, Mapping):
-            found["model"] = engine.model_of(raw)
-            for key, ours in (("hidden_size", "hidden_size"), ("hsx_aux_layers", "aux_layers"),
-                              ("hsx_final_norm", "final_norm"), ("weight_version", "revision"),
-                              ("hsx_dump_root", "dump_root")):  # fmt: skip
-                if key in raw:
-                    found[ours] = raw[key]
-        raw = await info_of(self.client, server, engine.version_path)
-        if isinstance(raw, Mapping):
-            found["version"] = str(raw.get("version", ""))
-            for key, ours in (("revision", "revision"), ("hsx_dump_root", "dump_root")):
-                if raw.get(key):
-                    found[ours] = raw[key]
-        found = {k: v for k, v in found.items() if v not in ("", None)}
-        if "revision" in found:
-            found["revision"] = str(found["revision"])
-        return found
-
-    def _claims(self, server: Server, info: dict[str, Any]) -> _Disagrees | None:
+    def _claims(self, server: Server, info: dict[str, Any]) -> Claim | None:
         """What the server reports about its shape, against the config (conclusive: it
         is the server's own word)."""
-        model = self.config.model
-        hidden, layers = info.get("hidden_size"), info.get("aux_layers")
-        if type(hidden) is int and hidden != model.hidden_size:
-            return _Disagrees(
-                "model.hidden_size",
-                f"is {model.hidden_size}, but {server.display} reports hidden size {hidden} "
-                f"(its info endpoint); set [model].hidden_size = {hidden}, or point "
-                "[server].urls at the job's model",
-            )
-        if isinstance(layers, list) and layers != list(model.aux_layers):
-            return self._layers_disagree(server, layers, "its info endpoint")
-        return None
+        return info_claim(self.config, server.display, info)
 
-    def _layers_disagree(self, server: Server, layers: object, where: str) -> _Disagrees:
-        ours = list(self.config.model.aux_layers)
-        shown = list(layers) if isinstance(layers, list | tuple) else layers
-        return _Disagrees(
-            "model.aux_layers",
-            f"is {ours}, but {server.display} captures {shown} ({where}); set "
-            f"[model].aux_layers = {shown}, or start the server with "
-            f"HSX_AUX_LAYERS={','.join(map(str, ours))}",
-        )
-
-    async def _probe(self, server: Server, info: Awaitable[dict[str, Any]]) -> DumpMeta:
+    async def _probe(
+        self, server: Server, info: Awaitable[dict[str, Any]]
+    ) -> tuple[DumpMeta, Fingerprint]:
         """One tiny request through the dump path (twice after a prefix-cache hit: the
         second must not hit the cache either); its meta.json, or :class:`_Outcome`."""
         meta = await self._probe_once(server, info)
@@ -391,8 +425,8 @@ class Admission:
 
     async def _probe_once(
         self, server: Server, info: Awaitable[dict[str, Any]], again: bool = True
-    ) -> DumpMeta:
-        """``info``: what :meth:`_info` found, read only when the probe fails (it runs
+    ) -> tuple[DumpMeta, Fingerprint]:
+        """``info``: what :func:`server_info` found, read only when the probe fails (it runs
         side by side with the probe)."""
         assert self._ns_dir is not None, "run() first"
         cfg = self.config
@@ -415,11 +449,13 @@ class Admission:
             await asyncio.shield(request)
             raw = await wait_for_meta(rid_dir, cfg.dump.timeout)
             meta = parse_meta(raw)
-            validate_dump(
+            dump = validate_dump(
                 rid_dir, raw, rid=rid, num_tokens=len(PROBE_IDS),
                 hidden_size=cfg.model.hidden_size, aux_layers=cfg.model.aux_layers,
                 storage=cfg.storage,
             )  # fmt: skip
+            # The checks the copy runs on every dump, and what the rows are (issue 38).
+            rows = await asyncio.to_thread(_examine_rows, dump)
         except IdentityError as exc:
             raise _Outcome(await self._shape_mismatch(server, info, exc, again)) from None
         except (RequestError, DumpError) as exc:
@@ -429,7 +465,7 @@ class Admission:
                 self._track(asyncio.ensure_future(asyncio.to_thread(remove_stray_dump, *stray)))
             raise _Outcome(await self._failed_probe(server, said, exc)) from None
         else:
-            return meta
+            return meta, rows
         finally:
             # Not awaited: the next probe has a rid of its own, and the end of the run
             # waits for this (_settle_probes) before the namespace goes.
@@ -453,7 +489,7 @@ class Admission:
             except _Outcome as outcome:
                 return outcome.result
             return _Refused(fault_of(DumpError(f"{server.display}: {exc} (once)")), True)
-        return _Disagrees(exc.key, f"{server.display}'s dump says: {exc}")
+        return Claim(server.display, exc.key, str(exc), f"{server.display}'s dump says: {exc}")
 
     async def _failed_probe(
         self, server: Server, info: dict[str, Any], exc: RequestError | DumpError
@@ -466,8 +502,10 @@ class Admission:
             other = await other_engine(self.client, server)
             if other:
                 what = "answers 404 at" if fault.kind == "not_found" else "takes no hsx mark at"
-                return _Disagrees(
+                return Claim(
+                    server.display,
                     "server.engine",
+                    other,
                     f"says {server.engine_name!r} for {server.display}, but it {what} "
                     f"{server.engine.generate_path} and serves {other}'s "
                     f"{ENGINES[other].model_info_path}: set [server].engine (or engines) "
@@ -482,15 +520,19 @@ class Admission:
         root = self.config.dump.root
         theirs = info.get("dump_root")
         if theirs and Path(str(theirs)) != root:
-            return _Disagrees(
+            return Claim(
+                server.display,
                 "dump.root",
+                str(theirs),
                 f"is {root}, but {server.display} dumps under {theirs} (HSX_DUMP_ROOT, "
                 "its info endpoint) and nothing appeared here: set dump.root to the "
                 "servers' HSX_DUMP_ROOT",
             )
         if server.engine_name == "vllm":
-            return _Disagrees(
+            return Claim(
+                server.display,
                 "dump.root",
+                "(none here)",
                 f"is {root}, but no dump of {server.display} appeared there although its "
                 "hsx connector took the request: set dump.root to the server's "
                 "HSX_DUMP_ROOT",
@@ -504,6 +546,13 @@ class Admission:
         return _Refused(Fault("server", "dump_missing", reason, reached=True), True)
 
 
+def _examine_rows(dump: Dump) -> Fingerprint:
+    """The checks the copy runs on a dump's bytes (a probe that the copy would refuse does
+    not pass), then what its rows are."""
+    check_sections(dump)
+    return fingerprint(dump)
+
+
 def _unreachable(server: Server, error: str) -> _Refused:
     return _Refused(Fault("server", "unreachable", f"{server.display}: {error}"), False)
 
@@ -514,6 +563,30 @@ def settle_eviction(server: Server, admitted: bool) -> None:
     samples'; refused, it was broken, and they are forgiven."""
     if server.evictions and server.evictions[-1].verdict is None:
         server.evictions[-1].verdict = admitted
+
+
+async def server_info(client: SGLangClient, server: Server) -> dict[str, Any]:
+    """What the server says about itself; whatever it does not say stays out."""
+    found: dict[str, Any] = {}
+    engine = server.engine
+    raw = await info_of(client, server, engine.model_info_path)
+    if isinstance(raw, Mapping):
+        found["model"] = engine.model_of(raw)
+        for key, ours in (("hidden_size", "hidden_size"), ("hsx_aux_layers", "aux_layers"),
+                          ("hsx_final_norm", "final_norm"), ("weight_version", "revision"),
+                          ("hsx_dump_root", "dump_root")):  # fmt: skip
+            if key in raw:
+                found[ours] = raw[key]
+    raw = await info_of(client, server, engine.version_path)
+    if isinstance(raw, Mapping):
+        found["version"] = str(raw.get("version", ""))
+        for key, ours in (("revision", "revision"), ("hsx_dump_root", "dump_root")):
+            if raw.get(key):
+                found[ours] = raw[key]
+    found = {k: v for k, v in found.items() if v not in ("", None)}
+    if "revision" in found:
+        found["revision"] = str(found["revision"])
+    return found
 
 
 async def info_of(client: SGLangClient, server: Server, path: str) -> object:

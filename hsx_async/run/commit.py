@@ -32,7 +32,7 @@ import structlog
 
 from hsx_async.config import Config
 from hsx_async.dataset.durable import write_error
-from hsx_async.dataset.manifest import AppendLog, QuarantineEntry
+from hsx_async.dataset.manifest import AppendLog, QuarantineEntry, Reason
 from hsx_async.errors import DiskFullError, DumpError, WriteError
 from hsx_async.run.dump import remove_tree
 from hsx_async.run.failpoints import failpoint
@@ -238,13 +238,16 @@ class Writers:
         await self.queue.put(EOF)
 
     async def quarantine(
-        self, line: int, sample_id: Any, reason: str, duplicate_of: int | None = None
+        self, line: int, sample_id: Any, reason: Reason, duplicate_of: int | None = None
     ) -> None:
-        entry = QuarantineEntry(sample_id, line, reason, duplicate_of)
+        entry = QuarantineEntry.of(sample_id, line, reason, duplicate_of)
         await asyncio.shield(self.committer.commit(self.committer.quarantine, entry.to_line()))
         self.metrics.sample_quarantined()
         # input_line: the number editors and grep -n show (the record keeps 0-based line)
-        log.warning("sample_quarantined", id=sample_id, input_line=line + 1, reason=reason)
+        log.warning(
+            "sample_quarantined", id=sample_id, input_line=line + 1, reason=reason.text,
+            cause=reason.cause, kind=reason.kind, retriable=reason.retriable,
+        )  # fmt: skip
 
     async def writer(self) -> None:
         loop = asyncio.get_running_loop()

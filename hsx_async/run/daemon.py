@@ -231,6 +231,7 @@ class Daemon:
                 stop_requested=self.stop_requested,
                 allow_provenance_change=self.allow_provenance_change,
             )
+            pipeline.workers.arbiter = self.admission.arbitrate
             # One shard in the directory: what it held at the start, so the report counts
             # a run killed after its last tick whole (with shards, other runs write too).
             await self.recorder.start(

@@ -31,8 +31,8 @@ A second client of the server pool (``hsx regenerate``) classifies its errors wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
+from hsx_async.dataset.manifest import Cause
 from hsx_async.errors import (
     AnswerError,
     CacheHitError,
@@ -45,11 +45,9 @@ from hsx_async.errors import (
     ResponseError,
 )
 
-Cause = Literal["sample", "server", "job"]
-CAUSES: tuple[Cause, ...] = ("sample", "server", "job")
-
-# The kinds a fault can be (the ``kind`` label of hsx_attempts_failed_total and of the
-# servers' out-of-rotation records): a fixed vocabulary, so labels stay few.
+# The kinds a fault can be (the ``kind`` label of hsx_attempts_failed_total, of the
+# servers' out-of-rotation records and of quarantine lines, PROTOCOL §4): a fixed
+# vocabulary, so labels stay few. Causes (``Cause``) are the quarantine line's vocabulary too.
 KINDS = (
     "rejected",  # 4xx about the request's content: the sample's
     "unreachable",  # connection refused: the request never left

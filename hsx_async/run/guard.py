@@ -66,6 +66,8 @@ class DiskGuard:
         self.on_change: list[Callable[[bool], None]] = []
         self.limits: list[IntakeLimit] = []
         self.reason = ""  # why intake is paused ('' while open)
+        self._limit_pause = False  # the pause now is a limit's (not the disk's)
+        self._limit_said = False  # a limit's pause was logged at info once this run
 
     @property
     def paused(self) -> bool:
@@ -81,12 +83,19 @@ class DiskGuard:
         self._announce(open_, **why)
 
     def _announce(self, open_: bool, **why: object) -> None:
+        """One line per change; a limit's pauses (a full spool: the intended steady state
+        of an online job, several a second) at info once a run, then at debug: the
+        progress line, ``hsx status`` and ``hsx_intake_paused`` show them."""
         held = "" if open_ else self._held()
         self.reason = "" if open_ else held or "output disk below output.disk_reserve"
-        if open_:
+        if open_ and self._limit_pause:
+            log.debug("intake_resumed", reason="the limit has room again", **why)
+        elif open_:
             log.warning("intake_resumed", free=self.free, reserve=self.reserve, **why)
         elif held:
-            log.warning("intake_paused_limit", reason=held, fix=self._fix(), **why)
+            say = log.debug if self._limit_said else log.info
+            say("intake_paused_limit", reason=held, fix=self._fix(), **why)
+            self._limit_said = True
         else:
             log.error(
                 "intake_paused_disk_low",
@@ -97,6 +106,7 @@ class DiskGuard:
                 "output.disk_reserve (SIGHUP applies it)",
                 **why,
             )
+        self._limit_pause = bool(held)
         for callback in self.on_change:
             callback(open_)
 

@@ -33,7 +33,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from hsx_async.dataset.manifest import ManifestEntry
+from hsx_async.dataset.manifest import ManifestEntry, Reason
 from hsx_async.errors import HsxError
 
 
@@ -102,5 +102,5 @@ class Sink(Protocol[JobT_contra]):
     async def submit(self, handoff: Handoff[JobT_contra]) -> None:
         """Queue a hand-off (waits while the writers' queue is full)."""
 
-    async def quarantine(self, line: int, sample_id: Any, reason: str) -> None:
+    async def quarantine(self, line: int, sample_id: Any, reason: Reason) -> None:
         """Record durably that the sample on input ``line`` (0-based) cannot be made."""

@@ -19,8 +19,8 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from hsx_async.config import listen_address
 from hsx_async.errors import ConfigError
+from hsx_async.net import listen_address
 from hsx_async.units import eta_text, human_bytes
 
 log = structlog.get_logger("hsx.observe")

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from hsx_async.config import Config
 from hsx_async.dataset.manifest import AppendLog
+from hsx_async.dataset.quarantine import input_reason
 from hsx_async.run.client import SGLangClient
 from hsx_async.run.commit import WRITER_TASKS_PER_THREAD, Committer, Writers, delete_dump
 from hsx_async.run.dump import remove_tree
@@ -124,7 +125,8 @@ class Pipeline:
         self.writers.apply(config)
 
     async def quarantine_bad_line(self, bad: BadLine) -> None:
-        await self.writers.quarantine(bad.line, bad.id, bad.reason, bad.duplicate_of)
+        why = input_reason(bad.reason, duplicate=bad.duplicate_of is not None)
+        await self.writers.quarantine(bad.line, bad.id, why, bad.duplicate_of)
 
     @property
     def settled(self) -> int:

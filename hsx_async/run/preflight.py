@@ -23,7 +23,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import numpy as np
@@ -36,13 +35,17 @@ from hsx_async.dataset.target import read_config
 from hsx_async.errors import DatasetError, DumpError, HsxError, InputError, RequestError
 from hsx_async.layer_ids import architecture_of, draft_ids, num_layers_of
 from hsx_async.protocol import Storage
+from hsx_async.run.admission import PROBE_IDS, server_info
+from hsx_async.run.claims import Claim, info_claim, job_fault, server_fault
 from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.dump import Dump, prepare_namespace, remove_tree, validate_dump, wait_for_meta
+from hsx_async.run.fingerprint import TOLERANCE, Fingerprint, fingerprint
 from hsx_async.run.guard import free_bytes
 from hsx_async.run.mounts import fs_type, huge_always, mount_of
 from hsx_async.run.observe import listen_problem
 from hsx_async.run.source import BadLine, SampleReader, open_input, require_samples
 from hsx_async.run.spool_estimate import SpoolRates, spool_lines
+from hsx_async.run.writer import check_sections
 from hsx_async.units import eta_text, human_bytes
 
 _PROBE_BYTES = 64 << 20
@@ -353,7 +356,7 @@ async def _dump_once(
         storage=config.storage,
     )
     meta = await wait_for_meta(ns_dir / rid, config.dump.timeout)
-    return validate_dump(
+    dump = validate_dump(
         ns_dir / rid,
         meta,
         rid=rid,
@@ -362,20 +365,22 @@ async def _dump_once(
         aux_layers=config.model.aux_layers,
         storage=config.storage,
     )
+    await asyncio.to_thread(check_sections, dump)  # what the copy would refuse
+    return dump
 
 
 async def _tiny_request(
     client: SGLangClient, server: Server, config: Config
-) -> tuple[str, Storage | None]:
-    """One 4-token request through the dump path: ('', the dump's storage) on success,
-    else (the problem, None)."""
+) -> tuple[str, tuple[Storage, Fingerprint] | None]:
+    """The admission's probe through the dump path, with the copy's checks: ('', the
+    dump's storage and what its rows are) on success, else (the problem, None)."""
     async with scratch_namespace(config) as ns_dir:
-        ids = np.array([1, 2, 3, 4], dtype=np.int64)
         try:
-            dump = await _dump_once(client, server, config, ns_dir, ids)
+            dump = await _dump_once(client, server, config, ns_dir, PROBE_IDS)
+            rows = await asyncio.to_thread(fingerprint, dump)
         except (RequestError, DumpError) as exc:
             return str(exc), None
-    return "", dump.meta.storage
+    return "", (dump.meta.storage, rows)
 
 
 @contextlib.asynccontextmanager
@@ -465,6 +470,10 @@ async def check_servers(
         engines=[config.server.engine_of(u) for u in config.server.urls],
     )
     total = 0.0
+    # What each server heard from says against the config (hsx_async.run.claims), and the
+    # first passing server's probe rows, which the others' must match (issue 38).
+    heard: dict[str, Claim | None] = {}
+    pinned: tuple[Fingerprint, str] | None = None
     async with aiohttp.ClientSession() as session:
         client = SGLangClient(session, pool)
         for server in pool.servers:
@@ -472,29 +481,56 @@ async def check_servers(
             if error:
                 report.add("FAIL", "server", f"{server.display}: {error}")
                 continue
-            path = server.engine.model_info_path
-            info: Any = {}
-            try:
-                info = await client.get_json(server.url, path)
-            except (HsxError, aiohttp.ClientError, ValueError) as exc:
-                report.add("WARN", "server", f"{server.display}: {path} failed: {exc}")
-            model_path = server.engine.model_of(info)
-            model = model_path or "?"
+            info = await server_info(client, server)
+            if "model" not in info:
+                path = server.engine.model_info_path
+                report.add("WARN", "server", f"{server.display}: {path} did not answer")
+            claim = heard[server.display] = info_claim(config, server.display, info)
+            if claim is not None:
+                continue  # judged once every server was heard from (below)
             problem, dumped = await _tiny_request(client, server, config)
             if problem or dumped is None:
                 report.add("FAIL", "dump path", f"{server.display}: {problem}")
                 continue
+            storage, rows = dumped
+            if pinned is not None and (distance := pinned[0].differs(rows)) is not None:
+                report.add("FAIL", "identity", _other_weights(server, pinned[1], distance))
+                continue
+            pinned = pinned or (rows, server.display)
             if config.storage.is_fp8:
-                report.add(*_storage_line(server, config, dumped))
+                report.add(*_storage_line(server, config, storage))
+            model_path = str(info.get("model", ""))
             report.add(
                 "OK",
                 "server",
-                f"{server.display}: healthy ({server.engine_name}), model {model}, dump path "
-                f"OK (hidden {config.model.hidden_size}, layers {list(config.model.aux_layers)})",
+                f"{server.display}: healthy ({server.engine_name}), model {model_path or '?'}, "
+                f"dump path OK (hidden {config.model.hidden_size}, layers "
+                f"{list(config.model.aux_layers)})",
             )
             report.add(*draft_ids_line({"model_path": model_path}, config.model.aux_layers))
             total += await _server_rate(client, server, config, probe or [], report)
+    _report_claims(report, heard, [s.display for s in pool.servers])
     return total
+
+
+def _other_weights(server: Server, pinned_by: str, distance: float) -> str:
+    return (
+        f"{server.display}: its probe's rows differ from {pinned_by}'s by {distance:.3g} "
+        f"(relative L2; tolerance {TOLERANCE:g}): other weights than {pinned_by} (hsx run "
+        "would refuse it)"
+    )
+
+
+def _report_claims(report: Report, heard: dict[str, Claim | None], servers: list[str]) -> None:
+    """The servers that disagree with the config: the config's fault when every server was
+    heard from and they all say the same, else theirs (the rule of ``hsx run``)."""
+    error = job_fault(heard, servers)
+    if error is not None:
+        report.add("FAIL", "config", str(error))
+        return
+    for claim in heard.values():
+        if claim is not None:
+            report.add("FAIL", "server", server_fault(claim, heard))
 
 
 def draft_ids_line(info: object, aux_layers: tuple[int, ...]) -> tuple[str, str, str]:

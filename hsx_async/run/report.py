@@ -45,9 +45,10 @@ from hsx_async.dataset.manifest import (
     log_name,
     read_manifest,
     read_quarantine,
+    retired_paths,
 )
 from hsx_async.dataset.provenance import read_provenance
-from hsx_async.dataset.quarantine import reason_kind
+from hsx_async.dataset.quarantine import reason_of
 from hsx_async.errors import DatasetError
 from hsx_async.logs import configure_logging
 
@@ -408,27 +409,34 @@ def build_report(out_dir: Path) -> dict[str, Any]:
     """Every number of the report, from the files of ``out_dir`` (an hsx dataset: the
     rule of status, verify and export)."""
     require_dataset(out_dir)
-    manifest = read_manifest(out_dir)
-    manifest_all = read_manifest(out_dir, retired=True)
+    manifest = read_manifest(out_dir, retired=True)  # a retired sample was written (and used)
+    gone = retired_paths(out_dir)
     quarantine = read_quarantine(out_dir)
     runs = _read_runs(out_dir)
     t0 = float(runs[0][0]["time"]) if runs else 0.0
     lines = input_lines(out_dir, (read_provenance(out_dir) or {}).get("input_lines"))
-    reasons = Counter(reason_kind(q.reason) for q in quarantine)
+    reasons = [reason_of(q) for q in quarantine]
+    kinds = Counter((r.cause, r.kind, r.retriable) for r in reasons)
     return {
         "dataset": str(out_dir),
         "generated": _iso(time.time()),
         "totals": {
             "samples": len(manifest),
             "tokens": sum(e.num_tokens for e in manifest),
-            "bytes": sum(e.size for e in manifest),
+            "bytes": sum(e.size for e in manifest if e.path not in gone),  # on disk now
+            "retired": len(gone),  # deleted by the spool once every consumer had them
             "quarantined": len(quarantine),
             # every input line, once a run has read the whole input (None before)
             "input_lines": sum(lines.values()) if lines else None,
         },
-        "runs": _run_summaries(runs, _held_now(manifest_all, quarantine)),
+        "runs": _run_summaries(runs, _held_now(manifest, quarantine)),
         "rate": _rate_series(runs, t0),
-        "quarantine_reasons": dict(reasons.most_common()),
+        "quarantine_reasons": dict(Counter(r.kind for r in reasons).most_common()),
+        # by cause, kind and whether a rerun may pass (cause null: a line written before it)
+        "quarantine_kinds": [
+            {"cause": c, "kind": k, "retriable": r, "count": n}
+            for (c, k, r), n in kinds.most_common()
+        ],
         "servers": _summed(runs, "servers"),
         "retries": _summed(runs, "retries"),
         "servers_out": servers_out(out_dir),

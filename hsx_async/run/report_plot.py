@@ -243,7 +243,7 @@ def _header(fig: Figure, report: dict[str, Any]) -> None:
     cards = [
         (f"{totals['samples']:,}", f"samples written{of}"),
         (_human(totals["tokens"]), "tokens"),
-        (human_bytes(totals["bytes"]), "on disk"),
+        (human_bytes(totals["bytes"]), _on_disk(totals)),
         (f"{totals['quarantined']:,}", f"quarantined{of}"),
         (_duration(seconds), f"in {len(runs)} run{'s' if len(runs) != 1 else ''}"),
         (_human(tokens_s), "tokens/s (mean)"),
@@ -321,3 +321,8 @@ def render(report: dict[str, Any], path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     fig.savefig(tmp, format="png")
     tmp.replace(path)
+
+
+def _on_disk(totals: dict[str, Any]) -> str:
+    retired = totals.get("retired", 0)
+    return f"on disk ({retired:,} consumed and deleted)" if retired else "on disk"

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from hsx_async.dataset.manifest import Reason
 from hsx_async.dataset.quarantine import attempts_reason, refused_reason
 from hsx_async.run.faults import Fault
 
@@ -124,7 +125,7 @@ class Attempts:
     rids: int = 0
     failed: int = 0
     charged: int = 0
-    last_charged: str = ""
+    last_charged: Fault | None = None
     suspicions: list[Suspicion] = field(default_factory=list)
     permanent: bool = False  # a sample fault no retry can change
 
@@ -132,14 +133,14 @@ class Attempts:
         """One failed attempt. Call before the server's record is updated for it."""
         self.failed += 1
         if fault.cause == "sample":
-            self.charge(fault.reason)
+            self.charge(fault)
             self.permanent = self.permanent or fault.permanent
         elif fault.cause == "server" and fault.reached and server is not None:
             self.suspicions.append(Suspicion.against(server, fault))
 
-    def charge(self, reason: str) -> None:
+    def charge(self, fault: Fault) -> None:
         self.charged += 1
-        self.last_charged = reason
+        self.last_charged = fault
 
     def settle(self, policy: RetryPolicy) -> None:
         """Charge the suspicions whose server has since been shown to work; forgive those
@@ -155,14 +156,22 @@ class Attempts:
             if verdict is None:
                 open_.append(suspicion)
             elif verdict and not policy.exhausted(self.charged):
-                self.charge(suspicion.fault.reason)
+                self.charge(suspicion.fault)
         self.suspicions = open_
 
     def exhausted(self, policy: RetryPolicy) -> bool:
         """The sample is to be quarantined (after :meth:`settle`)."""
         return self.permanent or (self.charged > 0 and policy.exhausted(self.charged))
 
-    def quarantine_reason(self) -> str:
+    def quarantine_reason(self) -> Reason:
+        """The quarantine line's reason (after :meth:`exhausted`): the fault charged last,
+        its cause and kind as :mod:`~hsx_async.run.faults` classified it; retriable (the
+        sample was sent and failed: a rerun may pass once the cause is fixed)."""
+        last = self.last_charged
+        if last is None:
+            raise ValueError("no attempt was charged: nothing to quarantine the sample for")
         if self.permanent:
-            return refused_reason(self.last_charged)
-        return attempts_reason(self.charged, self.last_charged)
+            text = refused_reason(last.reason)
+        else:
+            text = attempts_reason(self.charged, last.reason)
+        return Reason(text, last.cause, last.kind, retriable=True)

@@ -1,7 +1,7 @@
 """The run's side of a bounded spool (``[output].spool_limit``, PROTOCOL §6).
 
 The bytes this shard holds on disk are the sample files it committed that are not yet
-retired (deleted once every consumer acknowledged them, :mod:`hsx_async.dataset.spool`)
+retired (deleted once every consumer acknowledged them, :mod:`hsx_async.dataset.live.retire`)
 plus the files of the samples admitted and not yet committed or quarantined. A worker
 asks :class:`SpoolLimit` (through the disk guard, :meth:`DiskGuard.admit`) for room for
 a sample's whole file *before* it sends the request; when it does not fit, the sample goes
@@ -24,15 +24,16 @@ from dataclasses import dataclass, field
 import structlog
 
 from hsx_async.config import Config
-from hsx_async.dataset.consumers import (
+from hsx_async.dataset.layout import build_layout, canonical_id
+from hsx_async.dataset.live.ledger import ConsumerLog
+from hsx_async.dataset.live.registry import (
     ACKED,
-    KEEP,
-    ConsumerLog,
     Registry,
     read_registry,
     record_registry,
 )
-from hsx_async.dataset.layout import build_layout, canonical_id
+from hsx_async.dataset.live.retire import Retirer, delete_retired, finish_retirement, read_retired
+from hsx_async.dataset.live.view import ConsumerProgress, log_progress
 from hsx_async.dataset.manifest import (
     MANIFEST,
     QUARANTINE,
@@ -41,8 +42,8 @@ from hsx_async.dataset.manifest import (
     log_name,
     manifest_entry,
     read_manifest,
+    retired_record,
 )
-from hsx_async.dataset.spool import Retirer, delete_retired, finish_retirement, read_retired
 from hsx_async.protocol import POST_NORM
 from hsx_async.run.guard import DiskGuard
 from hsx_async.run.source import Sample
@@ -68,15 +69,7 @@ def file_bytes(config: Config, sample: Sample) -> int:
     ).total_bytes
 
 
-@dataclass(frozen=True, slots=True)
-class ConsumerLag:
-    """One registered consumer, as its log says."""
-
-    name: str
-    acked: int  # this shard's committed samples it acknowledged (epoch 0)
-    lag: int  # this shard's committed samples it has not acknowledged yet
-    leased: int  # its live leases (every rank)
-    duplicate_acks: int
+ConsumerLag = ConsumerProgress  # the run's name for it (its /status, its metrics)
 
 
 @dataclass
@@ -184,8 +177,9 @@ class Spool:
             if isinstance(rec, dict) and rec.get("id") is not None:
                 seen.quarantined.append(canonical_id(rec["id"]))
         for _, rec in self._retired.read():
-            if isinstance(rec, dict) and isinstance(rec.get("path"), str):
-                seen.retired.append(rec["path"])
+            found = retired_record(rec)
+            if found is not None:
+                seen.retired.append(found[0])
         for path in self.retiring | set(seen.retired):
             if self._gone(path):
                 seen.gone.add(path)
@@ -208,15 +202,7 @@ class Spool:
         return False
 
     def _lags(self, committed: set[str]) -> list[ConsumerLag]:
-        now, lags = time.time(), []
-        for name, consumer in self._logs.items():
-            state = consumer.refresh()
-            acked = len(state.acked.get(0, set()) & committed)
-            leased = sum(state.held(0, now).values())
-            lags.append(
-                ConsumerLag(name, acked, len(committed) - acked, leased, state.duplicate_acks)
-            )
-        return lags
+        return [log_progress(log, committed) for log in self._logs.values()]
 
     def apply(self, seen: _Seen) -> None:
         # A sample may be committed, consumed and retired between the two reads of one
@@ -262,20 +248,10 @@ def prepare_spool(config: Config) -> None:
     retirement a crash cut short, and retire what the consumers already acknowledged
     (a consumer may have been dropped from the registry since)."""
     out = config.output.dir
-    registry = registry_for(config)
     retired = read_retired(out)
     if wants_spool(config) or read_registry(out) is not None:
-        record_registry(out, registry, retired=len(retired))
+        record_registry(out, registry_for(config), retired=len(retired))
     finish_retirement(out)
-    retirer = Retirer(out, registry)
-    if retirer.active:
-        gone = retirer.retire(read_manifest(out))
-        if gone:
-            log.info("spool_retired_at_start", samples=len(gone))
-
-
-def describe(registry: Registry | None) -> str:
-    if registry is None or registry.retention == KEEP:
-        return "keep every sample"
-    limit = human_bytes(registry.spool_limit) if registry.spool_limit else "no limit"
-    return f"delete once {', '.join(registry.consumers)} acknowledged; spool limit {limit}"
+    gone = Retirer(out).retire(read_manifest(out))
+    if gone:
+        log.info("spool_retired_at_start", samples=len(gone))

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from hsx_async.config import Config, spool_bytes_bound
-from hsx_async.dataset.consumers import ACKED
+from hsx_async.dataset.live.registry import ACKED
 from hsx_async.units import eta_text, human_bytes
 
 Line = tuple[str, str, str]  # (level, check, detail), as hsx check prints them

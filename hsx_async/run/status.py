@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hsx_async.dataset.live.view import consumer_families
 from hsx_async.run.client import Server, ServerPool
 from hsx_async.run.guard import DiskGuard
 from hsx_async.run.metrics import Metrics
@@ -197,19 +198,6 @@ _GAUGES: dict[str, tuple[str, Callable[[RunStatus], float]]] = {
     ),
 }
 _SERVER_UP = ("hsx_server_up", "1 if the server is in rotation")
-# Per registered consumer (output.consumers): a handful of series.
-_CONSUMER: dict[str, tuple[str, Callable[[ConsumerLag], float]]] = {
-    "hsx_consumer_lag_samples": (
-        "Committed samples the consumer has not acknowledged",
-        lambda c: c.lag,
-    ),
-    "hsx_consumer_acked_samples": ("Samples the consumer acknowledged", lambda c: c.acked),
-    "hsx_consumer_leases": ("Samples leased to the consumer's ranks now", lambda c: c.leased),
-    "hsx_consumer_duplicate_acks": (
-        "Acknowledgements of samples already acknowledged (a lease_timeout too short)",
-        lambda c: c.duplicate_acks,
-    ),
-}
 
 
 class StatusCollector(Collector):
@@ -222,8 +210,7 @@ class StatusCollector(Collector):
         for name, (doc, _) in _GAUGES.items():
             yield GaugeMetricFamily(name, doc)
         yield GaugeMetricFamily(*_SERVER_UP, labels=["server"])
-        for name, (doc, _) in _CONSUMER.items():
-            yield GaugeMetricFamily(name, doc, labels=["consumer"])
+        yield from consumer_families(())
 
     def collect(self) -> Iterator[Metric]:
         status = self.snapshot()
@@ -233,9 +220,4 @@ class StatusCollector(Collector):
         for server in status.servers:
             up.add_metric([server.url], 1 if server.healthy else 0)
         yield up
-        consumers = status.spool.consumers if status.spool else ()
-        for name, (doc, read) in _CONSUMER.items():
-            family = GaugeMetricFamily(name, doc, labels=["consumer"])
-            for consumer in consumers:
-                family.add_metric([consumer.name], read(consumer))
-            yield family
+        yield from consumer_families(status.spool.consumers if status.spool else ())

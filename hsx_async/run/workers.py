@@ -93,6 +93,7 @@ class _Failure:
 
     error: RequestError | DumpError
     server: Server | None
+    lease: int = 0  # the attempt's lease number on ``server``
 
 
 def retry_policy(config: Config) -> RetryPolicy:
@@ -179,6 +180,8 @@ class Workers:
         self.retry = retry_policy(config)
         self.target_workers = config.workers.start_concurrency
         self.live_rids: dict[str, set[str]] = collections.defaultdict(set)  # ns → rids
+        # Settles a server's refusal of a sample (its lease number): True, the sample's.
+        self.arbiter: Callable[[Server, int], Awaitable[bool]] | None = None
         self.workers_running = 0
         self.workers_done = asyncio.Event()
         self.namespaces: set[Path] = set()  # removed when the run ends
@@ -362,7 +365,7 @@ class Workers:
         # The failed dump goes, and any debris with it (late writes of abandoned
         # attempts): everything but the dumps the writers hold.
         await self.to_thread(sweep_namespace, ns_dir, set(self.live_rids[ns]))
-        fault = fault_of(failure.error)
+        fault = await self._arbitrated(fault_of(failure.error), failure)
         log.info("attempt_failed", cause=fault.cause, kind=fault.kind, error=fault.reason)
         if await self._count(sample, tries, fault, failure.server):
             return True
@@ -370,6 +373,19 @@ class Workers:
             return False  # the server is out of rotation: the next lease waits for one
         await asyncio.sleep(self.retry.delay(tries.failed))
         return False
+
+    async def _arbitrated(self, fault: Fault, failure: _Failure) -> Fault:
+        """A refusal of the sample's content (a 4xx) is the sample's only once its server is
+        shown to work for a request sent at or after it (:meth:`Admission.arbitrate`: a
+        storm of refusals from one server is arbitrated by its probe before the samples
+        pay). Refused by a server that fails its probe too, it is that server's, and the
+        sample goes on uncharged."""
+        server = failure.server
+        if fault.cause != "sample" or server is None or self.arbiter is None:
+            return fault
+        if await self.arbiter(server, failure.lease):
+            return fault
+        return Fault("server", fault.kind, f"{fault.reason} (its probe was refused too)")
 
     async def _count(
         self, sample: Sample, tries: Attempts, fault: Fault, server: Server | None
@@ -414,7 +430,7 @@ class Workers:
                     storage=cfg.storage,
                 )
             except (RequestError, DumpError) as exc:
-                return _Failure(exc, server)
+                return _Failure(exc, server, lease)
         keep = {*self.live_rids[ns], rid}
         try:
             dump = await collect_dump(
@@ -429,7 +445,7 @@ class Workers:
             if server.identity is not None:  # every meta.json against its server's identity
                 check_dump(server.identity, dump.meta, server.display)
         except DumpError as exc:
-            return _Failure(exc, server)
+            return _Failure(exc, server, lease)
         return dump, server, lease
 
     async def _hand_off(self, sample: Sample, got: _Extracted, ns: str, need: int) -> None:

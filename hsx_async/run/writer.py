@@ -11,13 +11,18 @@ Two steps, so that the slow part runs in parallel and the syncs are shared:
 
 FP8 datasets (PROTOCOL versions 3, 4): a dump the hook stored as FP8 is copied the same way,
 section by section (each file tensor is one section of every part, in row order), bytes
-unchanged; its scales (4 bytes a vector) pass through a small private buffer, checked
-there against the quantization rule (:func:`~hsx_async.protocol.section_check`: a
-negative, zero, subnormal or non-finite scale is an invalid dump, a failed attempt), so
-the big sections get no extra pass and what is checked is what is written. A server that
-dumped bfloat16 gets its rows quantized here, by the same quantizer, a bounded block of
-rows at a time (:func:`_encoded`): the same file as if the hook had done it, at the CPU
-cost bench/README.md ("FP8") measures.
+unchanged; its per-vector sections (the scales, and the outliers' channels and values:
+4 or 68 bytes a vector, ~1 % of the sample) are read first into the copy's own memory,
+checked there against the quantization rule (:func:`~hsx_async.protocol.section_check`: a
+negative, zero, subnormal or non-finite scale, outlier channels out of order or past H, a
+non-finite outlier value are an invalid dump, a failed attempt) and written from there:
+what is checked is what is written. The big FP8 values get no extra pass: in the outliers
+layout each outlier's own value is checked against its outlier entry as the copy's buffer
+holds it (:class:`_OutlierWatch`: ±448 with the value's sign, what ``hsx verify --deep``
+checks per vector), 16 bytes a vector. A server that dumped bfloat16 gets its rows
+quantized here, by the same quantizer, a bounded block of rows at a time
+(:func:`_encoded`), its per-vector sections checked as a hook's: the same file as if the
+hook had done it, at the CPU cost bench/README.md ("FP8") measures.
 
 Copy methods:
 
@@ -49,12 +54,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +73,18 @@ from hsx_async.dataset.durable import fsync_dir, write_error
 from hsx_async.dataset.layout import ALIGN, FileLayout
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DumpError, WriteError
-from hsx_async.protocol import SectionCheck, check_unit, num_layers, section_check
+from hsx_async.protocol import (
+    HIDDEN,
+    OUTLIER_INDEX,
+    OUTLIER_VALUES,
+    SCALE_BYTES,
+    SCALES,
+    Section,
+    SectionCheck,
+    num_layers,
+    saturated_codes,
+    section_check,
+)
 from hsx_async.run.dump import Dump, DumpLinkError, open_dump_dir, open_dump_file
 from hsx_async.run.failpoints import failpoint
 from hsx_async.run.source import Sample
@@ -77,9 +94,11 @@ if TYPE_CHECKING:
 
 CHUNK = 8 << 20  # bytes per O_DIRECT write: large enough to keep the device streaming
 SUB = 256 << 10  # bytes read then hashed at once: still in the L2 cache when hashed
+WATCHED = 1 << 20  # bytes a watch sees at once (see _read_hashed)
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
 Hasher = xxhash.xxh3_64
 Flusher = futures.Executor
+Watch = Callable[[memoryview, int], None]  # sees copied bytes and their offset in the range
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
@@ -399,9 +418,20 @@ def _write_all(fd: int, data: memoryview | bytes | mmap.mmap) -> None:
                 done += os.write(fd, rest)
 
 
-def _read_hashed(part_fd: int, name: str, view: memoryview, offset: int, hasher: Hasher) -> None:
-    """Fill ``view`` from the part at ``offset``, hashing each piece right after reading it."""
-    done, total = 0, view.nbytes
+def _read_hashed(
+    part_fd: int,
+    name: str,
+    view: memoryview,
+    offset: int,
+    hasher: Hasher,
+    *,
+    watch: tuple[Watch, int] | None = None,
+) -> None:
+    """Fill ``view`` from the part at ``offset``, hashing each piece right after reading it
+    and, with ``watch`` (the check, and the offset of ``view`` in its range), showing it
+    what was read, ``WATCHED`` bytes at a time (a call costs a few µs of numpy whatever its
+    size; bench/fp8_copy_check.py measured 256 KiB, 1 MiB and 8 MiB alike)."""
+    done, total, seen = 0, view.nbytes, 0
     while done < total:
         with view[done : done + SUB] as piece:
             got = os.preadv(part_fd, [piece], offset + done)
@@ -410,6 +440,10 @@ def _read_hashed(part_fd: int, name: str, view: memoryview, offset: int, hasher:
             with piece[:got] as filled:
                 hasher.update(filled)
         done += got
+        if watch is not None and (done - seen >= WATCHED or done == total):
+            with view[seen:done] as stretch:
+                watch[0](stretch, watch[1] + seen)
+            seen = done
 
 
 class _AlignedFile:
@@ -447,14 +481,17 @@ class _AlignedFile:
                 if self.fill == CHUNK:
                     self._write_buffer()
 
-    def copy_part(self, part_fd: int, name: str, start: int, length: int) -> None:
-        """A range of a dump part, read into the buffer in pieces, each hashed while in
-        the cache."""
+    def copy_part(
+        self, part_fd: int, name: str, start: int, length: int, watch: Watch | None = None
+    ) -> None:
+        """A range of a dump part, read into the buffer in pieces, each hashed (and shown
+        to ``watch``) while in the cache, before it is written."""
         pos, end = start, start + length
         while pos < end:
             n = min(end - pos, CHUNK - self.fill)
+            seen = None if watch is None else (watch, pos - start)
             with self.whole[self.fill : self.fill + n] as view:
-                _read_hashed(part_fd, name, view, pos, self.hasher)
+                _read_hashed(part_fd, name, view, pos, self.hasher, watch=seen)
             self.fill, pos = self.fill + n, pos + n
             if self.fill == CHUNK:
                 self._write_buffer()
@@ -510,55 +547,171 @@ def _write_block(fd: int, block: memoryview) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _Piece:
-    """A byte range of one dump part, copied unchanged into the file; ``check``: the rule
-    its bytes must pass (:func:`~hsx_async.protocol.section_check`: the FP8 scales)."""
+    """A byte range of one dump part, copied unchanged into the file. ``data``: its bytes,
+    read and checked before the copy (the per-vector sections, :func:`_read_checked`), and
+    written from there; ``watch``: a check of the bytes as they are copied
+    (:class:`_OutlierWatch`, on the FP8 values of the outliers layout)."""
 
     path: Path
     part_bytes: int  # the whole part's size, re-checked on the descriptor
     offset: int
     length: int
-    check: SectionCheck | None = None
-    unit: int = 4  # the check's blocks are a multiple of this many bytes (whole vectors)
+    data: bytes | None = None
+    watch: _OutlierWatch | None = None
 
 
 def _pieces(job: WriteJob) -> list[_Piece]:
     """What the file's hidden sections are made of when the dump holds the dataset's own
     storage: each section in turn, each part's range of it in row order (a part holds its
-    rows' sections back to back, the file each section over all rows)."""
-    meta = job.dump.meta
+    rows' sections back to back, the file each section over all rows). The per-vector
+    sections (the FP8 scales and outliers, ~1% of the bytes) are read and checked first,
+    so that the outliers layout's values can be checked against them as they are copied."""
+    return _checked_pieces(job.dump)
+
+
+def _checked_pieces(dump: Dump) -> list[_Piece]:
+    meta = dump.meta
+    grid: dict[str, list[_Piece]] = {}
+    for section, piece in _sections(dump):
+        check = section_check(section, meta.hidden_size)
+        checked = piece if check is None else _read_checked(piece, check)
+        grid.setdefault(section.name, []).append(checked)
+    if meta.storage.outliers:
+        vectors = zip(grid[OUTLIER_INDEX], grid[OUTLIER_VALUES], grid[SCALES], strict=True)
+        grid[HIDDEN] = [
+            dataclasses.replace(q, watch=_OutlierWatch(q.path.name, meta.hidden_size, *parts))
+            for q, parts in zip(grid[HIDDEN], vectors, strict=True)
+        ]
+    return [piece for pieces in grid.values() for piece in pieces]
+
+
+def _sections(dump: Dump) -> list[tuple[Section, _Piece]]:
+    """Each section of ``dump`` (in its own storage), each part's range of it in row order."""
+    meta = dump.meta
     rows = [e - s for s, e in meta.parts]
-    sections = job.layout.storage.sections(num_layers(meta.aux_layers), meta.hidden_size)
+    sections = meta.storage.sections(num_layers(meta.aux_layers), meta.hidden_size)
     per_row = sum(section.row_bytes for section in sections)
-    pieces: list[_Piece] = []
+    pieces: list[tuple[Section, _Piece]] = []
     before = 0  # bytes per row of the sections before this one
     for section in sections:
-        check, unit = section_check(section, meta.hidden_size), check_unit(section)
-        for path, n in zip(job.dump.part_paths(), rows, strict=True):
-            pieces.append(_Piece(path, n * per_row, n * before, n * section.row_bytes, check, unit))
+        for path, n in zip(dump.part_paths(), rows, strict=True):
+            pieces.append((section, _Piece(path, n * per_row, n * before, n * section.row_bytes)))
         before += section.row_bytes
     return pieces
 
 
-def _copy_checked(
-    part_fd: int, piece: _Piece, scratch: memoryview, emit: Callable[[memoryview], None]
-) -> None:
-    """A piece whose bytes must pass a check (the FP8 scales and outliers: a tiny share of
-    the bytes), read a block at a time into ``scratch`` (the copy's own memory, SUB bytes),
-    checked there and only then handed to ``emit`` (hashed and written): what is checked is
-    what is written, whatever the server does to the part meanwhile. A block is whole
-    vectors (a multiple of ``piece.unit`` bytes: 4 for float32 scales, 32 for 16 outlier
-    channels)."""
-    assert piece.check is not None and 0 < piece.unit <= SUB
-    step = SUB - SUB % piece.unit
-    pos, end = piece.offset, piece.offset + piece.length
-    while pos < end:
-        with scratch[: min(step, end - pos)] as block:
-            _read_exact(part_fd, piece.path.name, block, pos)
-            problem = piece.check(block)
-            if problem is not None:
-                raise DumpError(f"{piece.path.name}: {problem}")
-            emit(block)
-            pos += block.nbytes
+def check_sections(dump: Dump) -> None:
+    """The checks the copy runs on a dump's bytes (the FP8 scales and outliers, read and
+    checked before the copy, and each outlier's own value as the copy sees it), run on
+    ``dump`` without copying it: what an admission's probe runs on its own dump, so that a
+    server whose every dump the copy refuses is not admitted (issue 38). :class:`DumpError`
+    with the copy's words."""
+    for piece in _checked_pieces(dump):
+        if piece.watch is None:
+            continue
+        block = bytearray(min(piece.length, WATCHED))
+        part_fd = _open_part(piece.path, piece.part_bytes)
+        try:
+            for at in range(0, piece.length, WATCHED):
+                with memoryview(block)[: min(WATCHED, piece.length - at)] as view:
+                    _read_exact(part_fd, piece.path.name, view, piece.offset + at)
+                    piece.watch(view, at)
+        finally:
+            os.close(part_fd)
+
+
+def read_sections(dump: Dump, names: Collection[str]) -> dict[str, tuple[Section, bytes]]:
+    """The bytes of the sections of ``dump`` named in ``names``, each over all its rows
+    (for a small dump: a probe's)."""
+    found: dict[str, tuple[Section, bytearray]] = {}
+    for section, piece in _sections(dump):
+        if section.name not in names:
+            continue
+        block = bytearray(piece.length)
+        part_fd = _open_part(piece.path, piece.part_bytes)
+        try:
+            with memoryview(block) as view:
+                _read_exact(part_fd, piece.path.name, view, piece.offset)
+        finally:
+            os.close(part_fd)
+        _, held = found.setdefault(section.name, (section, bytearray()))
+        held += block
+    return {name: (section, bytes(data)) for name, (section, data) in found.items()}
+
+
+def _read_checked(piece: _Piece, check: SectionCheck) -> _Piece:
+    """A piece whose bytes must pass a check (:func:`~hsx_async.protocol.section_check`:
+    the FP8 scales and outliers, a few bytes a vector), read into the copy's own memory and
+    checked there; the file gets those bytes (``data``): what is checked is what is written,
+    whatever the server does to the part meanwhile."""
+    data = bytearray(piece.length)
+    part_fd = _open_part(piece.path, piece.part_bytes)
+    try:
+        with memoryview(data) as view:
+            _read_exact(part_fd, piece.path.name, view, piece.offset)
+    finally:
+        os.close(part_fd)
+    problem = check(data)
+    if problem is not None:
+        raise DumpError(f"{piece.path.name}: {problem}")
+    return dataclasses.replace(piece, data=bytes(data))
+
+
+class _OutlierWatch:
+    """The outliers layout's FP8 values of one part, checked as they are copied against
+    the part's outliers (read and checked before): each outlier's own e4m3fn value must be
+    ±448 with its value's sign (:func:`~hsx_async.protocol.saturated_codes`), as ``hsx
+    verify --deep`` requires. A dump whose outlier values are not listed in their channels'
+    order (say, by magnitude) passes every per-section check and fails this one. Costs a
+    gather of 16 bytes a vector from the copy's buffer (bench/fp8_copy_check.py); the
+    entries' offsets (8 bytes each) are made at the part's first bytes, dropped after its
+    last."""
+
+    def __init__(
+        self, name: str, hidden: int, index: _Piece, values: _Piece, scales: _Piece
+    ) -> None:
+        """The part's outlier sections and scales, each read and checked before."""
+        assert index.data is not None and values.data is not None and scales.data is not None
+        vectors = scales.length // SCALE_BYTES
+        self.name, self.hidden, self.length = name, hidden, vectors * hidden
+        self.index = np.frombuffer(index.data, dtype="<u2").reshape(vectors, -1)
+        self.values = np.frombuffer(values.data, dtype="<u2").reshape(vectors, -1)
+        self.scales = np.frombuffer(scales.data, dtype="<u4")
+        self._entries: tuple[np.ndarray, np.ndarray] | None = None
+
+    def __call__(self, view: memoryview, at: int) -> None:
+        """``view``: the bytes ``at …`` of the part's FP8 values (vectors of H bytes), in
+        order over the part."""
+        if self._entries is None:
+            self._entries = self._checked()
+        offsets, codes = self._entries
+        # scalar searches, take and a bytes compare: a few µs a call (numpy's general
+        # forms cost 5x as much, more than the gather itself)
+        lo, hi = int(offsets.searchsorted(at)), int(offsets.searchsorted(at + view.nbytes))
+        got = np.frombuffer(view, dtype=np.uint8).take(offsets[lo:hi] - at)
+        if got.tobytes() != codes[lo:hi].tobytes():
+            self._refuse(offsets[lo:hi][got != codes[lo:hi]])
+        if at + view.nbytes >= self.length:
+            self._entries = None
+
+    def _checked(self) -> tuple[np.ndarray, np.ndarray]:
+        """The offsets in the part's FP8 values of the outlier entries the rule fixes,
+        ascending (vectors in order, each one's channels ascending), and their codes."""
+        checked, codes = saturated_codes(self.index, self.values, self.scales, self.hidden)
+        rows = np.arange(len(self.index), dtype=np.int64)[:, None] * self.hidden
+        return (rows + self.index)[checked], codes[checked]
+
+    def _refuse(self, wrong: np.ndarray) -> None:
+        vector, channel = divmod(int(wrong[0]), self.hidden)
+        entry = int(np.argmax(self.index[vector] == channel))
+        bits = np.array([self.values[vector, entry]], dtype="<u4") << 16
+        value = float(bits.view("<f4")[0])  # bfloat16: float32's upper half
+        raise DumpError(
+            f"{self.name}: FP8 outliers' own values are not ±448 with their sign ({len(wrong)} "
+            f"in a stretch; first: vector {vector}, channel {channel}, beside the value "
+            f"{value:g}); the quantization rule saturates each outlier there, so these values "
+            "are not their channels' (listed in another order?)"
+        )
 
 
 def _transcoded(job: WriteJob) -> bool:
@@ -578,7 +731,8 @@ def _encoded(job: WriteJob) -> Iterator[memoryview]:
     """The hidden sections of an FP8 file from a bfloat16 dump, in file order, a block of
     rows at a time (the same quantizer as the hook, so the same bytes): pass 1 writes the
     quantized slots and keeps their per-vector sections (scales, and the outliers of that
-    layout: T × Lq × 4 bytes, × 17 with outliers), then those, then pass 2 the slots kept in
+    layout: T × Lq × 4 bytes, × 17 with outliers), then those (checked as a hook's are:
+    the same rows are refused whoever quantized them), then pass 2 the slots kept in
     bfloat16. Memory: one block and the per-vector sections, whatever T."""
     # torch only here: a bf16 run (and an FP8 one whose hook quantizes) never imports it.
     import torch  # noqa: PLC0415 - ~1.4 CPU-s and 200 MB that a copy does not need
@@ -619,8 +773,14 @@ def _encoded(job: WriteJob) -> Iterator[memoryview]:
         for whole, part in zip(per_vector, rest, strict=True):
             whole[row : row + rows.shape[0]] = part
         yield _bytes_of(q.contiguous())
-    for whole in per_vector:
-        yield _bytes_of(whole)
+    # a non-finite row gives a non-finite scale or outlier value: refused here as well
+    for section, whole in zip(storage.sections(layers, hidden)[1:], per_vector, strict=False):
+        data = _bytes_of(whole)
+        check = section_check(section, hidden)
+        problem = None if check is None else check(data)
+        if problem is not None:
+            raise DumpError(f"{job.dump.path.name} (quantized by the client): {problem}")
+        yield data
     if kept:
         for _, rows in blocks():
             yield _bytes_of(rows[:, list(kept), :].contiguous())
@@ -646,12 +806,8 @@ def _read_exact(part_fd: int, name: str, view: memoryview, offset: int) -> None:
 def _write_direct(
     fd: int, job: WriteJob, hasher: Hasher, flusher: Flusher, whole: memoryview
 ) -> None:
-    # The copy's buffer: two CHUNKs to write from, and SUB bytes for checked pieces.
-    with (
-        whole[:CHUNK] as first,
-        whole[CHUNK : 2 * CHUNK] as second,
-        whole[2 * CHUNK : 2 * CHUNK + SUB] as scratch,
-    ):
+    # The copy's buffer: two CHUNKs to write from (the SUB bytes after them: sendfile's).
+    with whole[:CHUNK] as first, whole[CHUNK : 2 * CHUNK] as second:
         out = _AlignedFile(fd, (first, second), hasher, flusher)
         try:
             out.put(_head(job))  # a multiple of ALIGN long, by construction of the layout
@@ -660,41 +816,41 @@ def _write_direct(
                     out.put(data)
             else:
                 for piece in _pieces(job):
-                    part_fd = _open_part(piece.path, piece.part_bytes)
-                    try:
-                        if piece.check is None:
-                            out.copy_part(part_fd, piece.path.name, piece.offset, piece.length)
-                        else:
-                            _copy_checked(part_fd, piece, scratch, out.put)
-                    finally:
-                        os.close(part_fd)
+                    _copy_direct(out, piece)
             out.put(_tail(job))
             out.finish(job.layout.total_bytes)
         finally:
             out.settle()
 
 
+def _copy_direct(out: _AlignedFile, piece: _Piece) -> None:
+    if piece.data is not None:  # read and checked before
+        out.put(piece.data)
+        return
+    part_fd = _open_part(piece.path, piece.part_bytes)
+    try:
+        out.copy_part(part_fd, piece.path.name, piece.offset, piece.length, piece.watch)
+    finally:
+        os.close(part_fd)
+
+
 def _hash_piece(part_fd: int, piece: _Piece, hasher: Hasher, scratch: memoryview) -> None:
     end = piece.offset + piece.length
     for offset in range(piece.offset, end, SUB):
+        seen = None if piece.watch is None else (piece.watch, offset - piece.offset)
         with scratch[: min(SUB, end - offset)] as view:
-            _read_hashed(part_fd, piece.path.name, view, offset, hasher)
+            _read_hashed(part_fd, piece.path.name, view, offset, hasher, watch=seen)
 
 
 def _send_piece(fd: int, piece: _Piece, hasher: Hasher, scratch: memoryview) -> None:
-    """A piece of a part through the kernel (``sendfile``), then hashed from the tmpfs
-    through ``scratch``; a piece to check goes through ``scratch`` instead
-    (:func:`_copy_checked`)."""
+    """A piece of a part through the kernel (``sendfile``), then hashed (and watched) from
+    the tmpfs through ``scratch``; a piece read and checked before is written from there."""
+    if piece.data is not None:
+        _write_all(fd, piece.data)
+        hasher.update(piece.data)
+        return
     part_fd = _open_part(piece.path, piece.part_bytes)
     try:
-        if piece.check is not None:
-
-            def emit(block: memoryview) -> None:
-                _write_all(fd, block)
-                hasher.update(block)
-
-            _copy_checked(part_fd, piece, scratch, emit)
-            return
         offset, end = piece.offset, piece.offset + piece.length
         while offset < end:
             sent = os.sendfile(fd, part_fd, offset, min(end - offset, 1 << 30))

@@ -39,6 +39,7 @@ ENV_MODEL_NAME = "HSX_MODEL_NAME"
 ENV_WRITER_THREADS = "HSX_WRITER_THREADS"
 ENV_WRITE_QUEUE_MB = "HSX_WRITE_QUEUE_MB"
 ENV_DEVICE_STACK = "HSX_DEVICE_STACK"
+ENV_PASS_ROWS = "HSX_PASS_ROWS"
 
 # Background writer threads per writing scheduler process (0: write on the scheduler
 # thread, as before issue 16). Four keep up with ~2 GB/s passes on a host whose tmpfs
@@ -48,6 +49,24 @@ DEFAULT_WRITER_THREADS = 4
 # passes at H 7168 with 3 aux layers. Past it the scheduler thread waits (and logs it).
 DEFAULT_WRITE_QUEUE_MB = 4096
 MAX_WRITER_THREADS = 64
+# The most rows one prefill pass holds (give SGLang's --chunked-prefill-size): the hook
+# makes page-locked host memory ready for passes of this size before its first pass
+# (hsx_async.server.pinned; issue 40). 0: no warm-up. 16,384 is the Kimi-K2.5 deployment's
+# pass, the one measured on an H200.
+DEFAULT_PASS_ROWS = 16384
+MAX_PASS_ROWS = 1 << 22
+
+# The path a pass takes to the host when HSX_DEVICE_STACK is not set, by the model's
+# dtype: the one that dumped faster on an H200 (bench/hook_gpu.py, issue 40: Kimi-K2.5's
+# shape, 16,384-row passes, 4 writer threads, a 4 GiB queue, /dev/shm, 8 warm-up + 30
+# passes; GB/s, scheduler wall / CPU ms per GB):
+# - bfloat16: device stack 7.85 GB/s, 38.7 / 24.0 against plain 6.92, 45.2 / 10.0. Faster,
+#   and less scheduler wall time, though 2.4x the scheduler CPU (why is not known yet);
+# - float32: device stack 8.26 GB/s, 33.1 / 17.2 against plain 5.42, 103 / 8.96 (the plain
+#   path copies the aux rows as float32: 1.75 bytes over the bus per byte dumped).
+# float16 was not measured; its values cross in 2 bytes, as bfloat16's do, so it follows
+# bfloat16. HSX_DEVICE_STACK=0 or 1 overrides the table.
+DEVICE_STACK_BY_DTYPE = {"bfloat16": True, "float32": True, "float16": True}
 
 # In-progress dumps kept at once. A request that vanishes between two chunks (an abort
 # SGLang never reports back to a prefill batch) would otherwise stay forever; past the cap
@@ -74,7 +93,9 @@ class HookConfig:
     # this config alone writes synchronously whatever these say.
     writer_threads: int = DEFAULT_WRITER_THREADS
     write_queue_bytes: int = DEFAULT_WRITE_QUEUE_MB << 20
-    device_stack: bool = False
+    # None: by the model's dtype (:func:`device_stack_for`); True/False: the operator's.
+    device_stack: bool | None = None
+    pass_rows: int = DEFAULT_PASS_ROWS
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], *, server: str) -> HookConfig:
@@ -88,6 +109,7 @@ class HookConfig:
         model = env.get(ENV_MODEL_NAME, "").strip() or None
         threads = _env_int(env, ENV_WRITER_THREADS, DEFAULT_WRITER_THREADS, 0, MAX_WRITER_THREADS)
         queue_mb = _env_int(env, ENV_WRITE_QUEUE_MB, DEFAULT_WRITE_QUEUE_MB, 1, 1 << 30)
+        pass_rows = _env_int(env, ENV_PASS_ROWS, DEFAULT_PASS_ROWS, 0, MAX_PASS_ROWS)
         return cls(
             dump_root=dump_root_from_env(env),
             aux_layers=parse_aux_layers(raw_layers, key=ENV_AUX_LAYERS),
@@ -95,8 +117,17 @@ class HookConfig:
             server=server,
             writer_threads=threads,
             write_queue_bytes=queue_mb << 20,
-            device_stack=_env_flag(env, ENV_DEVICE_STACK),
+            device_stack=_env_switch(env, ENV_DEVICE_STACK),
+            pass_rows=pass_rows,
         )
+
+    def device_stack_for(self, dtype: str) -> bool:
+        """Whether a pass of a model served in ``dtype`` (torch's name, e.g. "bfloat16")
+        is stacked on the device: the operator's HSX_DEVICE_STACK, else the measured
+        default (:data:`DEVICE_STACK_BY_DTYPE`; a dtype not in it takes the plain path)."""
+        if self.device_stack is not None:
+            return self.device_stack
+        return DEVICE_STACK_BY_DTYPE.get(dtype.removeprefix("torch."), False)
 
 
 def dump_root_from_env(env: Mapping[str, str]) -> Path:
@@ -122,13 +153,16 @@ def _env_int(env: Mapping[str, str], key: str, default: int, low: int, high: int
     return value
 
 
-def _env_flag(env: Mapping[str, str], key: str) -> bool:
+def _env_switch(env: Mapping[str, str], key: str) -> bool | None:
+    """A switch the operator may leave unset (None: the default applies)."""
     text = env.get(key, "").strip().lower()
-    if text in ("", "0", "false", "no", "off"):
+    if not text:
+        return None
+    if text in ("0", "false", "no", "off"):
         return False
     if text in ("1", "true", "yes", "on"):
         return True
-    raise ConfigError(key, f"{text!r} is not a switch; give 1 or 0")
+    raise ConfigError(key, f"{text!r} is not a switch; give 1 or 0 (or leave it unset)")
 
 
 # --------------------------------------------------------------------------------------

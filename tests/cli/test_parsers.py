@@ -10,7 +10,7 @@ import pytest
 
 from hsx_async.cli import build_parser, export, load_handler, serve
 from hsx_async.dataset import export as dataset_export
-from hsx_async.online import server as live_server
+from hsx_async.dataset.live import serve as live_server
 from hsx_async.protocol import DEFAULT_DUMP_ROOT
 from hsx_async.server.fake.options import FakeOptions
 

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hsx_async.dataset.follow import DatasetFollower
-from hsx_async.dataset.live import HSX_ID, LiveDataset
+from hsx_async.dataset.live.dataset import HSX_ID, LiveDataset
+from hsx_async.dataset.live.follow import DatasetFollower
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.consumers.trainer_driver import hf_logits, logit_error, speculators_teacher

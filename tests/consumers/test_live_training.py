@@ -26,8 +26,8 @@ import orjson
 import pytest
 
 from hsx_async.config import config_from_dict, spool_bytes_bound
-from hsx_async.dataset.consumers import ConsumerLog
 from hsx_async.dataset.layout import canonical_id
+from hsx_async.dataset.live.ledger import ConsumerLog
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.server.reference.model import save_default_model
 from hsx_async.server.reference.server import ReferenceOptions, running_reference_server
@@ -39,8 +39,8 @@ from tests.consumers.test_trainer_loaders import (
     add_index,
     consumers_python,
 )
+from tests.dataset.live.procs import Child
 from tests.e2e import config_raw, write_config
-from tests.online.procs import Child
 
 pytestmark = [pytest.mark.consumers, pytest.mark.timeout(420)]
 DRIVER = Path(__file__).with_name("live_driver.py")

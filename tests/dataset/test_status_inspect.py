@@ -64,6 +64,9 @@ async def test_duplicate_keeps_its_id_and_messages_count_lines_from_one(
             "line": 4,  # the protocol's 0-based field
             "reason": "duplicate id 's0' (first on line 1)",  # what grep -n says
             "duplicate_of": 0,
+            "cause": "sample",  # issue 38: the reason's fields beside its prose
+            "kind": "duplicate_id",
+            "retriable": False,
         }
     ]
     assert len(read_manifest(out)) == 4 and len(read_quarantine(out)) == 1
@@ -206,3 +209,18 @@ def test_remaining_always_says_of_how_many() -> None:
     provenance counted the input samples, before any run read the whole input)."""
     status = Status(done=40, quarantined=5, tokens=0, bytes=0, input_samples=1_500, shards=1)
     assert "remaining:   1,455 (of 1,500 input samples)" in status.format()
+
+
+def test_status_counts_the_retriable_lines_by_their_field(tmp_path: Path) -> None:
+    """Issue 38: whether a line could be retried is its ``retriable`` field, not a prefix
+    of its prose (a line written before the fields still counts by its prose)."""
+    lines = [
+        {"id": "a", "line": 0, "reason": "turn 1: HTTP 500", "cause": "server",
+         "kind": "http_5xx", "retriable": True},
+        {"id": "b", "line": 1, "reason": "2 attempts failed; last: odd words", "cause": "sample",
+         "kind": "bad_input", "retriable": False},
+        {"id": "c", "line": 2, "reason": "2 attempts failed; last: HTTP 503"},  # an old line
+    ]  # fmt: skip
+    (tmp_path / f"{QUARANTINE}.jsonl").write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    status = dataset_status(tmp_path)
+    assert (status.quarantined, status.retriable) == (3, 2)

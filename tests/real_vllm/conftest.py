@@ -1,7 +1,9 @@
 """The real-vLLM tier: vLLM 0.32 (CPU build) from its own environment, started with
 ``deploy/vllm/launch.sh`` on the built-in tiny Llama (realistic norm gains), driven by
 ``hsx run``. ``bash .ci/vllm-env`` builds ``.venv-vllm``; without it these tests skip,
-except under CI (``CI`` set), where they fail."""
+except under CI (``CI`` set), where they fail. ``HSX_VLLM_PYTHON`` names another vLLM of the
+stated range: ``.ci/engine-range`` runs a focused subset on the oldest CPU build that
+installs here (``bash .ci/vllm-env 0.27.0`` builds ``.venv-vllm-0.27.0``)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx_async.dataset.manifest import read_manifest
+from hsx_async.dataset.manifest import read_manifest, read_quarantine
 from hsx_async.errors import NoServerError
 from hsx_async.run.daemon import Daemon
 from hsx_async.server.fake.server import ALL_FAULTS, FakeOptions, running_fake_server
@@ -31,6 +31,9 @@ async def test_clean_run_writes_every_sample_bit_exact(tmp_path: Path, shm_root:
     assert summary.unfinished == 0
     check_dataset(config.output.dir, samples, hidden_size=H, num_layers=L)
     assert shm_leftovers(shm_root) == []
+    # issue 38: input lines are the input's fault, in fields: a duplicate id, or not a sample
+    kinds = {(q.cause, q.kind, q.retriable) for q in read_quarantine(config.output.dir)}
+    assert kinds == {("sample", "duplicate_id", False), ("sample", "bad_input", False)}
 
 
 async def test_faults_chunking_and_late_commits(tmp_path: Path, shm_root: Path) -> None:

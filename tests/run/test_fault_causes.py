@@ -187,6 +187,8 @@ async def test_a_sample_that_fails_where_others_succeed_is_still_quarantined(
     # after the failures took it out), and never past max_attempts.
     assert q.line == 2 and q.reason.startswith("3 attempts failed; last: "), q.reason
     assert "HTTP 500" in q.reason
+    # issue 38: the line says so in fields, the fault charged last as classified
+    assert (q.cause, q.kind, q.retriable) == ("server", "http_5xx", True)
 
 
 # -- a sample's fault: quarantined at once, not retried -----------------------------------
@@ -208,6 +210,7 @@ async def test_a_refusal_of_the_content_is_quarantined_without_retries(
     for q in quarantined:
         assert "refused the sample itself, not retried" in q.reason
         assert "out of vocabulary" in q.reason
+        assert (q.cause, q.kind, q.retriable) == ("sample", "rejected", True)
     assert summary.done + summary.quarantined == len(samples.good)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import AsyncIterator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +29,11 @@ import orjson
 import pytest
 
 from hsx_async.config import config_from_dict, spool_bytes_bound
-from hsx_async.dataset.consumers import ConsumerLog
 from hsx_async.dataset.layout import canonical_id
+from hsx_async.dataset.live.ledger import ConsumerLog
 from hsx_async.dataset.manifest import read_manifest
-from hsx_async.server.reference.server import ReferenceOptions, running_reference_server
+from tests.dataset.live.procs import Child, server_faults, start_consumer, start_server
 from tests.e2e import config_raw, free_port, shm_leftovers, write_config
-from tests.online.procs import Child, server_faults, start_consumer, start_server
 from tests.run.test_spool import DiskWatch, data_bytes
 
 pytestmark = pytest.mark.timeout(300)
@@ -105,13 +104,6 @@ async def _finish(online: Online) -> None:
     assert await online.consumer.finish(STEP_S * 3) == 0
 
 
-@pytest.fixture
-async def reference(shm_root: Path) -> AsyncIterator[tuple[str, int, tuple[int, ...]]]:
-    options = ReferenceOptions(dump_root=shm_root, chunk_size=32, max_batch_tokens=96, threads=1)
-    async with running_reference_server(options) as srv:
-        yield srv.url, srv.hidden_size, tuple(srv.aux_layers)
-
-
 def write_inputs(path: Path, vocab: int = 1024) -> Path:
     """Samples of 8–MAX_LEN tokens the reference model's vocabulary holds (some with masks)."""
     rng = random.Random(29)
@@ -126,7 +118,17 @@ def write_inputs(path: Path, vocab: int = 1024) -> Path:
     return path
 
 
-def _job(tmp: Path, url: str, hidden: int, aux: tuple[int, ...], shm: Path) -> tuple[Path, int]:
+def _job(
+    tmp: Path,
+    url: str,
+    hidden: int,
+    aux: tuple[int, ...],
+    shm: Path,
+    *,
+    online: bool = True,
+    consumers: Sequence[str] = ("train",),
+) -> tuple[Path, int]:
+    """The job's config and its spool limit; ``online=False``: the same job offline."""
     samples = write_inputs(tmp / "in.jsonl")
     raw = config_raw(tmp, samples, [url], shm, hidden_size=hidden, aux_layers=aux,
                      input={"max_tokens": MAX_LEN}, workers={"concurrency": 3},
@@ -134,7 +136,8 @@ def _job(tmp: Path, url: str, hidden: int, aux: tuple[int, ...], shm: Path) -> t
                      daemon={"log_format": "json", "log_level": "debug"})  # fmt: skip
     probe = config_from_dict(raw, base=tmp)
     limit = 3 * spool_bytes_bound(probe, MAX_LEN)  # room for ~3 of the longest samples
-    raw["output"] |= {"retention": "acked", "consumers": ["train"], "spool_limit": limit}
+    if online:
+        raw["output"] |= {"retention": "acked", "consumers": list(consumers), "spool_limit": limit}
     return write_config(tmp, raw), limit
 
 

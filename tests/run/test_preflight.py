@@ -332,3 +332,66 @@ async def test_a_bf16_dataset_gets_no_storage_line(tmp_path: Path, shm_root: Pat
         report = Report()
         await check_servers(config, report)
     assert "storage" not in {line[1] for line in report.lines}
+
+
+# -- issue 38: hsx check decides as the admission does ------------------------------------
+
+
+async def test_a_server_whose_dumps_the_copy_refuses_fails_the_check(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    """Its FP8 dumps name an outlier channel past H: before, "dump path OK"; now the
+    check runs the copy's checks on its dump and fails with the copy's words."""
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    async with running_fake_server(fake_options(shm_root, bad_outliers=True)) as fake:
+        config = make_config(
+            tmp_path, samples.path, [fake.url], shm_root, output={"dtype": "float8_e4m3fn"}
+        )
+        report = Report()
+        await check_servers(config, report)
+    ((level, what, detail),) = [line for line in report.lines if line[0] != "WARN"]
+    assert (level, what) == ("FAIL", "dump path")
+    assert "outlier channels are past the hidden size 64" in detail
+    assert shm_leftovers(shm_root) == []
+
+
+async def test_two_servers_of_one_model_path_with_other_weights_fail_the_check(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    async with (
+        running_fake_server(fake_options(shm_root, model="/m")) as one,
+        running_fake_server(fake_options(shm_root, model="/m", weights=3)) as two,
+    ):
+        config = make_config(tmp_path, samples.path, [one.url, two.url], shm_root)
+        report = Report()
+        await check_servers(config, report)
+    levels = {(line[0], line[1]) for line in report.lines}
+    assert ("OK", "server") in levels
+    (fail,) = [line for line in report.lines if line[0] == "FAIL"]
+    assert fail[1] == "identity" and fail[2].startswith(f"{two.url}: its probe's rows differ")
+    assert f"other weights than {one.url}" in fail[2]
+
+
+@pytest.mark.parametrize("both_wrong", [False, True])
+async def test_a_disagreement_with_the_config_is_decided_by_every_server(
+    tmp_path: Path, shm_root: Path, both_wrong: bool
+) -> None:
+    """One server reports hidden size 128 beside a right one: that server's fault, naming
+    what each said. Both report 128: the config's, one line naming both."""
+    samples = write_samples(tmp_path / "in.jsonl", 2, max_len=8)
+    async with (
+        running_fake_server(fake_options(shm_root, hidden_size=128)) as wrong,
+        running_fake_server(fake_options(shm_root, hidden_size=128 if both_wrong else 64)) as b,
+    ):
+        config = make_config(tmp_path, samples.path, [wrong.url, b.url], shm_root)
+        report = Report()
+        await check_servers(config, report)
+    (fail,) = [line for line in report.lines if line[0] == "FAIL"]
+    if both_wrong:
+        assert fail[1] == "config" and "set [model].hidden_size = 128" in fail[2]
+        assert f"every server says 128: {wrong.url}, {b.url}" in fail[2]
+    else:
+        assert fail[1] == "server" and "reports hidden size 128" in fail[2]
+        assert f"{b.url} agrees with the config" in fail[2]
+        assert ("OK", "server") in {(line[0], line[1]) for line in report.lines}

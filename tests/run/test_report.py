@@ -12,12 +12,18 @@ import pytest
 
 from hsx_async import cli
 from hsx_async.dataset.events import event_files, read_events
+from hsx_async.dataset.live.ledger import ConsumerLog
+from hsx_async.dataset.live.owners import OwnerHold
+from hsx_async.dataset.live.registry import ACKED, Registry, record_registry
+from hsx_async.dataset.live.retire import Retirer
 from hsx_async.dataset.manifest import ManifestEntry, read_manifest, read_quarantine
 from hsx_async.dataset.provenance import PROVENANCE
-from hsx_async.dataset.quarantine import reason_kind
+from hsx_async.dataset.quarantine import INPUT_KINDS, reason_kind
 from hsx_async.run.daemon import Daemon
+from hsx_async.run.faults import KINDS
 from hsx_async.run.report import PLOT_HINT, REPORT_JSON, REPORT_PNG, build_report, write_report
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
+from tests.dataset_factory import write_dataset
 from tests.e2e import make_config, write_samples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,10 +75,18 @@ async def test_report_numbers_come_from_the_durable_files(tmp_path: Path, shm_ro
         "samples": len(manifest),
         "tokens": sum(e.num_tokens for e in manifest),
         "bytes": sum(e.size for e in manifest),
+        "retired": 0,
         "quarantined": len(quarantine),
         "input_lines": len((tmp_path / "in.jsonl").read_bytes().splitlines()),
     }
     assert sum(report["quarantine_reasons"].values()) == len(quarantine)
+    # issue 38: by the lines' fields (every line of this run has them)
+    by_kind = report["quarantine_kinds"]
+    assert sum(k["count"] for k in by_kind) == len(quarantine) > 0
+    assert {k["kind"] for k in by_kind} <= set(KINDS) | set(INPUT_KINDS)
+    assert all(k["cause"] in ("sample", "server") for k in by_kind)
+    for k in by_kind:
+        assert k["retriable"] == (k["kind"] not in INPUT_KINDS)
     assert failed > 0 and sum(report["retries"].values()) == failed
     # Every request the first run sent, by server, as it counted them (the second sent
     # none). Not "both served": a probe that draws a fault (its rid holds the run's random
@@ -459,3 +473,22 @@ def preflight_delay(seconds: float) -> Any:
         return operator_problem(config)
 
     return slow
+
+
+def test_a_consumed_and_deleted_sample_counts_as_written(tmp_path: Path) -> None:
+    """Issue 37 (8): a finished online job of 60 acknowledged samples was reported as "0
+    samples written of 60 total, 0 tokens, 0 B on disk"."""
+    write_dataset(tmp_path, num_samples=4)
+    entries = read_manifest(tmp_path)
+    ids = [str(e.id) for e in entries]
+    record_registry(tmp_path, Registry(ACKED, ("train",), 0), retired=0)
+    hold = OwnerHold(tmp_path / "consumers" / "train", "ab" * 8)
+    log = ConsumerLog(tmp_path, "train")
+    log.lease(owner="ab" * 8, rank=0, epoch=0, order=ids, present=set(ids), count=3)
+    log.ack(owner="ab" * 8, epoch=0, ids=ids[:3])
+    hold.close()
+    assert len(Retirer(tmp_path).retire(entries)) == 3
+    totals = build_report(tmp_path)["totals"]
+    assert totals["samples"] == 4 and totals["retired"] == 3
+    assert totals["tokens"] == sum(e.num_tokens for e in entries)
+    assert totals["bytes"] == entries[3].size  # on disk now

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hsx_async.dataset.manifest import Reason
 from hsx_async.dataset.quarantine import attempts_reason, refused_reason
 from hsx_async.run.faults import Fault
 from hsx_async.run.retry import Attempts, Eviction, RetryPolicy
@@ -140,7 +141,9 @@ def test_a_sample_fault_is_charged_and_a_refusal_ends_the_sample_at_once() -> No
     tries = Attempts()
     tries.record(Fault("sample", "rejected", "HTTP 400: bad id", permanent=True), None)
     assert tries.charged == 1 and tries.exhausted(POLICY)
-    assert tries.quarantine_reason() == refused_reason("HTTP 400: bad id")
+    assert tries.quarantine_reason() == Reason(
+        refused_reason("HTTP 400: bad id"), "sample", "rejected", retriable=True
+    )
 
 
 def test_a_fault_that_never_reached_the_server_is_never_charged() -> None:
@@ -199,7 +202,9 @@ def test_a_suspicion_is_charged_when_the_first_probe_after_it_passes() -> None:
     server.probe(ok=True)
     tries.settle(POLICY)
     assert tries.charged == 3 and tries.exhausted(POLICY)
-    assert tries.quarantine_reason() == attempts_reason(3, "HTTP 500")
+    assert tries.quarantine_reason() == Reason(
+        attempts_reason(3, "HTTP 500"), "server", "http_5xx", retriable=True
+    )
 
 
 def test_suspicions_settled_together_charge_no_more_than_max_attempts() -> None:
@@ -219,7 +224,7 @@ def test_suspicions_settled_together_charge_no_more_than_max_attempts() -> None:
     tries.settle(POLICY)
     assert (tries.failed, tries.charged, tries.suspicions) == (5, 3, [])
     assert tries.exhausted(POLICY)
-    assert tries.quarantine_reason() == attempts_reason(3, "HTTP 502")
+    assert tries.quarantine_reason().text == attempts_reason(3, "HTTP 502")
 
 
 def test_a_failure_on_a_server_already_out_waits_for_that_spells_probe() -> None:
@@ -242,3 +247,22 @@ def test_a_server_that_served_before_it_left_rotation_charges_the_sample() -> No
     server.probe(ok=False)
     tries.settle(POLICY)
     assert tries.charged == 1
+
+
+def test_the_quarantine_reason_is_the_fault_charged_last_with_its_cause_and_kind() -> None:
+    """Issue 38: the line records the charged fault's cause and kind as faults.py
+    classified them (not prose for a reader to parse back); a timeout charged after
+    a 5xx is a timeout."""
+    tries, server = Attempts(), _Server()
+    tries.record(SOFT, server)
+    tries.record(Fault("server", "timeout", "no response in 60 s", reached=True), server)
+    server.serve()
+    tries.settle(POLICY)
+    why = tries.quarantine_reason()
+    assert (why.cause, why.kind, why.retriable) == ("server", "timeout", True)
+    assert why.text == attempts_reason(2, "no response in 60 s")
+
+
+def test_a_sample_never_charged_has_no_quarantine_reason() -> None:
+    with pytest.raises(ValueError, match="no attempt was charged"):
+        Attempts().quarantine_reason()

@@ -16,8 +16,9 @@ from typing import Any
 import orjson
 import pytest
 
-from hsx_async.dataset.consumers import ConsumerLog, read_registry
-from hsx_async.dataset.live import HSX_ID, LiveDataset
+from hsx_async.dataset.live.dataset import HSX_ID, LiveDataset
+from hsx_async.dataset.live.ledger import ConsumerLog
+from hsx_async.dataset.live.registry import read_registry
 from hsx_async.dataset.manifest import RETIRED, read_manifest
 from hsx_async.errors import ConfigError
 from hsx_async.run.daemon import Daemon

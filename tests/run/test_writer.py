@@ -672,14 +672,24 @@ def test_part_swapped_for_a_link_after_validation_is_a_dump_error(
 # --- FP8 storage (PROTOCOL §3, §4, version 3) --------------------------------------------
 
 
-def _fp8_case(shm_root: Path, storage: Storage, *, dump_fp8: bool, rid: str) -> WriteJob:
+def _fp8_case(
+    shm_root: Path,
+    storage: Storage,
+    *,
+    dump_fp8: bool,
+    rid: str,
+    edit: Callable[[torch.Tensor], None] | None = None,
+) -> WriteJob:
     """Realistic rows (per-slot magnitudes differing by orders, one outlier token), dumped
-    as the hook would store them (``dump_fp8``) or as bfloat16 for the writer to quantize."""
+    as the hook would store them (``dump_fp8``) or as bfloat16 for the writer to quantize;
+    ``edit`` changes the rows ``[T, L, H]`` first."""
     shape, t = Shape(64, (1, 2, 3)), PARTS[-1][1]
     gen = torch.Generator().manual_seed(7)
     rows = torch.randn((t, 4, shape.hidden), generator=gen)
     rows *= torch.tensor([0.05, 1.0, 30.0, 2.0]).view(1, 4, 1)
     rows[0] *= 100.0
+    if edit is not None:
+        edit(rows)
     rows = rows.to(torch.bfloat16)
     rid_dir = shm_root / "ns" / rid
     rid_dir.mkdir(parents=True)
@@ -835,8 +845,8 @@ def test_fp8_scales_at_the_rules_bounds_are_copied(
 def test_a_checked_section_is_read_in_blocks_and_still_hashed_in_order(
     shm_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Scales are checked a bounded block at a time (here 8 bytes: two scales); a bad one
-    in a later block is found, and a good dump's file and hash are the plain copy's."""
+    """Scales are read and checked before the copy, whatever SUB (here 8 bytes); a bad one
+    in a later row is found, and a good dump's file and hash are the plain copy's."""
     monkeypatch.setattr(writer_module, "SUB", 8)
     storage = Storage(FP8, (0, 1, 2))
     for name, value in (("good", None), ("bad", -1.0)):
@@ -906,8 +916,9 @@ def test_fp8_outliers_no_quantizer_makes_fail_the_copy(
 def test_outlier_channels_are_checked_in_whole_vectors_whatever_the_block(
     shm_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A checked block is whole vectors: with SUB at 40 bytes the channels (32 bytes a
-    vector) are read 32 at a time; the file and hash are the plain copy's."""
+    """With SUB at 40 bytes (the FP8 values, 64 bytes a vector, then watched in windows
+    that split vectors) the outliers' checks still pass a good dump; the file and hash are
+    the plain copy's."""
     monkeypatch.setattr(writer_module, "SUB", 40)
     out = tmp_path / "out"
     out.mkdir()
@@ -917,3 +928,93 @@ def test_outlier_channels_are_checked_in_whole_vectors_whatever_the_block(
     fw.close()
     data = (out / job.relpath).read_bytes()
     assert entry.xxh3_64 == xxhash.xxh3_64_hexdigest(data)
+
+
+def _outlier_sections(job: WriteJob, part: int) -> tuple[Path, int, int]:
+    """A hook-written outliers dump's part: its path, where its outlier values start, and
+    its vectors (rows × quantized slots)."""
+    meta = job.dump.meta
+    start, end = meta.parts[part]
+    vectors = (end - start) * len(job.layout.storage.quantized)
+    values_at = vectors * (meta.hidden_size + 4 + 32)  # e4m3fn values, scales, channels
+    return job.dump.part_paths()[part], values_at, vectors
+
+
+def _values_by_magnitude(job: WriteJob) -> None:
+    """Each vector's outlier values listed largest |value| first instead of in their
+    channels' (ascending) order, the channels left ascending: every per-section rule holds."""
+    for part in range(len(job.dump.meta.parts)):
+        path, at, vectors = _outlier_sections(job, part)
+        data = bytearray(path.read_bytes())
+        bits = np.frombuffer(data, "<u2", vectors * 16, at).reshape(vectors, 16).copy()
+        magnitude = (bits & 0x7FFF).astype(np.int64)  # bfloat16 bits order as |value| does
+        order = np.argsort(-magnitude, axis=1, kind="stable")
+        data[at : at + bits.nbytes] = np.take_along_axis(bits, order, axis=1).tobytes()
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("method", ["direct", "sendfile"])
+def test_outlier_values_out_of_their_channels_order_fail_the_copy(
+    shm_root: Path, tmp_path: Path, method: str
+) -> None:
+    """Issue 38: outlier values stored by magnitude, their channels ascending, passed every
+    check of the copy (only ``verify --deep`` saw them); each outlier's own FP8 value must
+    be ±448 with its value's sign, and the copy now checks that as it copies."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _fp8_case(shm_root, OUTLIERS16, dump_fp8=True, rid="r-order")
+    _values_by_magnitude(job)
+    fw = FileWriter(out, method=method, fsync=False, row_bytes=ALIGNED.row)
+    match = r"0000-0000000016\.bin: FP8 outliers' own values are not ±448 with their sign "
+    with pytest.raises(DumpError, match=match + r"\(\d+ in a stretch; first: vector 0, "):
+        fw.stage(job)
+    fw.close()
+    assert_nothing_written(out)
+
+
+@pytest.mark.parametrize(("method", "sub"), [("direct", None), ("sendfile", 40), ("sendfile", 1)])
+def test_one_outliers_fp8_value_of_the_wrong_sign_fails_the_copy_wherever_it_lies(
+    shm_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str,
+    sub: int | None,
+) -> None:  # fmt: skip
+    """One flipped code at an outlier's channel, in the last vector of a part, is found
+    whether the copy sees the values whole (direct) or in windows splitting vectors."""
+    if sub is not None:
+        monkeypatch.setattr(writer_module, "SUB", sub)
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _fp8_case(shm_root, OUTLIERS16, dump_fp8=True, rid="r-sign")
+    path, at, vectors = _outlier_sections(job, 1)
+    data = bytearray(path.read_bytes())
+    last = vectors - 1
+    channel = int(np.frombuffer(data, "<u2", 1, at - vectors * 32 + last * 32)[0])
+    data[last * 64 + channel] ^= 0x80  # e4m3fn's sign bit
+    path.write_bytes(bytes(data))
+    fw = FileWriter(out, method=method, fsync=False, row_bytes=ALIGNED.row)
+    match = rf"0030\.bin: FP8 .* \(1 in a stretch; first: vector {last}, channel {channel},"
+    with pytest.raises(DumpError, match=match):
+        fw.stage(job)
+    fw.close()
+    assert_nothing_written(out)
+
+
+def _infinities(rows: torch.Tensor) -> None:
+    rows[5, 1, :20] = float("inf")  # more infinite values than the 16 outliers
+
+
+@pytest.mark.parametrize("dump_fp8", [True, False], ids=["hook", "client"])
+def test_more_infinities_than_outliers_are_refused_whoever_quantizes(
+    shm_root: Path, tmp_path: Path, dump_fp8: bool
+) -> None:
+    """Issue 38: a vector with more than 16 infinite values was stored as finite
+    ±3.39e38 with a finite scale; the rule gives it an infinite scale, which the copy
+    refuses, from the hook's dump and from the client's own quantizer alike."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _fp8_case(shm_root, OUTLIERS16, dump_fp8=dump_fp8, rid="r-inf", edit=_infinities)
+    fw = FileWriter(out, method="sendfile", fsync=False, row_bytes=ALIGNED.row)
+    with pytest.raises(DumpError, match=r"1 FP8 scales are negative, zero, subnormal or not "
+                       r"finite \(first: inf\)"):  # fmt: skip
+        fw.stage(job)
+    fw.close()
+    assert_nothing_written(out)

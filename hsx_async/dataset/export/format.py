@@ -28,7 +28,7 @@ RelPath = Callable[[int, int], str]
 WriteSample = Callable[[Path, ManifestEntry, ExportPlan, Path], None]
 # (the sample file, its manifest entry, the plan) → the sample in the trainer's layout in
 # memory, bfloat16: what the format's writer saves, and what the live reader hands a
-# trainer (:mod:`hsx_async.dataset.live`, ``view=<format>``).
+# trainer (:mod:`hsx_async.dataset.live.dataset`, ``view=<format>``).
 SampleTensors = Callable[[Path, ManifestEntry, ExportPlan], dict[str, Any]]
 # (asked dtype, dataset facts, conversion) → (dtype written, why auto chose bfloat16).
 DtypeRule = Callable[[str, DatasetFacts, FinalConversion], tuple[str, str]]

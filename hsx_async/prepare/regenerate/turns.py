@@ -306,4 +306,5 @@ class Turns:
         return False
 
     async def _exhausted(self, conv: Conversation, index: int, attempts: Attempts) -> None:
-        await self.quarantine(conv.line, conv.id, f"turn {index}: {attempts.quarantine_reason()}")
+        why = attempts.quarantine_reason()
+        await self.quarantine(conv.line, conv.id, f"turn {index}: {why.text}")

@@ -146,6 +146,9 @@ async def _generate(request: web.Request) -> web.Response:
     except BadRequest as exc:
         state.stats.bad_requests += 1
         return error_response(400, str(exc))
+    if state.control.rejects:  # an engine that refuses whatever it is sent
+        state.stats.bad_requests += 1
+        return error_response(400, "refused (set by the test)")
     if req.ns is None or not state.options.hook:
         # Ordinary traffic, or a server started without the hsx hook: answered at once,
         # nothing computed or dumped.
@@ -190,7 +193,7 @@ async def _lifetime(app: web.Application) -> AsyncIterator[None]:
     state = app[_STATE]
     o = state.options
     # Build the content table now (~0.2 s at hidden 7168), not in the first request.
-    await asyncio.to_thread(content_table, o.hidden_size, len(o.aux_layers) + 1)
+    await asyncio.to_thread(content_table, o.hidden_size, len(o.aux_layers) + 1, o.weights)
     state.engine = engine = FakeEngine(o, state.stats, state.faults, SERVER_NAME)
     state.scheduler = scheduler = Scheduler(
         engine.step,
@@ -234,7 +237,7 @@ def build_app(
         options=options,
         stats=stats if stats is not None else FakeStats(),
         control=control or FakeControl(options.fault_rate, options.faults),
-        faults=DumpFaults(),
+        faults=DumpFaults(options),
     )
     app.router.add_post("/generate", _generate)
     app.router.add_get("/health", _health)

@@ -36,9 +36,11 @@ def _splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 
 
 @functools.lru_cache(maxsize=8)
-def content_table(hidden_size: int, num_layers: int) -> U16:
-    """``[K, L, H]`` bf16 patterns: random sign and mantissa, exponent 119..126 (finite)."""
-    h = _splitmix64(np.arange(_CLASSES * num_layers * hidden_size, dtype=np.uint64))
+def content_table(hidden_size: int, num_layers: int, weights: int = 0) -> U16:
+    """``[K, L, H]`` bf16 patterns: random sign and mantissa, exponent 119..126 (finite).
+    ``weights``: another checkpoint of one shape (other numbers, the same headers)."""
+    start = np.uint64(weights) * np.uint64(_CLASSES * num_layers * hidden_size)
+    h = _splitmix64(start + np.arange(_CLASSES * num_layers * hidden_size, dtype=np.uint64))
     sign = (h & np.uint64(1)) << np.uint64(15)
     exponent = (np.uint64(119) + ((h >> np.uint64(8)) & np.uint64(7))) << np.uint64(7)
     mantissa = (h >> np.uint64(16)) & np.uint64(0x7F)
@@ -56,13 +58,13 @@ def _byte_codes(values: I64) -> U16:
     return (_ONE | (b & 0x7F) | ((b & 0x80) << 8)).astype("<u2")
 
 
-def fill_rows(out: U16, input_ids: I64, positions: I64) -> None:
+def fill_rows(out: U16, input_ids: I64, positions: I64, weights: int = 0) -> None:
     """Write the rows of ``input_ids`` at ``positions`` into ``out`` (``[n, L, H]``)."""
     _, num_layers, hidden = out.shape
     mixed = input_ids.astype(np.uint64) * _MIX_TOKEN + positions.astype(np.uint64) * _MIX_POS
     classes = ((mixed ^ (mixed >> np.uint64(31))) % np.uint64(_CLASSES)).astype(np.intp)
     # mode="clip": with the default "raise", numpy buffers `out` (an extra copy).
-    np.take(content_table(hidden, num_layers), classes, axis=0, out=out, mode="clip")
+    np.take(content_table(hidden, num_layers, weights), classes, axis=0, out=out, mode="clip")
     layer = np.arange(num_layers, dtype=np.int64)
     out[:, :, 0] = (_TWO | (layer & 0x7F) | ((layer & 0x80) << 8)).astype("<u2")
     header = np.concatenate((_byte_codes(positions), _byte_codes(input_ids)), axis=1)
@@ -71,12 +73,14 @@ def fill_rows(out: U16, input_ids: I64, positions: I64) -> None:
         out[:, :, 1 : 1 + width] = header[:, None, :width]
 
 
-def expected_hidden_states(input_ids: npt.ArrayLike, hidden_size: int, num_layers: int) -> U16:
+def expected_hidden_states(
+    input_ids: npt.ArrayLike, hidden_size: int, num_layers: int, weights: int = 0
+) -> U16:
     """``uint16 [T, L, H]``: the bf16 bit patterns the fake server dumps for this prompt.
 
     Depends only on token id, position (0-based in the prompt) and layer; never NaN or Inf.
     """
     ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
     out = np.empty((ids.shape[0], num_layers, hidden_size), dtype="<u2")
-    fill_rows(out, ids, np.arange(ids.shape[0], dtype=np.int64))
+    fill_rows(out, ids, np.arange(ids.shape[0], dtype=np.int64), weights)
     return out

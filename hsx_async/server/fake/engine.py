@@ -87,7 +87,12 @@ class FakeEngine:
         for s in slices:
             n = s.end - s.start
             ids = np.asarray(s.job.tokens[s.start : s.end], dtype=np.int64)
-            fill_rows(out[at : at + n], ids, np.arange(s.start, s.end, dtype=np.int64))
+            fill_rows(
+                out[at : at + n],
+                ids,
+                np.arange(s.start, s.end, dtype=np.int64),
+                self._options.weights,
+            )
             at += n
         return out
 

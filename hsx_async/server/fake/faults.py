@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hsx_async.protocol import DumpMeta
+from hsx_async.protocol import OUTLIER_INDEX, DumpMeta
 from hsx_async.server.dumpwrite import Chunks
+from hsx_async.server.fake.options import FakeOptions
 from hsx_async.server.hook_core import PartWrite
 
 # Faults on the last part's file(s) and on meta.json; the commit is withheld for two.
@@ -31,7 +32,8 @@ class DumpFaults:
     """The dump faults of the requests in flight, by rid (armed when a request is accepted,
     disarmed when it is answered), applied by the writer threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: FakeOptions | None = None) -> None:
+        self._options = options or FakeOptions()
         self._faults: dict[str, str] = {}
         # late_meta: the commit a request's last part would have made, for the late commit.
         self.withheld: dict[str, DumpMeta] = {}
@@ -47,6 +49,8 @@ class DumpFaults:
         return self._faults.get(rid)
 
     def part(self, write: PartWrite, chunks: Chunks) -> list[tuple[int, int, Chunks]]:
+        if self._options.bad_outliers and write.storage.outliers:
+            chunks = self._outlier_past_h(write, chunks)
         fault = self._faults.get(write.rid)
         start, end = write.start, write.end
         if fault not in PART_FAULTS or not write.last:
@@ -61,6 +65,18 @@ class DumpFaults:
             return [(start + 1, end + 1, [[memoryview(data)]])]
         # overlap_parts: an extra part [T-1, T), written and listed
         return [(start, end, [[memoryview(data)]]), (end - 1, end, [[memoryview(data[-row:])]])]
+
+    def _outlier_past_h(self, write: PartWrite, chunks: Chunks) -> Chunks:
+        """The part with its first vector's first outlier channel set to H (past it)."""
+        o = self._options
+        data = bytearray(_flat(chunks))
+        at = 0
+        for section in write.storage.sections(len(o.aux_layers) + 1, o.hidden_size):
+            if section.name == OUTLIER_INDEX:
+                data[at : at + 2] = o.hidden_size.to_bytes(2, "little")
+                break
+            at += write.rows * section.row_bytes
+        return [[memoryview(data)]]
 
     def meta(self, write: PartWrite, meta: DumpMeta) -> DumpMeta | None:
         fault = self._faults.get(write.rid)

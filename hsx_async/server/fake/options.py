@@ -70,6 +70,11 @@ class FakeOptions:
     # >0: a token id at or past it is refused with a 400, as an engine refuses an id past
     # its vocabulary (a fault of the sample's content).
     vocab_size: int = 0
+    # Another checkpoint of the same shape under the same model path: other numbers.
+    weights: int = 0
+    # True: in every FP8 dump of the outliers layout, each part's first vector names an
+    # outlier channel past the hidden size (a hook whose index arithmetic is off by one).
+    bad_outliers: bool = False
 
     def __post_init__(self) -> None:
         positive: dict[str, float] = {
@@ -143,6 +148,8 @@ class FakeControl:
     fault_rate: float
     faults: tuple[str, ...]
     healthy: bool = True
+    # Set: every request is answered 400 (an engine that refuses whatever it is sent).
+    rejects: bool = False
     # Cleared: the scheduler forms no pass, so requests pile up in the waiting queue.
     passes_open: asyncio.Event = field(default_factory=_open_gate)
 

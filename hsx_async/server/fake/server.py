@@ -109,6 +109,10 @@ class FakeServerHandle:
         """``False``: ``GET /health`` answers 503 (requests are still served)."""
         self._control.healthy = healthy
 
+    def set_rejects(self, rejects: bool) -> None:
+        """``True``: every request is answered 400, the probe's too (``/health`` is 200)."""
+        self._control.rejects = rejects
+
     def pause_passes(self) -> None:
         """Form no more forward passes: requests wait in the queue (a pass being written
         completes). Lets a test batch requests, or stop the server with requests queued."""

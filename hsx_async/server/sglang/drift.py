@@ -1,7 +1,9 @@
-"""What the hsx hook's glue relies on in SGLang's source, and a checker that names whatever
-moved (the drift test, ``tests/server/sglang/test_sglang_drift.py``, runs it against the
-pinned release). Dev-only: the hook SGLang imports (:mod:`hsx_async.server.sglang.hook`)
-never imports this module, so none of it loads inside a scheduler process.
+"""What the hsx hook's glue relies on in SGLang's source (:data:`SGLANG_TARGETS`), for the
+drift checker (:mod:`hsx_async.server.drift`): ``tests/server/sglang/test_sglang_drift.py``
+runs it on the installed release, ``.ci/engine-drift`` on every release of the range
+(:mod:`hsx_async.server.engine_versions`). Dev-only: the hook SGLang imports
+(:mod:`hsx_async.server.sglang.hook`) never imports this module, so none of it loads inside
+a scheduler process.
 """
 
 from __future__ import annotations
@@ -9,31 +11,30 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
 
-TargetKind = Literal["method", "attr", "function", "literal"]
-_Def = TypeVar("_Def", ast.ClassDef, ast.FunctionDef)
+from hsx_async.server.drift import SourceRoot, Target, check_targets
+
+__all__ = [
+    "SGLANG_TARGETS",
+    "Target",
+    "check_targets",
+    "launch_flags",
+    "release_problems",
+    "server_arguments",
+    "sglang_source_root",
+]
+
+# The launch script whose flags every release of the range must know (a checkout's file).
+LAUNCH_SCRIPT = Path(__file__).resolve().parents[3] / "deploy" / "sglang" / "launch.sh"
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
-    """A name in SGLang's source the glue relies on; ``path`` is relative to the package."""
+def _attrs(path: str, owner: str, names: str, why: str) -> tuple[Target, ...]:
+    return tuple(Target(path, owner, n, "attr", why) for n in names.split())
 
-    path: str
-    owner: str | None
-    name: str
-    kind: TargetKind
-    why: str
-    params: tuple[str, ...] = ()
 
-    @property
-    def label(self) -> str:
-        if self.kind == "literal":
-            return f"the string {self.name!r}"
-        return f"{self.owner}.{self.name}" if self.owner else self.name
+def _literals(path: str, names: str, why: str) -> tuple[Target, ...]:
+    return tuple(Target(path, None, n, "literal", why) for n in names.split())
 
 
 _BRP = "srt/managers/scheduler_components/batch_result_processor.py"
@@ -44,14 +45,6 @@ _HM = "srt/model_executor/hook_manager.py"
 _RC = "srt/runtime_context.py"
 _LP = "srt/layers/logits_processor.py"
 _FIELDS = "srt/arg_groups/fields/"
-
-
-def _attrs(path: str, owner: str, names: str, why: str) -> tuple[Target, ...]:
-    return tuple(Target(path, owner, n, "attr", why) for n in names.split())
-
-
-def _literals(path: str, names: str, why: str) -> tuple[Target, ...]:
-    return tuple(Target(path, None, n, "literal", why) for n in names.split())
 
 
 # fmt: off
@@ -131,84 +124,40 @@ def sglang_source_root() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def check_targets(root: Path, targets: Sequence[Target] = SGLANG_TARGETS) -> list[str]:
-    """One line per target missing from the SGLang source under ``root``, naming it."""
-    trees: dict[str, ast.Module | str] = {}
-    problems = []
-    for target in targets:
-        if target.path not in trees:
-            trees[target.path] = _parse(root / target.path)
-        tree = trees[target.path]
-        problem = tree if isinstance(tree, str) else _check_target(tree, target)
-        if problem is not None:
-            problems.append(f"{target.label} ({target.path}): {problem}; the hsx hook {target.why}")
-    return problems
-
-
-def _parse(path: Path) -> ast.Module | str:
-    try:
-        return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    except FileNotFoundError:
-        return "the file is gone"
-    except SyntaxError as exc:
-        return f"the file does not parse ({exc})"
-
-
-def _check_target(tree: ast.Module, target: Target) -> str | None:
-    if target.kind == "literal":
-        found = any(
-            isinstance(node, ast.Constant) and node.value == target.name for node in ast.walk(tree)
-        )
-        return None if found else "the string is gone"
-    scope: list[ast.stmt] = tree.body
-    if target.owner is not None:
-        cls = _find_def(tree.body, target.owner, ast.ClassDef)
-        if cls is None:
-            return f"class {target.owner} is gone or renamed"
-        scope = cls.body
-        if target.kind == "attr":
-            return None if _class_has_attr(cls, target.name) else "gone or renamed"
-    fn = _find_def(scope, target.name, ast.FunctionDef)
-    if fn is None:
-        return "gone or renamed"
-    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
-    if tuple(names[: len(target.params)]) != target.params:
-        return f"its parameters are now ({', '.join(names)}), expected {target.params}"
-    return None
-
-
-def _find_def(body: list[ast.stmt], name: str, kind: type[_Def]) -> _Def | None:
-    for node in body:
-        if isinstance(node, kind) and getattr(node, "name", None) == name:
-            return node
-    return None
-
-
-def _class_has_attr(cls: ast.ClassDef, name: str) -> bool:
-    """Declared in the class body (field, constant, method, property) or set as
-    ``self.<name>`` in one of its methods."""
-    for node in cls.body:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
-            return True
-        if isinstance(node, ast.AnnAssign | ast.Assign) and name in _assigned_names(node):
-            return True
-    return any(
-        isinstance(node, ast.Attribute)
-        and node.attr == name
-        and isinstance(node.ctx, ast.Store)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "self"
-        for node in ast.walk(cls)
-    )
-
-
-def _assigned_names(node: ast.AnnAssign | ast.Assign) -> set[str]:
-    targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
-    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-
-
 def launch_flags(script: str) -> list[str]:
     """The ``--long-options`` a launch script passes, as SGLang field names."""
     return sorted(
         {m.replace("-", "_") for m in re.findall(r"(?<![\w-])--([a-z][a-z0-9-]*)", script)}
     )
+
+
+def server_arguments(root: SourceRoot) -> set[str]:
+    """Every server argument the SGLang source under ``root`` declares (its CLI flags, with
+    '_' for '-'): the fields of its ``srt/arg_groups/fields`` classes."""
+    fields: set[str] = set()
+    folder = root / "srt" / "arg_groups" / "fields"
+    for path in folder.iterdir() if folder.is_dir() else ():
+        if not path.name.endswith(".py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                fields.update(
+                    item.target.id
+                    for item in node.body
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                )
+    return fields
+
+
+def release_problems(root: SourceRoot) -> list[str]:
+    """What the glue and ``deploy/sglang/launch.sh`` rely on and the release under ``root``
+    lacks (``.ci/engine-drift``), one line each."""
+    problems = check_targets(root, SGLANG_TARGETS)
+    if LAUNCH_SCRIPT.is_file():
+        flags = launch_flags(LAUNCH_SCRIPT.read_text(encoding="utf-8"))
+        unknown = sorted(set(flags) - server_arguments(root))
+        problems += [
+            f"--{f.replace('_', '-')}: no such server argument; deploy/sglang/launch.sh passes it"
+            for f in unknown
+        ]
+    return problems

@@ -1,5 +1,6 @@
-"""The hsx hook inside SGLang 0.5.23: thin glue between SGLang's scheduler and the engine
-interface every hook implements (``hsx_async/server/README.md``).
+"""The hsx hook inside SGLang (the releases of :data:`SGLANG_RANGE`): thin glue between
+SGLang's scheduler and the engine interface every hook implements
+(``hsx_async/server/README.md``).
 
 How it gets loaded: SGLang runs its schedulers (one per tensor-parallel rank) in spawned
 processes, so a patch applied in the launcher would be lost. ``--forward-hooks`` names
@@ -13,20 +14,25 @@ server's settings, then patches four methods in that process:
   rows to the host right behind the forward. Its ``return_hidden_states`` stays False, so
   nothing goes into the JSON response.
 - ``GenerationBatchResult.copy_to_cpu``: the final (post-norm) hidden state, which SGLang
-  keeps next to the aux layers but does not copy, is copied along with them (with
-  ``HSX_DEVICE_STACK=1`` on a GPU: both laid out as ``[T, L, H]`` on the device, then one
-  copy). When every request of the pass asks for one FP8 storage (``hsx_dtype``,
-  ``hsx_quantized``), the rows are quantized on the device instead and only the FP8
-  sections are copied (:func:`encode_to_host`); other FP8 requests are quantized by the
-  writer threads, and an unusable request is dumped as bfloat16 (logged once). A model
-  served in float32 (or float16) has its rows rounded to bfloat16 on the device before
-  the copy (half the bytes of float32 cross), or, where the rows are already on the host
-  (a CPU server), by the writer threads: never on the scheduler thread (issue 28).
+  keeps next to the aux layers but does not copy, is copied along with them (on a GPU, by
+  default: both laid out as ``[T, L, H]`` on the device, then one copy; the default per
+  model dtype and why are :data:`~hsx_async.server.hook_core.DEVICE_STACK_BY_DTYPE`,
+  ``HSX_DEVICE_STACK`` overrides it). When every request of the pass asks for one FP8
+  storage (``hsx_dtype``, ``hsx_quantized``), the rows are quantized on the device instead
+  and only the FP8 sections are copied (:func:`encode_to_host`); other FP8 requests are
+  quantized by the writer threads, and an unusable request is dumped as bfloat16 (logged
+  once). A model served in float32 (or float16) has its rows rounded to bfloat16 on the
+  device before the copy (half the bytes of float32 cross), or, where the rows are already
+  on the host (a CPU server), by the writer threads: never on the scheduler thread (issue
+  28).
 - ``ModelRunner.forward``: notes the pass's rids (``ForwardBatch.rids``) for the copy; and
   before the first forward, the decoder stack's ``layers_to_capture`` is set to
   ``HSX_AUX_LAYERS`` (layer k = the residual stream entering layer k = Hugging Face
   ``hidden_states[k]``), whatever numbering the model's ``set_eagle3_layers_to_capture``
-  uses.
+  uses; and the page-locked host memory the passes' copies will take is made ready
+  (:mod:`hsx_async.server.pinned`, ``HSX_PASS_ROWS``), so that no pass grows PyTorch's
+  pinned cache on the scheduler thread. That first forward is SGLang's own
+  warm-up request, before any client's.
 - ``SchedulerBatchResultProcessor.process_batch_result_prefill``: before SGLang consumes a
   prefill result, attention-TP rank 0 (of each DP group, under DP attention) hands the
   pass to :class:`~hsx_async.server.dumper.PrefillDumper`, which plans one part per
@@ -66,6 +72,7 @@ from hsx_async.protocol import (
 )
 from hsx_async.quantize import encode_rows
 from hsx_async.server.dumper import PrefillDumper
+from hsx_async.server.engine_versions import ENGINE_RANGES, check_engine_version
 from hsx_async.server.hook_core import (
     DEFAULT_MAX_OPEN,
     ENV_AUX_LAYERS,
@@ -75,12 +82,14 @@ from hsx_async.server.hook_core import (
 )
 from hsx_async.server.hook_writer import BackgroundWriter
 from hsx_async.server.hooks import HOOKS
+from hsx_async.server.pinned import PassShape, WarmResult, describe, plan_warmup, warm
 from hsx_async.server.rows import BatchHidden, EncodedPass, PassRows
 from hsx_async.server.sglang.settings import ServerSettings, check_server_settings
 
 logger = logging.getLogger(__name__)
 
-SGLANG_VERSION = "0.5.23"
+# The SGLang releases the hook accepts (the one table: hsx_async.server.engine_versions).
+SGLANG_RANGE = ENGINE_RANGES["sglang"]
 # Names the one other SGLang version the operator accepts (the hook refuses others).
 ENV_ALLOW_SGLANG_VERSION = "HSX_ALLOW_SGLANG_VERSION"
 HOOK = HOOKS["sglang"]
@@ -113,28 +122,22 @@ def installed_sglang_version() -> str | None:
 
 
 def check_sglang_version(installed: str | None, env: Mapping[str, str]) -> str:
-    """``installed``, refused unless it is :data:`SGLANG_VERSION` or the operator named
+    """``installed``, refused unless :data:`SGLANG_RANGE` has it or the operator named
     exactly it in ``HSX_ALLOW_SGLANG_VERSION``. Another release can keep every name the glue
     reads and change what a row means (layer numbering, batch order, padding); its dumps
     would pass every client check and train a drafter on the wrong rows."""
-    version = installed or "unknown"
-    if version == SGLANG_VERSION:
-        return version
-    if env.get(ENV_ALLOW_SGLANG_VERSION) == version:
+    allow = env.get(ENV_ALLOW_SGLANG_VERSION)
+    version = check_engine_version(
+        "sglang", installed, allow=allow, allow_env=ENV_ALLOW_SGLANG_VERSION
+    )
+    if not SGLANG_RANGE.accepts(version):
         logger.warning(
-            "hsx hook is checked against sglang %s, running %s (allowed by %s)",
-            SGLANG_VERSION,
+            "hsx hook supports %s, running sglang %s (allowed by %s)",
+            SGLANG_RANGE.describe(),
             version,
             ENV_ALLOW_SGLANG_VERSION,
         )
-        return version
-    raise ConfigError(
-        "",
-        f"the hsx hook is checked against sglang {SGLANG_VERSION}, but sglang {version} is "
-        f"installed: install sglang=={SGLANG_VERSION}, or set {ENV_ALLOW_SGLANG_VERSION}="
-        f"{version} to run it anyway (after checking its dumps, e.g. with the real-SGLang "
-        "test tier)",
-    )
+    return version
 
 
 # --------------------------------------------------------------------------------------
@@ -220,6 +223,10 @@ class HookState:
     pass_rids: tuple[object, ...] | None = None
     encoded_passes: int = 0  # passes quantized on the device (tests, the log)
     encoded_storages: set[Storage] = field(default_factory=set)  # logged once each
+    # Page-locked host memory as SGLang's async_d2h takes it (None: torch has none here),
+    # and what the warm-up before the first pass made ready.
+    allocate_pinned: Callable[[int], object] | None = None
+    warmed: WarmResult | None = None
 
     @property
     def layers(self) -> int:
@@ -301,7 +308,16 @@ def build_state(config: HookConfig, info: ServerInfo) -> HookState:
         dumper=PrefillDumper(config, model=model, sink=background, final_state=HOOK.final_state),
         writer=writer,
         background=background,
+        allocate_pinned=pinned_allocator(),
     )
+
+
+def pinned_allocator() -> Callable[[int], object] | None:
+    """Page-locked host memory the way SGLang's ``async_d2h`` takes it (through PyTorch's
+    caching host allocator), or None where torch has none (a CPU-only build)."""
+    if not torch.cuda.is_available():
+        return None
+    return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def _describe_writing(state: HookState) -> str:
@@ -327,7 +343,7 @@ def install(state: HookState, api: SglangApi) -> None:
         if state.background is not None:
             state.background.close(0.0)
         raise ConfigError(
-            "", f"{', '.join(missing)} missing: the hsx hook needs sglang {SGLANG_VERSION}"
+            "", f"{', '.join(missing)} missing: the hsx hook supports {SGLANG_RANGE.describe()}"
         )
     patched = False
     for cls, name, make in plan:
@@ -365,12 +381,7 @@ def _patch_plan(
         (
             api.result_cls,
             "copy_to_cpu",
-            lambda orig: _wrap_copy_to_cpu(
-                orig,
-                api.async_d2h,
-                device_stack=state is not None and state.config.device_stack,
-                state=state,
-            ),
+            lambda orig: _wrap_copy_to_cpu(orig, api.async_d2h, state=state),
         ),
         (api.runner_cls, "forward", lambda orig: _wrap_forward(orig, state)),
         (
@@ -415,11 +426,7 @@ _ENCODED_ATTR = "_hsx_encoded"
 
 
 def _wrap_copy_to_cpu(
-    original: Wrapper,
-    async_d2h: Callable[[Any], Any],
-    *,
-    device_stack: bool = False,
-    state: HookState | None = None,
+    original: Wrapper, async_d2h: Callable[[Any], Any], *, state: HookState | None = None
 ) -> Wrapper:
     def copy_to_cpu(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = self.logits_output
@@ -427,21 +434,19 @@ def _wrap_copy_to_cpu(
         if wanted and out is not None and out.last_hidden_states is not None:
             # Queued before SGLang's own copies, so its copy_done event covers this one
             # too, and right behind the forward, before a later pass reuses the buffer.
-            _queue_copies(self, state, async_d2h, device_stack=device_stack)
+            _queue_copies(self, state, async_d2h)
         return original(self, *args, **kwargs)
 
     return copy_to_cpu
 
 
-def _queue_copies(
-    result: Any, state: HookState | None, async_d2h: Callable[[Any], Any], *, device_stack: bool
-) -> None:
+def _queue_copies(result: Any, state: HookState | None, async_d2h: Callable[[Any], Any]) -> None:
     if _copy_encoded(result, state, async_d2h):
         return
     out = result.logits_output
     stacked = None
     on_device = _on_accelerator(out.last_hidden_states)
-    if device_stack and on_device:
+    if on_device and _stacks(state, out.last_hidden_states.dtype):
         stacked = stack_to_host(out.hidden_states, out.last_hidden_states, async_d2h)
     if stacked is not None:
         out.hidden_states, out.last_hidden_states = stacked
@@ -453,6 +458,12 @@ def _queue_copies(
         # On the host already (a CPU server): a float model's rows are rounded by the
         # writer threads (hsx_async.server.rows), not here.
         out.last_hidden_states = async_d2h(out.last_hidden_states)
+
+
+def _stacks(state: HookState | None, dtype: Any) -> bool:
+    """Whether a pass of this dtype takes the device stack (the operator's setting, else
+    the measured default for the dtype)."""
+    return state is not None and state.config.device_stack_for(str(dtype))
 
 
 def as_bf16(tensor: Any) -> Any:
@@ -493,13 +504,14 @@ def _on_accelerator(tensor: Any) -> bool:
 
 
 def stack_to_host(aux: Any, final: Any, async_d2h: Callable[[Any], Any]) -> tuple[Any, Any] | None:
-    """``HSX_DEVICE_STACK=1`` on a GPU (issue 16; NOT YET MEASURED ON A GPU, hence off by
-    default): lay the pass out as ``[T, K+1, H]`` on the device, then make ONE copy of it
-    to pinned host memory with SGLang's own ``async_d2h`` (its stream, so its
-    ``copy_done`` event covers it). Returns host views ``(aux [T, K*H], final [T, H])`` of
-    that buffer to put back on the logits output: SGLang's own aux copy then finds a host
-    tensor and copies nothing, and every part is one contiguous slice of the buffer
-    (:func:`~hsx_async.server.hook_core.stacked_rows`), written with no host copy.
+    """The device stack (issue 16; on a GPU, the default for every dtype measured, issue 40:
+    :data:`~hsx_async.server.hook_core.DEVICE_STACK_BY_DTYPE`): lay the pass out as
+    ``[T, K+1, H]`` on the device, then make ONE copy of it to pinned host memory with
+    SGLang's own ``async_d2h`` (its stream, so its ``copy_done`` event covers it). Returns
+    host views ``(aux [T, K*H], final [T, H])`` of that buffer to put back on the logits output:
+    SGLang's own aux copy then finds a host tensor and copies nothing, and every part is one
+    contiguous slice of the buffer (:func:`~hsx_async.server.hook_core.stacked_rows`),
+    written with no host copy.
 
     The stack is bfloat16 whatever the model's dtype: a float32 model's rows are rounded
     on the device, in the same copy (the rounding of the host path), and half the bytes
@@ -550,6 +562,7 @@ def _wrap_forward(original: Wrapper, state: HookState | None) -> Wrapper:
         if state is not None:
             if state.stack is None:
                 set_capture_layers(state, self.model)
+                warm_host_memory(state, self.model)
             batch = args[0] if args else kwargs.get("forward_batch")
             rids = getattr(batch, "rids", None)
             state.pass_rids = tuple(rids) if isinstance(rids, list | tuple) else None
@@ -605,6 +618,51 @@ def set_capture_layers(state: HookState, model: Any) -> None:
         list(state.config.aux_layers),
         list(state.graph_layers),
     )
+
+
+def model_pass_shape(config: HookConfig, stack: Any) -> PassShape | None:
+    """The largest pass the hook will copy: ``HSX_PASS_ROWS`` rows, the width and dtype of
+    the decoder stack's final norm (built in the served dtype; the module every family has,
+    which --forward-hooks names), the path the config takes for that dtype. None where the
+    stack has no such norm."""
+    weight = getattr(getattr(stack, "norm", None), "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 1 or not weight.is_floating_point():
+        return None
+    dtype = weight.dtype if weight.dtype in (torch.float32, torch.float16) else torch.bfloat16
+    return PassShape(
+        rows=config.pass_rows,
+        hidden_size=int(weight.shape[0]),
+        aux_layers=len(config.aux_layers),
+        model_bytes=dtype.itemsize,
+        device_stack=config.device_stack_for(str(dtype)),
+    )
+
+
+def warm_host_memory(state: HookState, model: Any) -> WarmResult | None:
+    """Before the first pass: make ready the page-locked blocks the passes' copies will
+    take (:mod:`hsx_async.server.pinned`) and say what it cost in the log. Every rank
+    copies its passes (SGLang's aux copy, the hook's final or stacked copy); only a
+    writing rank's passes wait for the writers, so the others hold the passes in flight.
+    A no-op, said in the log, with ``HSX_PASS_ROWS=0``, where torch has no page-locked
+    memory (a CPU-only build) or where the model shows no hidden size."""
+    config = state.config
+    stack = state.stack if state.stack is not None else find_capture_stack(model)
+    shape = model_pass_shape(config, stack)
+    allocate = state.allocate_pinned
+    if config.pass_rows == 0 or allocate is None or shape is None:
+        why = (
+            "HSX_PASS_ROWS=0"
+            if config.pass_rows == 0
+            else "torch has no page-locked memory here (no CUDA)"
+            if allocate is None
+            else f"{type(stack).__name__} has no final norm to read the hidden size from"
+        )
+        logger.info("hsx hook: no page-locked host memory made ready (%s)", why)
+        return None
+    plan = plan_warmup(shape, config.write_queue_bytes, background=state.background is not None)
+    state.warmed = warm(plan, allocate)
+    logger.info("hsx hook: %s", describe(shape, plan, state.warmed, config.write_queue_bytes))
+    return state.warmed
 
 
 def req_views(batch: Any, result: Any, layers: int = 0) -> list[ReqView]:

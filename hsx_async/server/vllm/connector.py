@@ -1,4 +1,5 @@
-"""The hsx KV connector for vLLM 0.32 (``--kv-transfer-config`` with
+"""The hsx KV connector for vLLM (the releases :mod:`hsx_async.server.engine_versions` states;
+any other is refused at start-up) (``--kv-transfer-config`` with
 ``"kv_connector": "HsxHiddenStatesConnector"`` and ``"kv_connector_module_path":
 "hsx_async.server.vllm.connector"``), used with the ``extract_hidden_states`` speculative
 method. Thin glue over :mod:`.core`: vLLM's ``ExampleHiddenStatesConnector`` does the
@@ -37,6 +38,7 @@ from vllm.logger import init_logger
 
 from hsx_async.protocol import Storage
 from hsx_async.quantize import encode_rows
+from hsx_async.server.engine_versions import check_engine_version
 from hsx_async.server.hook_core import dump_root_from_env
 from hsx_async.server.vllm.core import (
     PARAM_NS,
@@ -78,6 +80,7 @@ class _Copied:
 
 class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        check_engine_version("vllm", vllm.__version__)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_prefix_caching(bool(vllm_config.cache_config.enable_prefix_caching))
         spec = vllm_config.speculative_config.draft_model_config.hf_config
@@ -95,11 +98,29 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
         )
         self.use_lock = False  # the commit is meta.json, renamed last
         self._targets: dict[str, Target] = {}  # scheduler side: marked requests
+        self._submitted: set[str] = set()  # worker side: requests whose rows are read back
         log.info(
             "hsx connector: dumping aux layers %s + pre-norm final state to %s",
             list(self._plan.aux_layers),
             self._config.dump_root,
         )
+
+    def get_finished_count(self) -> int:
+        """One ``finished_sending`` per marked request: only TP rank 0 reads rows back.
+        vLLM 0.31 added this to its connector; before it (0.24-0.30) the default, the world
+        size, left a marked request's blocks held for ever under TP > 1."""
+        return 1
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM's, reporting only the requests whose rows this worker reads back. Before
+        0.31, vLLM's connector reported every finished request as sent, ordinary ones
+        included, whose blocks the scheduler had already freed: its first finished plain
+        request stopped the engine (``assert req_id in self.requests``)."""
+        sending, receiving = super().get_finished(finished_req_ids)
+        if sending:
+            sending = {req for req in sending if req in self._submitted}
+            self._submitted -= sending
+        return sending or None, receiving
 
     # -- scheduler side -----------------------------------------------------------------
 
@@ -144,6 +165,7 @@ class HsxHiddenStatesConnector(ExampleHiddenStatesConnector):
         if not self._is_tp_rank_zero:
             return
         assert self._kv_cache is not None
+        self._submitted.add(pending.req_id)
         blocks = torch.tensor(pending.block_ids, dtype=torch.long)
         offsets = torch.arange(self._block_size, dtype=torch.long)
         slots = (offsets.reshape(1, -1) + blocks.reshape(-1, 1) * self._block_size).flatten()

@@ -108,6 +108,30 @@ def test_expected_hidden_states_is_finite_deterministic_and_distinct() -> None:
     assert np.array_equal(expected_hidden_states(ids[:4], H, L), rows[:4])
 
 
+def test_other_weights_are_other_numbers_with_the_same_headers() -> None:
+    """``weights``: another checkpoint of one shape (issue 38); 0 is the default's rows."""
+    ids = prompt(6)
+    mine, other = expected_hidden_states(ids, H, L), expected_hidden_states(ids, H, L, weights=1)
+    assert np.array_equal(expected_hidden_states(ids, H, L, weights=0), mine)
+    assert np.array_equal(mine[:, :, :9], other[:, :, :9])  # layer, position, token id
+    assert np.count_nonzero(mine[:, :, 9:] != other[:, :, 9:]) > 0.9 * mine[:, :, 9:].size
+    assert ((other >> 7) & 0xFF).max() < 0xFF
+
+
+async def test_a_refusing_server_answers_400_to_every_request(
+    shm_root: Path, session: aiohttp.ClientSession
+) -> None:
+    async with running_fake_server(FakeOptions(dump_root=shm_root)) as srv:
+        srv.set_rejects(True)
+        status, _ = await post_hsx(session, srv.url, "a", prompt(3))
+        async with session.get(f"{srv.url}/health") as resp:
+            health = resp.status
+        srv.set_rejects(False)
+        again, _ = await post_hsx(session, srv.url, "b", prompt(3))
+    assert (status, health, again) == (400, 200, 200)
+    assert srv.stats.bad_requests == 1
+
+
 def test_expected_hidden_states_big_hidden_is_finite() -> None:
     rows = expected_hidden_states(prompt(50), 7168, 4)
     assert ((rows >> 7) & 0xFF).max() < 0xFF

@@ -34,6 +34,7 @@ from hsx_async.protocol import (
 from hsx_async.server.dumper import PrefillDumper
 from hsx_async.server.hook_core import HookConfig
 from hsx_async.server.hook_writer import BackgroundWriter
+from hsx_async.server.pinned import IN_FLIGHT_PASSES, size_class
 from hsx_async.server.sglang import hook as sglang_hook
 from hsx_async.server.sglang.hook import (
     FORWARD_HOOK_SPEC,
@@ -46,6 +47,7 @@ from hsx_async.server.sglang.hook import (
     uninstall,
 )
 from tests.server.fp8 import FP8_ALL, FP8_ALL_V3, FP8_AUX, check_fp8_dump, read_bf16_rows
+from tests.server.host_allocator import CachingHostAllocator, pinned_d2h
 from tests.server.sglang.standins import (
     FULL,
     LAYERS,
@@ -386,7 +388,7 @@ def test_extend_lens_fall_back_to_the_batch(
 
 
 def on_a_device(
-    api: SglangApi, root: Path, monkeypatch: pytest.MonkeyPatch, *, device_stack: bool
+    api: SglangApi, root: Path, monkeypatch: pytest.MonkeyPatch, *, device_stack: bool | None
 ) -> BackgroundWriter:
     """The hook installed with two writer threads, taking CPU tensors for device ones."""
     monkeypatch.setattr(sglang_hook, "_on_accelerator", lambda t: True)
@@ -418,6 +420,30 @@ def test_device_stack_makes_one_copy_and_dumps_the_same_rows(
         ref = reference_rows(x)
         np.testing.assert_array_equal(dump_rows(shm_root, "a", 3), ref[:3])
         np.testing.assert_array_equal(dump_rows(shm_root, "b", 5), ref[3:])
+    finally:
+        background.close(10.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_device_stack_is_the_default_for_both_measured_dtypes(
+    api: SglangApi,
+    shm_root: Path,
+    d2h_calls: list[torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+) -> None:
+    """Issue 40: with HSX_DEVICE_STACK unset, a pass on a device is stacked and copied
+    once, for a bfloat16 and a float32 model alike (the faster path on an H200)."""
+    background = on_a_device(api, shm_root, monkeypatch, device_stack=None)
+    try:
+        runner = api.runner_cls(CausalLM())
+        x = torch.randn(4, H)
+        reqs = [api.req_cls("a", list(range(4)), params())]
+        run_pass(api, runner, reqs, [(0, 4)], x, dtype=dtype)
+        assert [(t.shape, t.dtype) for t in d2h_calls] == [
+            ((4, len(LAYERS) + 1, H), torch.bfloat16)
+        ]
+        np.testing.assert_array_equal(dump_rows(shm_root, "a", 4), reference_rows(x))
     finally:
         background.close(10.0)
 
@@ -562,6 +588,177 @@ def test_encode_to_host_needs_matching_shapes() -> None:
     ]  # fmt: skip
 
 
+# --------------------------------------------------------------------------------------
+# Page-locked memory made ready before the first pass (issue 40)
+# --------------------------------------------------------------------------------------
+
+
+def normed_model(dtype: torch.dtype = torch.bfloat16) -> CausalLM:
+    """The stand-in model with a final norm on its decoder stack (SGLang's models have one,
+    built in the served dtype): the warm-up reads the hidden size and dtype from it."""
+    model = CausalLM()
+    model.model.norm = nn.LayerNorm(H, dtype=dtype)
+    return model
+
+
+def warming_state(
+    api: SglangApi,
+    root: Path,
+    allocate: Any,
+    *,
+    pass_rows: int,
+    queue_bytes: int,
+    device_stack: bool | None = None,
+) -> HookState:
+    cfg = dataclasses.replace(
+        config(root), pass_rows=pass_rows, write_queue_bytes=queue_bytes, device_stack=device_stack
+    )
+    background = BackgroundWriter(root, threads=2, queue_bytes=queue_bytes)
+    dumper = PrefillDumper(cfg, model="tiny", sink=background)
+    st = HookState(cfg, dumper, True, background=background, allocate_pinned=allocate)
+    install(st, api)
+    return st
+
+
+def test_the_first_forward_makes_page_locked_memory_ready_and_no_pass_grows_it(
+    api: SglangApi,
+    shm_root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before the first pass, the writing rank allocates (then frees into PyTorch's cache)
+    every block its passes will hold: the passes' own copies (SGLang's async_d2h, here
+    from a model of the caching host allocator) then never grow it, and the log says what
+    the warm-up made ready and what it cost. (Before issue 40 the first passes grew it.)"""
+    monkeypatch.setattr(sglang_hook, "_on_accelerator", lambda t: True)
+    allocator = CachingHostAllocator()
+    hooked = dataclasses.replace(api, async_d2h=pinned_d2h(allocator))
+    rows = 6
+    pass_bytes = rows * (len(LAYERS) + 1) * H * 2  # the device stack, bfloat16
+    st = warming_state(
+        hooked, shm_root, allocator.allocate, pass_rows=rows, queue_bytes=2 * pass_bytes
+    )
+    assert st.background is not None
+    caplog.set_level(logging.INFO, logger=sglang_hook.__name__)
+    try:
+        runner = hooked.runner_cls(normed_model())
+        for p in range(5):
+            x = torch.randn(rows, H)
+            reqs = [hooked.req_cls(f"r{p}", list(range(rows)), params())]
+            run_pass(hooked, runner, reqs, [(0, rows)], x)
+            np.testing.assert_array_equal(dump_rows(shm_root, f"r{p}", rows), reference_rows(x))
+    finally:
+        st.background.close(10.0)
+    warmed = [size_class(pass_bytes)] * (2 + IN_FLIGHT_PASSES)  # two queued, two in flight
+    assert allocator.grown == warmed  # the warm-up's blocks, and not one pass's
+    assert st.warmed is not None and st.warmed.nbytes == sum(warmed) and not st.warmed.error
+    [line] = [r.getMessage() for r in caplog.records if "made ready" in r.getMessage()]
+    match = re.search(r"(\d+) blocks .*, (\d+\.\d\d) GB in (\d+\.\d\d) s", line)
+    assert match is not None, line
+    assert int(match[1]) == len(warmed) and float(match[2]) == round(sum(warmed) / 1e9, 2)
+    assert float(match[3]) == round(st.warmed.seconds, 2)
+    assert f"passes of {rows} rows (H {H}" in line and "device stack path" in line
+
+
+def test_the_warm_up_sizes_a_float32_models_plain_copies(
+    api: SglangApi, shm_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HSX_DEVICE_STACK=0 and a float32 model: SGLang's aux copy in float32 and the hook's
+    bfloat16 final copy, each in its own size class, made ready for every pass held."""
+    monkeypatch.setattr(sglang_hook, "_on_accelerator", lambda t: True)
+    allocator = CachingHostAllocator()
+    hooked = dataclasses.replace(api, async_d2h=pinned_d2h(allocator))
+    rows, k = 6, len(LAYERS)
+    aux, final = rows * k * H * 4, rows * H * 2
+    st = warming_state(
+        hooked, shm_root, allocator.allocate, pass_rows=rows, queue_bytes=1, device_stack=False
+    )
+    assert st.background is not None
+    try:
+        runner = hooked.runner_cls(normed_model(torch.float32))
+        runner.forward(torch.randn(rows, H))
+        passes = 1 + IN_FLIGHT_PASSES  # a budget below one pass: one let through alone
+        assert sorted(allocator.grown) == sorted(
+            [size_class(aux)] * passes + [size_class(final)] * passes
+        )
+    finally:
+        st.background.close(10.0)
+
+
+@pytest.mark.parametrize("why", ["no-cuda", "rows-0", "no-norm"])
+def test_the_warm_up_is_a_no_op_said_in_the_log(
+    api: SglangApi,
+    shm_root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    why: str,
+) -> None:
+    """A CPU-only torch has no page-locked memory: nothing is allocated and the log says
+    why, as it does for HSX_PASS_ROWS=0 and a stack without a final norm."""
+    allocator = CachingHostAllocator()
+    allocate: Any = allocator.allocate
+    if why == "no-cuda":
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        allocate = sglang_hook.pinned_allocator()
+        assert allocate is None
+    st = warming_state(
+        api, shm_root, allocate, pass_rows=0 if why == "rows-0" else 6, queue_bytes=1 << 20
+    )
+    caplog.set_level(logging.INFO, logger=sglang_hook.__name__)
+    try:
+        model = CausalLM() if why == "no-norm" else normed_model()
+        api.runner_cls(model).forward(torch.randn(3, H))
+    finally:
+        assert st.background is not None
+        st.background.close(10.0)
+    assert allocator.grown == [] and st.warmed is None
+    lines = [r.getMessage() for r in caplog.records if "page-locked" in r.getMessage()]
+    expected = {
+        "no-cuda": "(torch has no page-locked memory here (no CUDA))",
+        "rows-0": "(HSX_PASS_ROWS=0)",
+        "no-norm": "(Stack has no final norm to read the hidden size from)",
+    }[why]
+    assert lines == [f"hsx hook: no page-locked host memory made ready {expected}"]
+
+
+def test_a_non_writing_rank_warms_only_the_passes_in_flight(
+    api: SglangApi, shm_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-writing rank copies its passes too (SGLang's own aux copy at least) but queues
+    none for writers: it makes ready the passes in flight, so its first passes (which its
+    peers wait for) grow nothing either."""
+    monkeypatch.setattr(sglang_hook, "_on_accelerator", lambda t: True)
+    allocator = CachingHostAllocator()
+    hooked = dataclasses.replace(api, async_d2h=pinned_d2h(allocator))
+    rows = 6
+    cfg = dataclasses.replace(config(shm_root), pass_rows=rows)
+    st = HookState(cfg, PrefillDumper(cfg, model="tiny"), False, allocate_pinned=allocator.allocate)
+    install(st, hooked)
+    runner = hooked.runner_cls(normed_model())
+    pass_bytes = rows * (len(LAYERS) + 1) * H * 2
+    for p in range(3):
+        reqs = [hooked.req_cls(f"r{p}", list(range(rows)), params())]
+        run_pass(hooked, runner, reqs, [(0, rows)], torch.randn(rows, H))
+    assert allocator.grown == [size_class(pass_bytes)] * IN_FLIGHT_PASSES
+    assert not (shm_root / NS).exists()  # and it wrote nothing
+
+
+def test_pinned_allocator_takes_page_locked_memory_as_async_d2h_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def empty(*args: Any, **kwargs: Any) -> str:
+        calls.append((args, kwargs))
+        return "block"
+
+    monkeypatch.setattr(torch, "empty", empty)
+    allocate = sglang_hook.pinned_allocator()
+    assert allocate is not None and allocate(4096) == "block"
+    assert calls == [((4096,), {"dtype": torch.uint8, "pin_memory": True})]
+
+
 def test_host_rows_keeps_row_strided_views() -> None:
     full = torch.randn(4, 3, H).to(torch.bfloat16)
     aux = full.as_strided((4, 2 * H), (3 * H, 1))
@@ -621,7 +818,8 @@ def server_env(
     monkeypatch.setattr(sglang_hook, "_read_server_info", lambda: info["info"])
     monkeypatch.setattr(sglang_hook, "_load_sglang_api", lambda: api)
     # The dev environment has no sglang; the factory refuses any other version.
-    monkeypatch.setattr(sglang_hook, "installed_sglang_version", lambda: sglang_hook.SGLANG_VERSION)
+    newest = sglang_hook.SGLANG_RANGE.versions[-1]
+    monkeypatch.setattr(sglang_hook, "installed_sglang_version", lambda: newest)
     yield info
     state = sglang_hook._Installed.state
     if state is not None and state.background is not None:
@@ -757,8 +955,12 @@ def test_factory_refuses_other_sglang(
     with pytest.raises(ConfigError) as refused:
         sglang_hook.hsx_hook_factory({})
     message = str(refused.value)
-    assert "checked against sglang 0.5.23, but sglang 0.6.0 is installed" in message
-    assert "HSX_ALLOW_SGLANG_VERSION=0.6.0" in message
+    # One line naming the range (the one table: hsx_async.server.engine_versions).
+    assert message == (
+        "the hsx hook supports sglang 0.5.23, but sglang 0.6.0 is installed: install "
+        "sglang==0.5.23, or set HSX_ALLOW_SGLANG_VERSION=0.6.0 to run it anyway (after "
+        "checking its dumps)"
+    )
     assert sglang_hook._Installed.state is None
     assert api.req_cls("r1", [1], params()).return_hidden_states_mode == NULL
     # An override naming another version does not cover this one.
@@ -779,7 +981,7 @@ def test_factory_runs_other_sglang_when_allowed(
     monkeypatch.setenv("HSX_ALLOW_SGLANG_VERSION", "0.6.0")
     with caplog.at_level(logging.WARNING, logger=sglang_hook.__name__):
         sglang_hook.hsx_hook_factory({})
-    assert "checked against sglang 0.5.23, running 0.6.0 (allowed by" in caplog.text
+    assert "supports sglang 0.5.23, running sglang 0.6.0 (allowed by" in caplog.text
     state = sglang_hook._Installed.state
     assert state is not None and state.config.server == "sglang 0.6.0"
 
@@ -798,8 +1000,20 @@ def test_the_hook_sglang_loads_does_not_import_the_drift_checker() -> None:
 
 def test_checked_version_needs_no_override(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger=sglang_hook.__name__):
-        assert sglang_hook.check_sglang_version("0.5.23", {}) == "0.5.23"
+        for version in sglang_hook.SGLANG_RANGE.versions:
+            assert sglang_hook.check_sglang_version(version, {}) == version
     assert not caplog.records
+
+
+@pytest.mark.parametrize("version", ["0.5.14", "0.5.22", "0.5.24", "0.5.23rc1", ""])
+def test_a_release_outside_the_range_is_refused(version: str) -> None:
+    """SpecForge's 0.5.14 and every release up to 0.5.22 fail the drift check (no
+    capture-only aux mode, no post-norm final state): refused in one line."""
+    with pytest.raises(ConfigError) as refused:
+        sglang_hook.check_sglang_version(version or None, {})
+    message = str(refused.value)
+    assert "\n" not in message and "supports sglang 0.5.23" in message
+    assert f"sglang {version or 'unknown'} is installed" in message
 
 
 # --------------------------------------------------------------------------------------

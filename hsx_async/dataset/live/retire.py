@@ -18,45 +18,31 @@ Every acknowledgement (local or through ``hsx serve``) retires what it completes
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import orjson
 
-from hsx_async.dataset.consumers import (
-    ACKED,
-    CONSUMERS_DIR,
-    KEEP,
-    ConsumerLog,
-    Registry,
-    consumer_names,
-    read_registry,
-)
-from hsx_async.dataset.durable import exclusive_lock, fsync_dir
+from hsx_async.dataset.durable import fsync_dir
 from hsx_async.dataset.layout import canonical_id
+from hsx_async.dataset.live.ledger import ConsumerLog
+from hsx_async.dataset.live.registry import read_registry, retirement_lock
 from hsx_async.dataset.manifest import (
     RETIRED,
     AppendLog,
     LogTail,
     ManifestEntry,
     read_log,
-    read_manifest,
+    retired_record,
 )
-from hsx_async.units import human_bytes
 
-RETIRE_LOCK = ".retire.lock"
 RETIRE_EPOCH = 0  # a spool deletes after the first epoch: later ones need retention "keep"
 
 
 def read_retired(out_dir: Path) -> dict[str, int]:
     """Path → bytes of every retired sample."""
     records, _ = read_log(out_dir / RETIRED)
-    return {
-        rec["path"]: int(rec.get("bytes", 0))
-        for _, rec in records
-        if isinstance(rec, dict) and isinstance(rec.get("path"), str)
-    }
+    return dict(r for r in (retired_record(rec) for _, rec in records) if r is not None)
 
 
 def delete_retired(out_dir: Path, paths: Iterable[str]) -> int:
@@ -87,39 +73,44 @@ def finish_retirement(out_dir: Path) -> int:
 class Retirer:
     """Deletes the samples every registered consumer acknowledged (retention ``acked``).
 
-    Keeps one :class:`ConsumerLog` per registered consumer, followed incrementally, and the
+    The registry is read afresh under the retirement lock at every decision (the lock
+    ``hsx run`` writes it under): a sample is deleted only under the list in force then.
+    Keeps one :class:`ConsumerLog` per consumer it met, followed incrementally, and the
     retired set, followed through ``retired.jsonl``. Blocking: call from a thread."""
 
-    def __init__(self, out_dir: Path, registry: Registry) -> None:
+    def __init__(self, out_dir: Path) -> None:
         self.out_dir = out_dir
-        self.registry = registry
-        self.logs = {name: ConsumerLog(out_dir, name) for name in registry.consumers}
+        self.logs: dict[str, ConsumerLog] = {}
         self.retired: dict[str, int] = {}
         self._tail = LogTail(out_dir / RETIRED)
 
-    @property
-    def active(self) -> bool:
-        return self.registry.retention == ACKED and bool(self.registry.consumers)
+    def _log(self, name: str) -> ConsumerLog:
+        found = self.logs.get(name)
+        if found is None:
+            found = self.logs[name] = ConsumerLog(self.out_dir, name)
+        return found
 
     def refresh_retired(self) -> dict[str, int]:
         records = self._tail.read()
         if self._tail.restarted:
             self.retired = {}
         for _, rec in records:
-            if isinstance(rec, dict) and isinstance(rec.get("path"), str):
-                self.retired[rec["path"]] = int(rec.get("bytes", 0))
+            found = retired_record(rec)
+            if found is not None:
+                self.retired[found[0]] = found[1]
         return self.retired
 
     def retire(self, candidates: Sequence[ManifestEntry]) -> list[ManifestEntry]:
-        """Retire those of ``candidates`` every registered consumer acknowledged; returns
-        them. Each consumer's acks are durable before they are looked at here."""
-        if not self.active or not candidates:
+        """Retire those of ``candidates`` every consumer registered *now* acknowledged in
+        epoch 0; returns them. Each consumer's acks are durable before they are looked at."""
+        if not candidates:
             return []
-        lock = self.out_dir / CONSUMERS_DIR / RETIRE_LOCK
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        with exclusive_lock(lock, f"{lock}: held for too long", wait=60.0):
+        with retirement_lock(self.out_dir):
+            registry = read_registry(self.out_dir)
+            if registry is None or not registry.deletes:
+                return []
             self.refresh_retired()
-            states = [log.refresh() for log in self.logs.values()]
+            states = [self._log(name).refresh() for name in registry.consumers]
             done = [
                 e
                 for e in candidates
@@ -138,36 +129,3 @@ class Retirer:
                 self.refresh_retired()
         delete_retired(self.out_dir, [e.path for e in done])
         return done
-
-
-def spool_lines(out_dir: Path) -> list[str]:
-    """What ``hsx status`` says of the spool and its consumers ([] when none): the
-    retention, the bytes the sample files hold now against the limit, the samples
-    deleted, and each consumer's acknowledged, lagging and leased samples (blocking)."""
-    registry = read_registry(out_dir)
-    names = sorted(set(registry.consumers if registry else ()) | set(consumer_names(out_dir)))
-    if registry is None and not names:
-        return []
-    entries = read_manifest(out_dir, retired=True)
-    retired = read_retired(out_dir)
-    held = sum(e.size for e in entries if e.path not in retired)
-    committed = {canonical_id(e.id) for e in entries}
-    if registry is None or registry.retention == KEEP:
-        head = f"spool:       keep every sample; {human_bytes(held)} on disk"
-    else:
-        limit = f" of {human_bytes(registry.spool_limit)}" if registry.spool_limit else ""
-        head = (
-            f"spool:       delete once {', '.join(registry.consumers)} acknowledged; "
-            f"{human_bytes(held)}{limit} held, {len(retired):,} samples deleted"
-        )
-    lines, now = [head], time.time()
-    for name in names:
-        state = ConsumerLog(out_dir, name).refresh()
-        acked = len(state.acked.get(RETIRE_EPOCH, set()) & committed)
-        leased = sum(state.held(RETIRE_EPOCH, now).values())
-        extra = f", {state.duplicate_acks:,} acknowledged twice" if state.duplicate_acks else ""
-        lines.append(
-            f"consumer:    {name}: {acked:,} acknowledged, {len(committed) - acked:,} behind, "
-            f"{leased:,} leased now{extra}"
-        )
-    return lines

@@ -2,7 +2,7 @@
 dataset as samples commit (PROTOCOL §6).
 
 Each sample goes to exactly one data-parallel rank: a rank *leases* a few samples at a time
-(:class:`~hsx_async.dataset.consumers.ConsumerLog`, under the consumer's lock, fsynced),
+(:class:`~hsx_async.dataset.live.ledger.ConsumerLog`, under the consumer's lock, fsynced),
 yields them, and the trainer *acknowledges* them when the step that used them is durable —
 its optimizer step or its checkpoint::
 
@@ -17,20 +17,31 @@ its optimizer step or its checkpoint::
             torch.save({"model": ..., "live": live.state_dict()}, path)
             live.ack()                             # durable: never delivered again
 
-- A trainer killed at any instant: what it had not acknowledged comes back — at once to
-  the rank's next process (its ``start`` voids the old leases), else after
-  ``lease_timeout`` to any rank. A checkpoint holds the samples done since the last ack
-  (``state_dict``), and ``load_state_dict`` acknowledges them: a kill between the
-  checkpoint and the ack trains nothing twice.
+- A trainer killed at any instant: what it had not acknowledged comes back at once (the
+  lease follows the process: it ends when the process dies; a rank's next process voids
+  the old one's leases as it starts). A checkpoint holds the samples done since the last
+  ack (``state_dict``, with the dataset's identity and this process's owner id), and
+  ``load_state_dict`` acknowledges them on behalf of the process they were delivered to:
+  a kill between the checkpoint and the ack trains nothing twice. Another dataset's
+  checkpoint is refused.
+- A trainer paused (a checkpoint, an eval, even SIGSTOP) keeps its samples: the lease
+  lives while the process does, whatever its training loop does. Through ``hsx serve`` a
+  thread of the reading process sends a heartbeat every ``lease_timeout / 4``; serve ends
+  the leases of an owner it has not heard from for ``lease_timeout`` on its own monotonic
+  clock. A sample whose lease ended and went to another rank is skipped when its turn
+  comes, and its acknowledgement is refused (counted in :attr:`LiveDataset.refused`).
+- Only the holder of a sample's lease can acknowledge it; a process replaced by a newer
+  one of its rank gets :class:`~hsx_async.errors.LiveError` on its next call.
 - ``hsx run`` killed: the reader waits; a resumed run adds the samples it had not written.
 - The trainer may start before, during or after extraction; an epoch ends once extraction
   is complete and every sample is acknowledged or held by a live lease (the rank's own
   included: the last batches are acknowledged after the loop).
-- Leases last ``lease_timeout`` seconds past the owner's last activity (a lease, a renewal:
-  each lease and ``done`` renew them), so a live but slow trainer keeps its samples.
+- ``rank`` and ``world_size`` name the data-parallel rank (``torch.distributed``'s
+  ``get_rank()`` and ``get_world_size()``); ranks of one consumer never get one sample
+  twice.
 
 ``source`` is an output directory (this node, or a shared file system) or the URL of
-``hsx serve`` on the node that holds it (:mod:`hsx_async.dataset.live_remote`): the same
+``hsx serve`` on the node that holds it (:mod:`hsx_async.dataset.live.remote`): the same
 leases and acks, made by the server in the same logs; files travel over HTTP and are
 checked against their manifest hash before they are read.
 
@@ -58,11 +69,13 @@ import structlog
 from torch.utils.data import IterableDataset
 
 from hsx_async.dataset import reader
-from hsx_async.dataset.consumers import check_name
 from hsx_async.dataset.export import export_format
 from hsx_async.dataset.export.plan import DatasetFacts, ExportPlan, find_target, plan_conversion
+from hsx_async.dataset.live.ledger import OwnerVoid
+from hsx_async.dataset.live.registry import check_name
+from hsx_async.dataset.live.remote import RemoteSource
+from hsx_async.dataset.live.sources import LeaseLost, LocalSource, Source
 from hsx_async.dataset.manifest import ManifestEntry
-from hsx_async.dataset.sources import Source, open_source
 from hsx_async.errors import DatasetError, LiveError
 from hsx_async.protocol import BF16
 
@@ -110,19 +123,26 @@ class LiveDataset(IterableDataset[dict[str, Any]]):
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.owner = secrets.token_hex(8)  # this incarnation of the rank
         self._pending: list[str] = []  # done, not yet acknowledged (this process)
-        self._renewed = 0.0
+        self.lost = 0  # leased samples skipped: their lease went to another rank
+        self.refused = 0  # acknowledgements refused (see ack)
         self._source: Source | None = None
         self._reader: Callable[[Path, ManifestEntry], dict[str, Any]] | None = None
+        _ = self.source  # a wrong path fails here; this process keeps the owner alive
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_source"] = state["_reader"] = None  # each process opens its own
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     @property
     def source(self) -> Source:
         if self._source is None:
-            self._source = open_source(self.source_spec, self.consumer, cache_dir=self.cache_dir)
+            source = open_source(self.source_spec, self.consumer, cache_dir=self.cache_dir)
+            source.hold(self.owner, self.lease_timeout)  # alive while this process is
+            self._source = source
         return self._source
 
     # -- the iteration (in the process that iterates: main, or a DataLoader worker) -------
@@ -131,9 +151,7 @@ class LiveDataset(IterableDataset[dict[str, Any]]):
         source = self.source
         pause, idle_since = 0.01, time.monotonic()
         while True:
-            leased = source.lease(
-                self.owner, self.rank, self.epoch, self.prefetch, self.lease_timeout
-            )
+            leased = source.lease(self.owner, self.rank, self.epoch, self.prefetch)
             if leased.entries:
                 yield from self._deliver(source, leased.entries)
                 pause, idle_since = 0.01, time.monotonic()
@@ -151,20 +169,29 @@ class LiveDataset(IterableDataset[dict[str, Any]]):
             pause = min(pause * 2, self.poll_interval)
 
     def _deliver(self, source: Source, entries: list[ManifestEntry]) -> Iterator[dict[str, Any]]:
-        """Yield each leased sample; those not yielded (the consumer stopped) go back."""
+        """Yield each leased sample still this owner's; those not yielded (the consumer
+        stopped) go back."""
         left = [_key(e) for e in entries]
         try:
             for entry in entries:
                 sample = self._read(source, entry)
                 left.pop(0)
-                yield sample
+                if sample is not None:
+                    yield sample
         finally:
             if left:
                 with contextlib.suppress(DatasetError, OSError):
                     source.release(self.owner, self.epoch, left)
 
-    def _read(self, source: Source, entry: ManifestEntry) -> dict[str, Any]:
-        path, temporary = source.fetch(entry)
+    def _read(self, source: Source, entry: ManifestEntry) -> dict[str, Any] | None:
+        """The sample, or None when it is no longer this owner's (its lease ended while
+        this process was not heard from, and another rank has it: skipped, not lost)."""
+        try:
+            path, temporary = source.fetch(self.owner, self.epoch, entry)
+        except LeaseLost as exc:
+            self.lost += 1
+            log.warning("live_sample_lost", id=_key(entry), reason=str(exc))
+            return None
         try:
             if self._reader is None:
                 self._reader = make_reader(self.view, source.facts(entry), self.model)
@@ -179,40 +206,59 @@ class LiveDataset(IterableDataset[dict[str, Any]]):
 
     def done(self, batch_or_ids: Any) -> None:
         """The step that used these samples finished (a batch from :class:`LiveCollator`,
-        a sample, samples or ids): they await :meth:`ack`. Renews this owner's leases."""
+        a sample, samples or ids): they await :meth:`ack`."""
+        _ = self.source  # this process keeps the owner alive from here on
         self._pending.extend(sample_ids(batch_or_ids))
-        now = time.time()
-        if now - self._renewed > self.lease_timeout / 4:
-            self.source.renew(self.owner, now + self.lease_timeout)
-            self._renewed = now
 
     def ack(self) -> int:
         """Durably acknowledge every sample :meth:`done` since the last ack (call right
-        after a checkpoint or optimizer step is durable); the number acknowledged."""
-        pending, self._pending = self._pending, []
-        if pending:
-            try:
-                self.source.ack(self.owner, self.epoch, pending)
-            except BaseException:
-                self._pending = pending + self._pending
-                raise
-        return len(pending)
+        after a checkpoint or optimizer step is durable); the number acknowledged. Those
+        whose lease went to another rank meanwhile are refused (counted in
+        :attr:`refused`, logged): that rank trains them."""
+        return self._ack(self._pending, None)
+
+    def _ack(self, ids: list[str], adopted_from: str | None) -> int:
+        pending, self._pending = ids, []
+        if not pending:
+            return 0
+        try:
+            result = self.source.ack(self.owner, self.epoch, pending, adopted_from=adopted_from)
+        except OwnerVoid as exc:
+            raise LiveError(str(exc)) from None
+        except BaseException:
+            self._pending = pending + self._pending
+            raise
+        if result.refused:
+            self.refused += len(result.refused)
+            reasons = sorted(set(result.refused.values()))
+            log.warning("live_ack_refused", samples=len(result.refused), reasons=reasons)
+        return len(result.acked) + len(result.again)
 
     def state_dict(self) -> dict[str, Any]:
-        """Save with the checkpoint: the samples done since the last ack."""
-        return {"consumer": self.consumer, "epoch": self.epoch, "done": list(self._pending)}
+        """Save with the checkpoint: the samples done since the last ack, the dataset's
+        identity and this process's owner id (they were delivered to it)."""
+        return {
+            "dataset": self.source.identity(),
+            "consumer": self.consumer,
+            "epoch": self.epoch,
+            "owner": self.owner,
+            "done": list(self._pending),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """After restoring a checkpoint: acknowledge what it holds (a second ack of a
-        sample acknowledged already is counted, never applied twice). Call before
-        iterating."""
-        if state.get("consumer") != self.consumer or state.get("epoch") != self.epoch:
+        """After restoring a checkpoint: acknowledge what it holds, on behalf of the
+        process it came from (a sample delivered to it; a second ack of a sample
+        acknowledged already is counted, never applied twice). Call before iterating.
+        A checkpoint of another dataset, consumer or epoch is refused."""
+        ours = {"dataset": self.source.identity(), "consumer": self.consumer, "epoch": self.epoch}
+        theirs = {key: state.get(key) for key in ours}
+        if theirs != ours or not isinstance(state.get("owner"), str):
             raise DatasetError(
-                f"checkpoint's live state is consumer {state.get('consumer')!r} epoch "
-                f"{state.get('epoch')!r}, this reader {self.consumer!r} epoch {self.epoch}"
+                f"the checkpoint's live state is {theirs} (owner {state.get('owner')!r}), "
+                f"this reader {ours}: a checkpoint of another dataset, consumer or epoch "
+                "(or of an hsx older than protocol 6) cannot say what this one trained"
             )
-        self._pending = [str(i) for i in state.get("done", [])]
-        self.ack()
+        self._ack([str(i) for i in state.get("done", [])], str(state["owner"]))
 
 
 def _key(entry: ManifestEntry) -> str:
@@ -269,6 +315,16 @@ def make_reader(
     conv = plan_conversion(fmt.name, fmt.final_state, facts, target, model is not None)
     plan = ExportPlan(conv, BF16, 0)
     return lambda path, entry: dict(fmt.tensors(path, entry, plan))
+
+
+def open_source(
+    source: str | Path, consumer: str, *, cache_dir: Path | None, **remote: object
+) -> Source:
+    """A local (or shared-file-system) output directory, or ``http(s)://`` ``hsx serve``."""
+    text = str(source)
+    if text.startswith(("http://", "https://")):
+        return RemoteSource(text, consumer, cache_dir=cache_dir, **remote)  # type: ignore[arg-type]
+    return LocalSource(Path(source), consumer)
 
 
 __all__ = ["HSX_ID", "HSX_IDS", "LiveCollator", "LiveDataset", "make_reader", "sample_ids"]

@@ -7,25 +7,28 @@ Every endpoint is bounded: request bodies at most :data:`MAX_BODY` bytes, a leas
 durations, never wall-clock instants: the server turns them into instants with its own
 clock, so the nodes' clocks need not agree.
 
-- ``GET /v1/info`` → ``{"protocol", "facts", "registry"}`` (the dataset as the export sees
-  it: aux layers, hidden size, final state, storage, provenance).
+- ``GET /v1/info`` → ``{"protocol", "dataset", "facts", "registry"}`` (the dataset's
+  identity; the dataset as the export sees it: aux layers, hidden size, final state,
+  storage, provenance; the registry in force).
 - ``POST /v1/lease`` ``{consumer, owner, rank, epoch, count, timeout, wait, call}`` →
-  ``{"entries": [manifest lines], "ended": bool}``: up to ``count`` samples leased for
-  ``timeout`` s; while none is available the server waits up to ``wait`` s for one.
-- ``GET /v1/file?path=data/…`` → the sample file (one that a lease named and the dataset
-  still holds), ``Content-Length`` its size; the reader checks its XXH3-64.
-- ``POST /v1/ack`` ``{consumer, owner, epoch, ids, call}`` → ``{"acked": n}``: durable
-  when answered.
+  ``{"entries": [manifest lines], "ended": bool}``: up to ``count`` samples leased to the
+  owner while it lives — while serve hears from it at least every ``timeout`` s; while
+  none is available the server waits up to ``wait`` s for one (holding no lock).
+- ``GET /v1/file?path=data/…&consumer=…&owner=…&epoch=…`` → the sample file, to the
+  owner that holds its lease (410 when it no longer does), ``Content-Length`` its size;
+  the reader checks its XXH3-64.
+- ``POST /v1/ack`` ``{consumer, owner, epoch, ids, call, from?}`` → ``{"acked", "again",
+  "refused": {id: reason}}``: durable when answered; only the holder of a sample's lease
+  (or, with ``from``, an owner it was delivered to) acknowledges it.
 - ``POST /v1/release`` ``{consumer, owner, epoch, ids, call}``, ``POST /v1/renew``
-  ``{consumer, owner, timeout, call}`` → ``{}``.
+  ``{consumer, owner, timeout, call}`` (the heartbeat) → ``{}``.
 
 ``call`` (a random id per call, 16–32 hex digits) lets a reader repeat a call whose answer
-it lost: the server answers a repeated ``call`` with the answer it gave (it keeps the last
-:data:`REPLAY` answers per owner), so a retried lease hands over the same samples and a
-retried ack is not counted twice. 4xx: the request is wrong (not retried); 5xx and lost
-connections: retried. A server restarted in between has forgotten the answer: a retried
-lease then leases anew (the lost samples lapse after their timeout), a retried ack is
-counted as a second one.
+it lost: the server answers a repeated ``call`` with the answer it gave — from memory, or
+after a restart from the consumer's log, where each lease and ack records its call — so a
+retried lease hands over the same samples and a retried ack is not counted twice. 4xx:
+the request is wrong (not retried; 409: a replaced owner or an unregistered consumer; 410:
+a sample no longer the owner's); 5xx and lost connections: retried.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from hsx_async.dataset.consumers import check_name, check_owner
+from hsx_async.dataset.live.ledger import check_owner
+from hsx_async.dataset.live.registry import check_name
 from hsx_async.errors import DatasetError
 
-WIRE_VERSION = 5  # the PROTOCOL version that defines it
+WIRE_VERSION = 6  # the PROTOCOL version that defines it
 MAX_BODY = 1 << 20  # bytes of a request body (an ack of MAX_IDS long ids)
 MAX_RESPONSE = 8 << 20  # bytes of a JSON answer (a lease's manifest lines, the facts)
 MAX_LEASE = 256
@@ -45,6 +49,11 @@ MAX_IDS = 4096
 MAX_WAIT_S = 10.0
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 REPLAY = 64  # answers kept per owner for repeated calls
+GONE = 410  # a file or sample no longer this owner's (its lease ended): skipped
+VOID_STATUS = 409  # a replaced owner, or a consumer that is not registered
+MAX_HOLDERS = 1024  # live owners per consumer at one serve
+DEFAULT_TIMEOUT_S = 600.0  # an owner not heard from this long is dead (serve lets go)
+MIN_TIMEOUT_S = 1.0  # the shortest heartbeat timeout a reader may ask for
 _CALL = re.compile(r"[0-9a-f]{16,32}")
 INFO, LEASE, FILE, ACK, RELEASE, RENEW = (
     "/v1/info",
@@ -110,9 +119,45 @@ def lease_request(raw: dict[str, Any]) -> LeaseRequest:
         rank=_int(raw, "rank", 0, 1 << 20),
         epoch=_int(raw, "epoch", 0, 1 << 20),
         count=_int(raw, "count", 1, MAX_LEASE),
-        timeout=max(_seconds(raw, "timeout", MAX_TIMEOUT_S), 0.001),
+        timeout=heartbeat_timeout(raw),
         wait=_seconds(raw, "wait", MAX_WAIT_S),
     )
+
+
+def heartbeat_timeout(raw: dict[str, Any]) -> float:
+    """Seconds serve keeps an owner alive without hearing from it."""
+    return max(_seconds(raw, "timeout", MAX_TIMEOUT_S), MIN_TIMEOUT_S)
+
+
+def adopted_from(raw: dict[str, Any]) -> str | None:
+    """The earlier owner an ack speaks for (a checkpoint's), if any."""
+    value = raw.get("from")
+    if value is None:
+        return None
+    try:
+        return check_owner(value)
+    except DatasetError as exc:
+        raise WireError(f"'from': {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class FileRequest:
+    path: str
+    consumer: str
+    owner: str
+    epoch: int
+
+
+def file_request(query: Any) -> FileRequest:
+    """``GET /v1/file``'s query: the file, and the owner whose lease it is under."""
+    try:
+        consumer, owner = check_name(query.get("consumer")), check_owner(query.get("owner"))
+    except DatasetError as exc:
+        raise WireError(str(exc)) from None
+    epoch = query.get("epoch", "")
+    if not (isinstance(epoch, str) and epoch.isdecimal() and int(epoch) <= 1 << 20):
+        raise WireError(f"'epoch' must be an integer in [0, {1 << 20}], got {epoch!r}")
+    return FileRequest(str(query.get("path", "")), consumer, owner, int(epoch))
 
 
 def id_list(raw: dict[str, Any]) -> tuple[int, list[str]]:
@@ -123,7 +168,3 @@ def id_list(raw: dict[str, Any]) -> tuple[int, list[str]]:
     if not all(isinstance(i, str) and 0 < len(i) <= 4096 for i in ids):
         raise WireError("'ids' must hold sample ids as strings")
     return _int(raw, "epoch", 0, 1 << 20), ids
-
-
-def renew_timeout(raw: dict[str, Any]) -> float:
-    return _seconds(raw, "timeout", MAX_TIMEOUT_S)

@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,16 +22,17 @@ import orjson
 import pytest
 import torch
 
-from hsx_async.dataset.consumers import ACKED, ConsumerLog, Registry, record_registry
-from hsx_async.dataset.live import HSX_ID, LiveDataset
-from hsx_async.dataset.live_remote import CACHE_PREFIX, RemoteSource
+from hsx_async.dataset.live.dataset import HSX_ID, LiveDataset
+from hsx_async.dataset.live.ledger import ConsumerLog
+from hsx_async.dataset.live.registry import ACKED, Registry, record_registry
+from hsx_async.dataset.live.remote import CACHE_PREFIX, RemoteSource
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.errors import DatasetError, LiveError
 from tests.conftest import SHM
-from tests.dataset.test_live import mark_input
+from tests.dataset.live.procs import Child, server_faults, start_consumer, start_server
+from tests.dataset.live.test_dataset import mark_input
 from tests.dataset_factory import write_dataset
 from tests.e2e import free_port
-from tests.online.procs import Child, server_faults, start_consumer, start_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,7 +113,7 @@ async def test_a_vanished_consumer_s_samples_go_to_another_after_the_timeout(
     # peers would wait for each other's last acks): start the other once they lapsed.
     log = ConsumerLog(out, "train")
     for _ in range(200):
-        if not log.refresh().held(0, time.time()):
+        if not log.refresh().held(0, log.alive.fresh()):
             break
         await asyncio.sleep(0.05)  # a poll of the log's lease times, bounded
     else:
@@ -130,7 +130,7 @@ async def test_a_vanished_consumer_s_samples_go_to_another_after_the_timeout(
 async def test_a_reader_s_cache_goes_with_close_and_a_dead_reader_s_with_the_next(
     served: tuple[Path, str, Child], tmp_path: Path
 ) -> None:
-    out, url, _ = served
+    _, url, _ = served
     dead = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
     assert await asyncio.wait_for(dead.wait(), 60) == 0  # its pid is no one's now
     left = tmp_path / f"{CACHE_PREFIX}{dead.pid}-abc"
@@ -139,8 +139,9 @@ async def test_a_reader_s_cache_goes_with_close_and_a_dead_reader_s_with_the_nex
     alive = tmp_path / f"{CACHE_PREFIX}{os.getppid()}-abc"  # a live process's: kept
     alive.mkdir()
     source = RemoteSource(url, "train", cache_dir=tmp_path)
-    entry = read_manifest(out)[0]
-    path, temporary = await asyncio.to_thread(source.fetch, entry)
+    owner = "ab" * 8
+    [entry] = (await asyncio.to_thread(source.lease, owner, 0, 0, 1)).entries
+    path, temporary = await asyncio.to_thread(source.fetch, owner, 0, entry)
     assert temporary and path.stat().st_size == entry.size
     assert path.parent.name.startswith(f"{CACHE_PREFIX}{os.getpid()}-")
     assert not left.exists() and alive.is_dir()
@@ -268,7 +269,7 @@ async def test_bad_requests_are_refused_with_a_reason(served: tuple[Path, str, C
 def test_an_unreachable_server_ends_in_a_live_error(tmp_path: Path) -> None:
     source = RemoteSource(f"http://127.0.0.1:{free_port()}", "train", unreachable_timeout=0.5)
     with pytest.raises(LiveError, match="is hsx serve running there"):
-        source.lease("ab" * 8, 0, 0, 1, 10.0)
+        source.lease("ab" * 8, 0, 0, 1)
     with pytest.raises(DatasetError, match="not an http"):
         RemoteSource("ftp://x", "train")
 

@@ -17,8 +17,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from hsx_async.dataset import PadCollator
-from hsx_async.dataset.consumers import ACKED, ConsumerLog, Registry, record_registry
-from hsx_async.dataset.live import HSX_ID, HSX_IDS, LiveCollator, LiveDataset
+from hsx_async.dataset.live.dataset import HSX_ID, HSX_IDS, LiveCollator, LiveDataset
+from hsx_async.dataset.live.ledger import ConsumerLog
+from hsx_async.dataset.live.registry import ACKED, Registry, record_registry
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.errors import DatasetError, LiveError
 from tests.dataset_factory import (
@@ -132,19 +133,37 @@ def test_a_checkpoint_holds_what_was_done_since_the_last_ack(tmp_path: Path) -> 
     assert not set(trained) & set(rest) and len(trained) + len(rest) == 5
     state = ConsumerLog(tmp_path, "train").refresh()
     assert state.acked[0] == set(trained) | set(rest) and state.duplicate_acks == 0
-    with pytest.raises(DatasetError, match="consumer 'other'"):
+    with pytest.raises(DatasetError, match="another dataset, consumer or epoch"):
         LiveDataset(tmp_path, consumer="train").load_state_dict({**checkpoint, "consumer": "other"})
 
 
+def test_another_dataset_s_checkpoint_is_refused(tmp_path: Path) -> None:
+    """Issue 37 (2): load_state_dict compared consumer and epoch only; ids default to line
+    numbers, so another job's checkpoint acknowledged samples never delivered here."""
+    for out in (tmp_path / "a", tmp_path / "b"):
+        write_dataset(out, num_samples=3)
+        mark_input(out, 3)
+    first = LiveDataset(tmp_path / "a", consumer="train")
+    first.done([next(iter(first))[HSX_ID]])
+    checkpoint = first.state_dict()
+    with pytest.raises(DatasetError, match="another dataset"):
+        LiveDataset(tmp_path / "b", consumer="train").load_state_dict(checkpoint)
+    assert len(drain(LiveDataset(tmp_path / "b", consumer="train", rank=0))) == 3
+    old = {k: v for k, v in checkpoint.items() if k not in ("dataset", "owner")}  # version 5
+    with pytest.raises(DatasetError, match="older than protocol 6"):
+        LiveDataset(tmp_path / "a", consumer="train").load_state_dict(old)
+
+
 def test_a_vanished_rank_s_leases_lapse_to_the_others(tmp_path: Path) -> None:
-    """A rank that leased everything and vanished (its generator never closed, as when the
-    process is killed): a rank still reading gets its samples after lease_timeout."""
+    """A rank that leased and died (its generator never closed, its process gone): a rank
+    still reading gets its samples at once (the lease followed the process)."""
     write_dataset(tmp_path, num_samples=4)
     gone = LiveDataset(
         tmp_path, consumer="train", rank=1, world_size=2, prefetch=4, lease_timeout=0.3
     )
     gone_iter = iter(gone)
     assert next(gone_iter)[HSX_ID]
+    gone.source.close()  # what the kernel does for a killed process: its owner lock goes
     other = LiveDataset(tmp_path, consumer="train", rank=0, world_size=2, poll_interval=0.05,
                         lease_timeout=0.3, wait_timeout=20)  # fmt: skip
     seen = []
@@ -242,3 +261,14 @@ def test_trainer_views_are_the_exports_samples(tmp_path: Path) -> None:
 def _torch_load(path: Path) -> dict[str, torch.Tensor]:
     loaded: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
     return loaded
+
+
+def test_a_directory_that_is_no_dataset_is_refused_at_once(tmp_path: Path) -> None:
+    """Issue 39 (2.2): LiveDataset on a directory that is no dataset hung silently and made
+    consumers/ inside it."""
+    (tmp_path / "model.safetensors").write_bytes(b"weights, not a dataset")
+    with pytest.raises(DatasetError, match="is not an hsx dataset"):
+        LiveDataset(tmp_path, consumer="train")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    with pytest.raises(DatasetError, match="not a directory"):
+        LiveDataset(tmp_path / "model.safetensors", consumer="train")

@@ -26,22 +26,27 @@ import re
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 import urllib.parse
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
+import structlog
 import xxhash
 
-from hsx_async.dataset.consumers import check_name
 from hsx_async.dataset.export.plan import DatasetFacts
-from hsx_async.dataset.manifest import ManifestEntry, manifest_entry
-from hsx_async.dataset.sources import Leased
-from hsx_async.dataset.wire import (
+from hsx_async.dataset.live.ledger import AckResult, OwnerVoid
+from hsx_async.dataset.live.registry import check_name
+from hsx_async.dataset.live.sources import Leased, LeaseLost
+from hsx_async.dataset.live.wire import (
     ACK,
+    DEFAULT_TIMEOUT_S,
     FILE,
+    GONE,
     INFO,
     LEASE,
     MAX_LEASE,
@@ -49,10 +54,14 @@ from hsx_async.dataset.wire import (
     MAX_WAIT_S,
     RELEASE,
     RENEW,
+    VOID_STATUS,
     WIRE_VERSION,
 )
+from hsx_async.dataset.manifest import ManifestEntry, manifest_entry
 from hsx_async.errors import DatasetError, LiveError
 from hsx_async.protocol import Storage
+
+log = structlog.get_logger("hsx.live")
 
 UNREACHABLE_S = 600.0
 REQUEST_S = 60.0  # one call (a lease's long poll is at most MAX_WAIT_S of it)
@@ -61,6 +70,34 @@ _CHUNK = 4 << 20
 _TORN_RETRIES = 3
 CACHE_PREFIX = "hsx-live-"
 _CACHE_NAME = re.compile(rf"{CACHE_PREFIX}(\d+)-")
+
+
+class Heartbeat:
+    """A daemon thread that keeps one owner alive at ``hsx serve``: a renewal every
+    ``timeout / 4`` seconds, for as long as the process lives (or :meth:`stop`)."""
+
+    def __init__(self, source: RemoteSource, owner: str, timeout: float) -> None:
+        self.timeout = timeout
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(weakref.ref(source), owner), name="hsx-heartbeat",
+            daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+
+    def _run(self, ref: weakref.ref[RemoteSource], owner: str) -> None:
+        while not self._stop.wait(self.timeout / 4):
+            source = ref()
+            if source is None:
+                return
+            try:
+                source.beat(owner, self.timeout)
+            except (DatasetError, OSError) as exc:  # the next beat tries again
+                log.warning("live_heartbeat_failed", url=source.url, error=str(exc))
+            del source
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class _Retry(Exception):
@@ -88,6 +125,8 @@ class RemoteSource:
         self._held: list[http.client.HTTPConnection] = []  # the open connection, if any
         weakref.finalize(self, _close_all, self._held)
         self._facts: DatasetFacts | None = None
+        self._info_cache: dict[str, Any] | None = None
+        self._heartbeat: Heartbeat | None = None
         self._cache_parent = cache_dir
         self._cache: Path | None = None
         self._removers: tuple[Any, ...] = ()  # the cache's finalizers (each runs once)
@@ -112,6 +151,9 @@ class RemoteSource:
     def close(self) -> None:
         """Close the connection and remove the cache directory (a later fetch makes a
         new one)."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         self._drop()
         for remove in self._removers:
             remove()
@@ -168,7 +210,8 @@ class RemoteSource:
                 message = orjson.loads(raw).get("error", "")
             except (orjson.JSONDecodeError, AttributeError):
                 message = raw[:200].decode("utf-8", "replace")
-            raise DatasetError(f"{self.url}{path}: {message} (HTTP {status})")
+            error = {GONE: LeaseLost, VOID_STATUS: OwnerVoid}.get(status, DatasetError)
+            raise error(f"{self.url}{path}: {message} (HTTP {status})")
 
     def _call(self, path: str, owner: str, *, patience: float | None = None, **fields: Any) -> Any:
         body = {"consumer": self.consumer, "owner": owner, "call": secrets.token_hex(8), **fields}
@@ -176,7 +219,18 @@ class RemoteSource:
 
     # -- the Source protocol ----------------------------------------------------------------
 
-    def lease(self, owner: str, rank: int, epoch: int, count: int, timeout: float) -> Leased:
+    def hold(self, owner: str, timeout: float) -> None:
+        """Keep ``owner`` alive at serve: a heartbeat every ``timeout / 4`` from a thread of
+        this process (not of the training loop: a trainer paused for a checkpoint keeps
+        its samples), until :meth:`close` or the process's end."""
+        if self._heartbeat is None:
+            self._heartbeat = Heartbeat(self, owner, timeout)
+
+    def beat(self, owner: str, timeout: float) -> None:
+        self._call(RENEW, owner, patience=timeout / 2, timeout=timeout)
+
+    def lease(self, owner: str, rank: int, epoch: int, count: int) -> Leased:
+        timeout = self._heartbeat.timeout if self._heartbeat else DEFAULT_TIMEOUT_S
         answer = self._call(
             LEASE, owner, rank=rank, epoch=epoch, count=min(count, MAX_LEASE),
             timeout=timeout, wait=MAX_WAIT_S / 2,
@@ -184,23 +238,33 @@ class RemoteSource:
         entries = [manifest_entry(rec, f"{self.url}{LEASE}") for rec in answer["entries"]]
         return Leased(entries, ended=bool(answer["ended"]))
 
-    def ack(self, owner: str, epoch: int, ids: list[str] | Any) -> None:
-        self._call(ACK, owner, epoch=epoch, ids=list(ids))
+    def ack(
+        self, owner: str, epoch: int, ids: Sequence[str], *, adopted_from: str | None = None
+    ) -> AckResult:
+        fields: dict[str, Any] = {"epoch": epoch, "ids": list(ids)}
+        if adopted_from is not None:
+            fields["from"] = adopted_from
+        answer = self._call(ACK, owner, **fields)
+        refused = answer.get("refused") or {}
+        acked = [i for i in ids if i not in refused]
+        return AckResult(acked=acked, refused={str(k): str(v) for k, v in refused.items()})
 
-    def release(self, owner: str, epoch: int, ids: list[str] | Any) -> None:
-        """Best effort (a reader stopping early): the leases lapse anyway."""
+    def release(self, owner: str, epoch: int, ids: Sequence[str]) -> None:
+        """Best effort (a reader stopping early): its leases end with it anyway."""
         self._call(RELEASE, owner, patience=RELEASE_S, epoch=epoch, ids=list(ids))
 
-    def renew(self, owner: str, until: float) -> None:
-        self._call(RENEW, owner, timeout=max(0.0, until - time.time()))
+    def identity(self) -> str:
+        return str(self._info()["dataset"])
 
-    def fetch(self, entry: ManifestEntry) -> tuple[Path, bool]:
+    def fetch(self, owner: str, epoch: int, entry: ManifestEntry) -> tuple[Path, bool]:
         """The sample file, whole and as its manifest line hashes it, in the cache."""
         target = self._cache_dir() / f".{secrets.token_hex(8)}.safetensors"
-        query = f"{FILE}?{urllib.parse.urlencode({'path': entry.path})}"
+        query = urllib.parse.urlencode(
+            {"path": entry.path, "consumer": self.consumer, "owner": owner, "epoch": epoch}
+        )
         for _ in range(_TORN_RETRIES):
             digest = self._retrying(
-                f"GET {entry.path}", lambda: self._download(query, entry, target)
+                f"GET {entry.path}", lambda: self._download(f"{FILE}?{query}", entry, target)
             )
             if digest == entry.xxh3_64:
                 return target, True
@@ -243,15 +307,20 @@ class RemoteSource:
             self._chunk = memoryview(bytearray(_CHUNK))
         return self._chunk
 
-    def facts(self, entry: ManifestEntry) -> DatasetFacts:
-        if self._facts is None:
+    def _info(self) -> dict[str, Any]:
+        if self._info_cache is None:
             info = self._json("GET", INFO)
             if info.get("protocol") != WIRE_VERSION:
                 raise DatasetError(
                     f"{self.url} speaks protocol {info.get('protocol')!r}, this reader "
                     f"{WIRE_VERSION}: run the same hsx version on both nodes"
                 )
-            f = info["facts"]
+            self._info_cache = info
+        return self._info_cache
+
+    def facts(self, entry: ManifestEntry) -> DatasetFacts:
+        if self._facts is None:
+            f = self._info()["facts"]
             aux = f.get("aux_layers")
             storage = f.get("storage") or {}
             self._facts = DatasetFacts(

@@ -1,0 +1,506 @@
+"""``hsx serve OUT``: a live dataset for trainers on other nodes (PROTOCOL §6.4).
+
+Runs on the node that holds the output directory, beside (or after) ``hsx run``. It makes
+the leases and acknowledgements of remote readers in the very logs a local reader uses
+(:class:`~hsx_async.dataset.live.LocalSource`, one per consumer), and sends sample files
+with ``sendfile`` from the page cache. It holds no state of its own that matters: killed
+and started again, it goes on from the logs; a reader retries through the gap.
+
+Bounded everywhere (:mod:`hsx_async.dataset.live.wire`): bodies, leases, acks, the long poll,
+and at most ``--max-streams`` files in flight at once (more wait their turn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from hsx_async.dataset.export.plan import dataset_facts
+from hsx_async.dataset.layout import manifest_path_problem
+from hsx_async.dataset.live.follow import DatasetFollower
+from hsx_async.dataset.live.ledger import VOID, OwnerVoid, consumer_names
+from hsx_async.dataset.live.registry import dataset_identity, read_registry
+from hsx_async.dataset.live.sources import LeaseLost, LocalSource, check_live_dir
+from hsx_async.dataset.live.view import ConsumerProgress, consumer_families, progress
+from hsx_async.dataset.live.wire import (
+    ACK,
+    DEFAULT_TIMEOUT_S,
+    FILE,
+    GONE,
+    INFO,
+    LEASE,
+    MAX_BODY,
+    MAX_HOLDERS,
+    RELEASE,
+    RENEW,
+    REPLAY,
+    VOID_STATUS,
+    WIRE_VERSION,
+    Caller,
+    WireError,
+    adopted_from,
+    caller,
+    file_request,
+    heartbeat_timeout,
+    id_list,
+    lease_request,
+)
+from hsx_async.dataset.manifest import ManifestEntry
+from hsx_async.errors import DatasetError
+from hsx_async.logs import configure_logging
+from hsx_async.net import listen_address, listen_ok
+
+log = structlog.get_logger("hsx.serve")
+
+LONG_POLL_S = 0.2  # between looks while a lease waits for a sample (holding no lock)
+REAP_S = 1.0  # how often owners not heard from are let go
+SERVE = "serve"  # the `via` of the leases serve makes
+MAX_STREAMS = 8
+
+
+@dataclass
+class _Holder:
+    """A remote owner this serve keeps alive: its lock, when it was last heard from (this
+    process's monotonic clock) and how long it may stay silent."""
+
+    heard: float
+    timeout: float
+    answers: collections.OrderedDict[str, dict[str, Any]] = field(
+        default_factory=collections.OrderedDict
+    )
+
+
+@dataclass
+class _Consumer:
+    """One consumer's source (its ledger calls run one at a time, under ``lock``, which
+    no waiting lease holds) and the remote owners serve keeps alive."""
+
+    source: LocalSource
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    holders: dict[str, _Holder] = field(default_factory=dict)
+    progress: ConsumerProgress | None = None  # after the last call
+
+
+class LiveServer:
+    def __init__(self, out_dir: Path, *, max_streams: int = MAX_STREAMS) -> None:
+        check_live_dir(out_dir)
+        if not out_dir.is_dir():
+            raise DatasetError(f"{out_dir} is not a directory; give an output directory")
+        self.out_dir = out_dir
+        self.consumers: dict[str, _Consumer] = {}
+        self.follower = DatasetFollower(out_dir)  # which files may be sent
+        self._follow_lock = asyncio.Lock()
+        self.streams = asyncio.Semaphore(max_streams)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.files_sent = Counter("hsx_serve_files", "Sample files sent", registry=self.registry)
+        self.bytes_sent = Counter("hsx_serve_bytes", "Sample bytes sent", registry=self.registry)
+        self.registry.register(_ServeCollector(self))
+
+    async def _consumer(self, name: str, epoch: int = 0) -> _Consumer:
+        """The consumer, if the registry in force lets it read ``epoch`` (a new one:
+        at most MAX_CONSUMERS of an unregistered dataset)."""
+        found = self.consumers.get(name)
+        if found is None:
+            source = await asyncio.to_thread(LocalSource, self.out_dir, name)
+            found = self.consumers.setdefault(name, _Consumer(source))
+        await asyncio.to_thread(found.source.check, epoch)
+        return found
+
+    # -- liveness of remote owners (serve's monotonic clock) -------------------------------
+
+    async def adopt_served_owners(self) -> int:
+        """At start: every owner whose leases serve made, not void, is held for its
+        timeout from now (a restarted serve gives its readers time to come back)."""
+        adopted = 0
+        for name in await asyncio.to_thread(consumer_names, self.out_dir):
+            consumer = await self._consumer_or_none(name)
+            if consumer is None:
+                continue
+            state = await asyncio.to_thread(consumer.source.log.refresh)
+            holding = {lease.owner for lease in state.leases.values()}
+            for owner, timeout in state.served.items():
+                if owner in holding and owner not in state.void:
+                    await self._hear(consumer, owner, timeout)
+                    adopted += 1
+        return adopted
+
+    async def _consumer_or_none(self, name: str) -> _Consumer | None:
+        try:
+            return await self._consumer(name)
+        except DatasetError:
+            return None  # no longer registered: nothing of it is served
+
+    async def _hear(self, consumer: _Consumer, owner: str, timeout: float) -> _Holder:
+        holder = consumer.holders.get(owner)
+        if holder is None:
+            if len(consumer.holders) >= MAX_HOLDERS:
+                raise Busy(
+                    f"consumer {consumer.source.consumer!r} has {MAX_HOLDERS} live readers at "
+                    "this serve; a reader is started per rank and DataLoader worker: check for "
+                    "a loop that starts new ones"
+                )
+            await asyncio.to_thread(consumer.source.hold, owner)
+            holder = consumer.holders[owner] = _Holder(time.monotonic(), timeout)
+        holder.heard, holder.timeout = time.monotonic(), timeout
+        return holder
+
+    def lapse(self, now: float | None = None) -> int:
+        """Let go of every owner not heard from within its timeout: its leases end. The
+        count let go."""
+        now = time.monotonic() if now is None else now
+        gone = 0
+        for consumer in self.consumers.values():
+            for owner, holder in list(consumer.holders.items()):
+                if now - holder.heard > holder.timeout:
+                    del consumer.holders[owner]
+                    consumer.source.drop(owner)
+                    gone += 1
+        return gone
+
+    async def reap(self, every: float = REAP_S) -> None:
+        """A task of serve: :meth:`lapse` every ``every`` seconds."""
+        while True:
+            if self.lapse():
+                log.info("serve_owners_lapsed")
+            await asyncio.sleep(every)
+
+    def close(self) -> None:
+        for consumer in self.consumers.values():
+            consumer.source.close()
+            consumer.holders.clear()
+
+    # -- one call ---------------------------------------------------------------------------
+
+    async def _once(
+        self,
+        who: Caller,
+        timeout: float | None,
+        call: Callable[[_Consumer], Awaitable[dict[str, Any] | None]],
+        epoch: int = 0,
+    ) -> dict[str, Any] | None:
+        """Run ``call`` under the consumer's lock unless it repeats one of the owner's last
+        calls; None from ``call``: nothing to answer yet (the lease waits, unlocked)."""
+        consumer = await self._consumer(who.consumer, epoch)
+        async with consumer.lock:
+            holder = await self._hear(
+                consumer,
+                who.owner,
+                timeout if timeout is not None else self._timeout(consumer, who),
+            )
+            if who.call in holder.answers:
+                return holder.answers[who.call]
+            answer = await call(consumer)
+            if answer is None:
+                return None
+            holder.answers[who.call] = answer
+            while len(holder.answers) > REPLAY:
+                holder.answers.popitem(last=False)
+            consumer.progress = await asyncio.to_thread(_progress, consumer.source)
+            return answer
+
+    @staticmethod
+    def _timeout(consumer: _Consumer, who: Caller) -> float:
+        holder = consumer.holders.get(who.owner)
+        return holder.timeout if holder is not None else DEFAULT_TIMEOUT_S
+
+    # -- handlers -------------------------------------------------------------------------
+
+    async def lease(self, raw: dict[str, Any]) -> dict[str, Any]:
+        who, req = caller(raw), lease_request(raw)
+
+        async def attempt(consumer: _Consumer) -> dict[str, Any] | None:
+            leased = await asyncio.to_thread(
+                consumer.source.lease, who.owner, req.rank, req.epoch, req.count,
+                call=who.call, via=SERVE, timeout=req.timeout,
+            )  # fmt: skip
+            if not (leased.entries or leased.ended or time.monotonic() >= deadline):
+                return None
+            return {
+                "entries": [orjson.loads(e.to_line()) for e in leased.entries],
+                "ended": leased.ended,
+            }
+
+        deadline = time.monotonic() + req.wait
+        while True:
+            answer = await self._once(who, req.timeout, attempt, req.epoch)
+            if answer is not None:
+                return answer
+            await asyncio.sleep(LONG_POLL_S)  # a poll of logs other processes append to
+
+    async def ack(self, raw: dict[str, Any]) -> dict[str, Any]:
+        who, (epoch, ids), earlier = caller(raw), id_list(raw), adopted_from(raw)
+
+        async def call(consumer: _Consumer) -> dict[str, Any]:
+            result = await asyncio.to_thread(
+                consumer.source.ack, who.owner, epoch, ids, adopted_from=earlier, call=who.call
+            )
+            return result.to_json()
+
+        return await self._answer(who, None, call, epoch)
+
+    async def release(self, raw: dict[str, Any]) -> dict[str, Any]:
+        who, (epoch, ids) = caller(raw), id_list(raw)
+
+        async def call(consumer: _Consumer) -> dict[str, Any]:
+            await asyncio.to_thread(consumer.source.release, who.owner, epoch, ids)
+            return {}
+
+        return await self._answer(who, None, call, epoch)
+
+    async def renew(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """The heartbeat: the owner is alive (its leases stay its own)."""
+        who, timeout = caller(raw), heartbeat_timeout(raw)
+
+        async def call(consumer: _Consumer) -> dict[str, Any]:
+            state = await asyncio.to_thread(consumer.source.log.refresh)
+            if who.owner in state.void:
+                raise OwnerVoid(f"owner {who.owner}: {VOID}")
+            return {}
+
+        return await self._answer(who, timeout, call)
+
+    async def _answer(
+        self,
+        who: Caller,
+        timeout: float | None,
+        call: Callable[[_Consumer], Awaitable[dict[str, Any]]],
+        epoch: int = 0,
+    ) -> dict[str, Any]:
+        answer = await self._once(who, timeout, call, epoch)
+        assert answer is not None
+        return answer
+
+    async def info(self) -> dict[str, Any]:
+        def facts() -> dict[str, Any]:
+            followed = self.follower.refresh()
+            first = [followed.entries[followed.order[0]]] if followed.order else []
+            f = dataset_facts(self.out_dir, first)
+            registry = read_registry(self.out_dir)
+            return {
+                "protocol": WIRE_VERSION,
+                "dataset": dataset_identity(self.out_dir),
+                "facts": {
+                    "aux_layers": None if f.aux_layers is None else list(f.aux_layers),
+                    "hidden_size": f.hidden_size,
+                    "final_state": f.final_state,
+                    "storage": {"dtype": f.storage.dtype, "quantized": list(f.storage.quantized)},
+                    "provenance": f.provenance,
+                },
+                "registry": None if registry is None else orjson.loads(registry.to_json()),
+            }
+
+        async with self._follow_lock:
+            return await asyncio.to_thread(facts)
+
+    async def sample_file(self, query: Any) -> tuple[Path, ManifestEntry]:
+        """The file ``query`` asks for, if its owner holds the sample's lease now."""
+        rel = str(query.get("path", ""))
+        problem = manifest_path_problem(rel)
+        if problem:
+            raise WireError(problem)
+        async with self._follow_lock:
+            followed = await asyncio.to_thread(self.follower.refresh)
+        entry = next((e for e in followed.entries.values() if e.path == rel), None)
+        if entry is None or rel in followed.retired:
+            raise FileNotFoundError(rel)
+        req = file_request(query)
+        consumer = await self._consumer(req.consumer, req.epoch)
+        holder = consumer.holders.get(req.owner)
+        if holder is not None:
+            holder.heard = time.monotonic()
+        held = await asyncio.to_thread(consumer.source.still_holds, req.owner, req.epoch, entry)
+        if not held:
+            raise LeaseLost(f"sample {entry.id} is not leased to owner {req.owner}")
+        return self.out_dir / rel, entry
+
+
+class Busy(WireError):
+    """A bound of serve is reached (HTTP 429): the request may come again later."""
+
+
+def _progress(source: LocalSource) -> ConsumerProgress:
+    return progress(
+        source.consumer,
+        source.log.state,
+        set(source.follower.state.entries),
+        source.log.alive.fresh(),
+    )
+
+
+class _ServeCollector(Collector):
+    """Per consumer: its lag, acknowledged samples and live leases (after its last call),
+    as :mod:`~hsx_async.dataset.live.view` computes them for the run and ``hsx status``."""
+
+    def __init__(self, server: LiveServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        yield from consumer_families(
+            [c.progress for c in self.server.consumers.values() if c.progress is not None]
+        )
+
+
+# -- the aiohttp application ----------------------------------------------------------------
+
+
+def build_app(server: LiveServer) -> web.Application:
+    async def json_body(request: web.Request) -> dict[str, Any]:
+        try:
+            raw = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            raise WireError("the body is not JSON") from None
+        if not isinstance(raw, dict):
+            raise WireError("the body must be a JSON object")
+        return raw
+
+    def post(handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> Any:
+        async def route(request: web.Request) -> web.Response:
+            try:
+                answer = await handler(await json_body(request))
+            except DatasetError as exc:
+                return web.json_response({"error": str(exc)}, status=_status(exc), dumps=_dumps)
+            return web.json_response(answer, dumps=_dumps)
+
+        return route
+
+    async def info(_: web.Request) -> web.Response:
+        return web.json_response(await server.info(), dumps=_dumps)
+
+    async def file(request: web.Request) -> web.StreamResponse:
+        try:
+            path, entry = await server.sample_file(request.query)
+        except DatasetError as exc:
+            return web.json_response({"error": str(exc)}, status=_status(exc))
+        except FileNotFoundError:
+            return web.json_response({"error": "no such sample in the dataset"}, status=404)
+        async with server.streams:  # sent while held: at most max_streams at once
+            response = _SentFile(path, chunk_size=1 << 20)
+            await response.prepare(request)
+            server.files_sent.inc()
+            server.bytes_sent.inc(entry.size)
+            return response
+
+    async def metrics(_: web.Request) -> web.Response:
+        body = generate_latest(server.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application(client_max_size=MAX_BODY)
+    app.router.add_get(INFO, info)
+    app.router.add_get(FILE, file)
+    app.router.add_post(LEASE, post(server.lease))
+    app.router.add_post(ACK, post(server.ack))
+    app.router.add_post(RELEASE, post(server.release))
+    app.router.add_post(RENEW, post(server.renew))
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def _status(exc: DatasetError) -> int:
+    """The HTTP status of a refusal (PROTOCOL §6.4)."""
+    if isinstance(exc, Busy):
+        return 429
+    if isinstance(exc, WireError):
+        return 400
+    if isinstance(exc, LeaseLost):
+        return GONE
+    return VOID_STATUS  # a replaced owner, an unregistered consumer, a refused epoch
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+class _SentFile(web.FileResponse):
+    """A file response sent inside the handler (so that the stream limit holds while it
+    is sent): aiohttp's own prepare after the handler then has nothing left to do (a
+    FileResponse would open and send the file again, and fail)."""
+
+    async def prepare(self, request: web.BaseRequest) -> Any:
+        if self.prepared:
+            return None
+        return await super().prepare(request)
+
+
+async def serve(
+    out_dir: Path,
+    listen: str,
+    *,
+    max_streams: int = MAX_STREAMS,
+    on_bound: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM when none is given)."""
+    server = LiveServer(out_dir, max_streams=max_streams)
+    if not listen or not listen_ok(listen):
+        raise DatasetError(
+            f"--listen {listen!r} is not HOST:PORT (e.g. 127.0.0.1:9470, 0.0.0.0:9470)"
+        )
+    host, port = listen_address(listen)
+    runner = web.AppRunner(build_app(server), access_log=None)
+    await runner.setup()
+    own_stop = stop is None
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if own_stop:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    reaper: asyncio.Task[None] | None = None
+    try:
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise DatasetError(
+                f"cannot listen on {listen}: {exc.strerror}; pick another --listen"
+            ) from None
+        adopted = await server.adopt_served_owners()
+        reaper = asyncio.create_task(server.reap())
+        bound = runner.addresses[0]
+        url = f"http://{bound[0]}:{bound[1]}"
+        log.info("serve_listening", url=url, out=str(out_dir), owners_adopted=adopted)
+        if on_bound is not None:
+            on_bound(url)
+        await stop.wait()
+    finally:
+        if own_stop:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+        if reaper is not None:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+        await runner.cleanup()
+        server.close()
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """``hsx serve`` (``hsx_async.cli.serve``)."""
+    configure_logging("auto", "info")
+    out = Path(args.out)
+
+    def announce(url: str) -> None:
+        print(f"hsx serve: {out} on {url}", flush=True)
+
+    # asyncio's own loop, not uvloop: uvloop has no loop.sendfile, and aiohttp then copies
+    # every file through Python (bench/transport.py measured the server's CPU per GB).
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(out, args.listen, max_streams=args.max_streams, on_bound=announce))
+    return 0
+
+
+__all__ = ["LiveServer", "build_app", "serve", "serve_command"]

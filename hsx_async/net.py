@@ -1,0 +1,17 @@
+"""Network addresses: the rule of every ``HOST:PORT`` listen setting (``--listen``,
+``[daemon].metrics_listen``), one place for the run, ``hsx serve`` and the config."""
+
+from __future__ import annotations
+
+
+def listen_ok(value: str) -> bool:
+    """HOST:PORT (or "": none), the rule of every --listen and *_listen."""
+    if value == "":
+        return True
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isascii() and port.isdecimal() and int(port) < 65536)
+
+
+def listen_address(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host.strip("[]"), int(port)
