@@ -7,16 +7,15 @@ with ``sendfile`` from the page cache. It holds no state of its own that matters
 and started again, it goes on from the logs; a reader retries through the gap.
 
 Bounded everywhere (:mod:`hsx_async.dataset.live.wire`): bodies, leases, acks, the long poll,
-and at most ``--max-streams`` files in flight at once (more wait their turn).
+and at most ``--max-streams`` files in flight at once (more wait their turn). Its HTTP face
+(the application, the secret, TLS, connection limits, listening):
+:mod:`hsx_async.dataset.live.http`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
-import contextlib
-import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,8 +24,7 @@ from typing import Any
 
 import orjson
 import structlog
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -36,13 +34,6 @@ from hsx_async.dataset.live.follow import DatasetFollower
 from hsx_async.dataset.live.ledger import read_registry
 from hsx_async.dataset.live.sources import LocalSource
 from hsx_async.dataset.live.wire import (
-    ACK,
-    FILE,
-    INFO,
-    LEASE,
-    MAX_BODY,
-    RELEASE,
-    RENEW,
     REPLAY,
     WIRE_VERSION,
     Caller,
@@ -54,8 +45,6 @@ from hsx_async.dataset.live.wire import (
 )
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DatasetError
-from hsx_async.logs import configure_logging
-from hsx_async.net import listen_address, listen_ok
 
 log = structlog.get_logger("hsx.serve")
 
@@ -219,134 +208,4 @@ class _ServeCollector(Collector):
         yield from families
 
 
-# -- the aiohttp application ----------------------------------------------------------------
-
-
-def build_app(server: LiveServer) -> web.Application:
-    async def json_body(request: web.Request) -> dict[str, Any]:
-        try:
-            raw = orjson.loads(await request.read())
-        except orjson.JSONDecodeError:
-            raise WireError("the body is not JSON") from None
-        if not isinstance(raw, dict):
-            raise WireError("the body must be a JSON object")
-        return raw
-
-    def post(handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> Any:
-        async def route(request: web.Request) -> web.Response:
-            try:
-                answer = await handler(await json_body(request))
-            except (WireError, DatasetError) as exc:
-                status = 400 if isinstance(exc, WireError) else 409
-                return web.json_response({"error": str(exc)}, status=status, dumps=_dumps)
-            return web.json_response(answer, dumps=_dumps)
-
-        return route
-
-    async def info(_: web.Request) -> web.Response:
-        return web.json_response(await server.info(), dumps=_dumps)
-
-    async def file(request: web.Request) -> web.StreamResponse:
-        try:
-            path, entry = await server.sample_file(request.query.get("path", ""))
-        except WireError as exc:
-            return web.json_response({"error": str(exc)}, status=400)
-        except FileNotFoundError:
-            return web.json_response({"error": "no such sample in the dataset"}, status=404)
-        async with server.streams:  # sent while held: at most max_streams at once
-            response = _SentFile(path, chunk_size=1 << 20)
-            await response.prepare(request)
-            server.files_sent.inc()
-            server.bytes_sent.inc(entry.size)
-            return response
-
-    async def metrics(_: web.Request) -> web.Response:
-        body = generate_latest(server.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app = web.Application(client_max_size=MAX_BODY)
-    app.router.add_get(INFO, info)
-    app.router.add_get(FILE, file)
-    app.router.add_post(LEASE, post(server.lease))
-    app.router.add_post(ACK, post(server.ack))
-    app.router.add_post(RELEASE, post(server.release))
-    app.router.add_post(RENEW, post(server.renew))
-    app.router.add_get("/metrics", metrics)
-    return app
-
-
-def _dumps(obj: Any) -> str:
-    return orjson.dumps(obj).decode()
-
-
-class _SentFile(web.FileResponse):
-    """A file response sent inside the handler (so that the stream limit holds while it
-    is sent): aiohttp's own prepare after the handler then has nothing left to do (a
-    FileResponse would open and send the file again, and fail)."""
-
-    async def prepare(self, request: web.BaseRequest) -> Any:
-        if self.prepared:
-            return None
-        return await super().prepare(request)
-
-
-async def serve(
-    out_dir: Path,
-    listen: str,
-    *,
-    max_streams: int = MAX_STREAMS,
-    on_bound: Callable[[str], None] | None = None,
-    stop: asyncio.Event | None = None,
-) -> None:
-    """Serve until ``stop`` is set (or SIGINT/SIGTERM when none is given)."""
-    server = LiveServer(out_dir, max_streams=max_streams)
-    if not listen or not listen_ok(listen):
-        raise DatasetError(
-            f"--listen {listen!r} is not HOST:PORT (e.g. 127.0.0.1:9470, 0.0.0.0:9470)"
-        )
-    host, port = listen_address(listen)
-    runner = web.AppRunner(build_app(server), access_log=None)
-    await runner.setup()
-    own_stop = stop is None
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    if own_stop:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        site = web.TCPSite(runner, host, port)
-        try:
-            await site.start()
-        except OSError as exc:
-            raise DatasetError(
-                f"cannot listen on {listen}: {exc.strerror}; pick another --listen"
-            ) from None
-        bound = runner.addresses[0]
-        url = f"http://{bound[0]}:{bound[1]}"
-        log.info("serve_listening", url=url, out=str(out_dir))
-        if on_bound is not None:
-            on_bound(url)
-        await stop.wait()
-    finally:
-        if own_stop:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-        await runner.cleanup()
-
-
-def serve_command(args: argparse.Namespace) -> int:
-    """``hsx serve`` (``hsx_async.cli.serve``)."""
-    configure_logging("auto", "info")
-    out = Path(args.out)
-
-    def announce(url: str) -> None:
-        print(f"hsx serve: {out} on {url}", flush=True)
-
-    # asyncio's own loop, not uvloop: uvloop has no loop.sendfile, and aiohttp then copies
-    # every file through Python (bench/transport.py measured the server's CPU per GB).
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(out, args.listen, max_streams=args.max_streams, on_bound=announce))
-    return 0
-
-
-__all__ = ["LiveServer", "build_app", "serve", "serve_command"]
+__all__ = ["MAX_STREAMS", "LiveServer"]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DRIVER = Path(__file__).with_name("consumer_driver.py")
 WAIT_S = 60.0
 
