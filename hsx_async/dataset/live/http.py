@@ -11,12 +11,12 @@ flight) and the listening socket.
   terminating proxy in front of a loopback listen (README).
 - **Connections**: at most ``max_connections`` at once. One more evicts the connection that
   has waited longest without a request in progress (a half-sent request, an idle keep-alive:
-  a reader reconnects for its next call), or is closed at once when every connection is in
-  a request. A connection must deliver its request's header within ``header_s`` of its
-  opening, or of the first byte after its last answer (aiohttp has no header deadline: the
-  protocol is wrapped, :class:`_Guarded`), and its body within ``body_s``; a connection
-  idle between requests is closed after :data:`IDLE_S`. With TLS, the handshake has
-  ``header_s`` too.
+  a reader reconnects for its next call) once it has waited ``EVICTABLE × header_s`` (a new
+  connection's request has that long to arrive before it may go), or is closed at once.
+  A connection must deliver its request's header within ``header_s`` of its opening, or of
+  the first byte after its last answer (aiohttp has no header deadline: the protocol is
+  wrapped, :class:`_Guarded`), and its body within ``body_s``; a connection idle between
+  requests is closed after :data:`IDLE_S`. With TLS, the handshake has ``header_s`` too.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import hmac
 import resource
 import signal
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,8 @@ HEADER_S = 5.0  # from a connection's opening (or its next request's first byte)
 BODY_S = 10.0  # from the header to the end of the body (at most MAX_BODY bytes)
 IDLE_S = 60.0  # a keep-alive connection without a request
 LINGER_S = 1.0  # the unread body of a refused request is drained this long, then cut
+BACKLOG = 128  # the kernel's queue of connections, and asyncio's accepts per wake-up
+EVICTABLE = 0.2  # of header_s: a connection waits this long before a new one may evict it
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,18 +158,19 @@ class _Connections:
     def __init__(self, limits: Limits, meters: _Meters) -> None:
         self.limits, self.meters = limits, meters
         self.open: dict[asyncio.BaseTransport, _Guarded] = {}
-        self.waiting: dict[_Guarded, None] = {}
+        self.waiting: dict[_Guarded, float] = {}  # since when (monotonic)
 
     def admit(self, guard: _Guarded, transport: asyncio.BaseTransport) -> bool:
+        now = time.monotonic()
         if len(self.open) >= self.limits.max_connections:
-            if not self.waiting:
+            oldest = next(iter(self.waiting.items()), None)
+            if oldest is None or now - oldest[1] < self.limits.header_s * EVICTABLE:
                 self.meters.refused.inc()
                 return False
-            oldest = next(iter(self.waiting))
             self.meters.evicted.inc()
-            oldest.close()
+            oldest[0].close()
         self.open[transport] = guard
-        self.waiting[guard] = None
+        self.waiting[guard] = now
         self.meters.open.set(len(self.open))
         return True
 
@@ -236,7 +240,7 @@ class _Guarded(asyncio.Protocol):
     def idle(self) -> None:
         self._busy -= 1
         if not self._busy and self.transport is not None and not self.transport.is_closing():
-            self.connections.waiting[self] = None
+            self.connections.waiting[self] = time.monotonic()
 
     def close(self) -> None:
         """Evicted (or cut): the descriptor goes now."""
@@ -303,7 +307,7 @@ class _GuardedSite(web.BaseSite):
             self._port,
             ssl=tls,
             ssl_handshake_timeout=connections.limits.header_s if tls else None,
-            backlog=1024,
+            backlog=BACKLOG,
             reuse_address=True,
         )
 
@@ -513,6 +517,7 @@ def serve_command(args: argparse.Namespace) -> int:
     limits.check()
     secret = read_secret(args.secret_file, name="--secret-file")
     tls = tls_context(args.tls_cert, args.tls_key)
+    check_listen(args.listen, secret)  # before anything is logged: a refusal is one line
     before, now = raise_nofile()
     log.info("serve_descriptors", soft_before=before, soft=now)
 

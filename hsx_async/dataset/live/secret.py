@@ -62,8 +62,8 @@ def _from_file(path: Path, name: str) -> bytes:
 def _checked(secret: bytes, where: str) -> bytes:
     if len(secret) < MIN_LENGTH or len(secret) > MAX_LENGTH or not _VISIBLE.fullmatch(secret):
         raise DatasetError(
-            f"{where}: the secret must be {MIN_LENGTH}–{MAX_LENGTH} visible ASCII characters "
-            f"without spaces ({MAKE_ONE})"
+            f"{where}: the secret must be at least {MIN_LENGTH} (at most {MAX_LENGTH}) visible "
+            f"ASCII characters, no spaces ({MAKE_ONE})"
         )
     return secret
 
