@@ -31,7 +31,7 @@ from hsx_async.dataset.live.ledger import ConsumerLog
 from hsx_async.dataset.live.remote import RemoteSource
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.errors import LiveError
-from tests.dataset.live.procs import REPO, server_faults, start_server
+from tests.dataset.live.procs import REPO, server_faults, start_consumer, start_server
 from tests.dataset.live.test_dataset import mark_input
 from tests.dataset_factory import write_dataset
 from tests.e2e import free_port
@@ -382,7 +382,7 @@ async def _starve(tmp_path: Path) -> None:
                 opened += 1
                 writer.write(b"POST /v1/lease HTTP/1.1\r\nHost: x\r\nContent-Len")
                 with contextlib.suppress(OSError, TimeoutError):
-                    await asyncio.wait_for(reader.read(), 30)  # until the server cuts it
+                    await asyncio.wait_for(reader.read(), 150)  # until the server cuts it
             finally:
                 writer.close()
             await asyncio.sleep(0.5)  # the peer's pace between connections, not a wait
@@ -393,8 +393,12 @@ async def _starve(tmp_path: Path) -> None:
             if opened >= PEERS:
                 break
             await asyncio.sleep(0.05)  # until the peers hold their connections (bounded)
-        got = await asyncio.wait_for(asyncio.to_thread(read_all, url), 90)
-        assert sorted(got) == _ids(out)
+        trainer = await start_consumer(url, "--wait-timeout", "60")  # a process: killable
+        try:
+            assert await trainer.finish(timeout=60) == 0
+        finally:
+            await trainer.kill()
+        assert sorted(trainer.got()) == sorted(trainer.acked()) == _ids(out)
     finally:
         stop.set()
         await server.kill()  # the peers' connections end with it
