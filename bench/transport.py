@@ -7,7 +7,11 @@ round in a rotated order, median of ``--repeat``):
   holds the dataset, or on a shared file system serving from its cache, pays at best (no
   network: the ceiling the others are compared with);
 - ``hsx serve``: the live reader's own path (``RemoteSource.fetch``: HTTP, ``sendfile`` on
-  the server, each file into the reader's tmpfs and checked against its manifest hash);
+  the server, each file into the reader's tmpfs and checked against its manifest hash), in
+  three modes side by side: ``plain`` (no secret, what serve was before issue 37),
+  ``secret`` (``--secret-file``: the ``Authorization`` header checked on every request) and
+  ``secret+TLS`` (``--tls-cert``/``--tls-key``, ``https://``: no ``sendfile``, every byte
+  encrypted by the server and decrypted by the reader);
 - ``mooncake``: Mooncake's transfer engine over TCP (``mooncake-transfer-engine-non-cuda``,
   what SpecForge and speculators use): the producer loads each file into a registered
   buffer, the reader ``transfer_sync_read``s it into its own and hashes it. Needs
@@ -16,7 +20,8 @@ round in a rotated order, median of ``--repeat``):
 
 Rates are GB/s of verified bytes; CPU is each process's own ``getrusage`` (readers) or
 ``/proc`` delta (``hsx serve``) over the transfer window, per GB. Ratios are against
-``local`` of the same round. On one node the network is loopback, so this ranks the
+``local`` of the same round, and each serve mode's against ``plain`` serve's (rate, and
+serve's CPU per GB). On one node the network is loopback, so this ranks the
 transports' own costs (copies, CPU, protocol), not a NIC.
 """
 
@@ -26,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -56,9 +62,14 @@ PEER = Path(__file__).with_name("transport_peer.py")
 HIDDEN = 1024  # 4 layer slots × 1024 × 2 bytes = 8 KiB per token
 
 
-def _peers(python: str, argvs: list[list[str]], timeout: float = 600.0) -> dict[str, Any]:
+SERVE_MODES = ("plain", "secret", "secret+TLS")
+
+
+def _peers(
+    python: str, argvs: list[list[str]], timeout: float = 600.0, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run the peers side by side; their bytes and CPU summed, the longest wall time."""
-    env = child_env() | {"PYTHONPATH": str(REPO)}
+    env = child_env() | {"PYTHONPATH": str(REPO)} | (env or {})
     procs = [
         subprocess.Popen(
             [python, str(PEER), *argv],
@@ -92,10 +103,34 @@ def _proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def serve_options(mode: str, work: Path) -> tuple[list[str], dict[str, str]]:
+    """``hsx serve``'s flags for ``mode`` and its readers' environment (a secret file, a
+    self-signed certificate for 127.0.0.1 that is its own CA)."""
+    if mode == "plain":
+        return [], {"HSX_SERVE_SECRET_FILE": "", "HSX_SERVE_SECRET": ""}
+    secret = work / "serve.secret"
+    if not secret.exists():
+        secret.write_text(secrets.token_hex(32))
+        secret.chmod(0o600)
+    flags, env = ["--secret-file", str(secret)], {"HSX_SERVE_SECRET_FILE": str(secret)}
+    if mode == "secret+TLS":
+        cert, key = work / "serve.pem", work / "serve.key"
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+             "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
+             "-days", "1", "-subj", "/CN=hsx-bench", "-addext", "subjectAltName=IP:127.0.0.1"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        flags += ["--tls-cert", str(cert), "--tls-key", str(key)]
+        env["HSX_SERVE_CA_FILE"] = str(cert)
+    return flags, env
+
+
 @contextlib.contextmanager
-def hsx_serve(out: Path) -> Iterator[tuple[str, int]]:
+def hsx_serve(out: Path, flags: list[str]) -> Iterator[tuple[str, int]]:
     port = free_port()
-    argv = [PYTHON, "-m", "hsx_async", "serve", str(out), "--listen", f"127.0.0.1:{port}"]
+    argv = [PYTHON, "-m", "hsx_async", "serve", str(out), "--listen", f"127.0.0.1:{port}",
+            *flags]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             cwd=REPO, env=child_env())  # fmt: skip
     try:
@@ -130,17 +165,20 @@ def mooncake_serve(python: str, files: list[Path]) -> Iterator[tuple[dict[str, A
 Rounds = dict[str, list[dict[str, Any]]]
 
 
-def measure(args: argparse.Namespace, out: Path, files: list[Path]) -> Rounds:
+def measure(args: argparse.Namespace, out: Path, files: list[Path], work: Path) -> Rounds:
     records = [json.loads(line) for line in (out / "manifest.jsonl").read_bytes().splitlines()]
     by_path = {out / r["path"]: r for r in records}
     _peers(PYTHON, [["local", *map(str, files)]])  # warm the page cache
     rounds: Rounds = {}
     with contextlib.ExitStack() as stack:
-        url, serve_pid = stack.enter_context(hsx_serve(out))
+        serves = {}
+        for mode in SERVE_MODES:
+            flags, env = serve_options(mode, work)
+            serves[f"hsx serve {mode}"] = (*stack.enter_context(hsx_serve(out, flags)), env)
         mc = None
         if args.mooncake_python:
             mc = stack.enter_context(mooncake_serve(args.mooncake_python, files))
-        kinds = ("local", "hsx serve", *(("mooncake",) if mc else ()))
+        kinds = ("local", *serves, *(("mooncake",) if mc else ()))
         methods = [(m, n) for n in args.streams for m in kinds]
         for r in range(args.repeat):
             for method, n in methods[r % len(methods) :] + methods[: r % len(methods)]:
@@ -149,14 +187,15 @@ def measure(args: argparse.Namespace, out: Path, files: list[Path]) -> Rounds:
                 parts = _split(files, n)
                 if method == "local":
                     rounds[key].append(_peers(PYTHON, [["local", *map(str, p)] for p in parts]))
-                elif method == "hsx serve":
+                elif method in serves:
+                    url, serve_pid, env = serves[method]
                     argvs = []
                     for i, part in enumerate(parts):
                         listing = out.parent / f"entries-{i}.json"
                         listing.write_bytes(json.dumps([by_path[f] for f in part]).encode())
                         argvs.append(["http", url, str(listing)])
                     before = _proc_cpu(serve_pid)
-                    got = _peers(PYTHON, argvs)
+                    got = _peers(PYTHON, argvs, env=env)
                     rounds[key].append(got | {"server_cpu_s": _proc_cpu(serve_pid) - before})
                 elif mc is not None:
                     regions = dict(zip(files, mc[0]["regions"], strict=True))
@@ -187,7 +226,25 @@ def summarise(rounds: Rounds) -> list[dict[str, Any]]:
             "server_cpu_s_per_gb": server, "rounds": len(runs),
             "streams": int(method.rsplit("×", 1)[1]),
         })  # fmt: skip
+    return _against_plain(rows)
+
+
+def _against_plain(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each serve mode's rate and serve CPU per GB as ratios to plain serve's, same streams."""
+    plain = {r["streams"]: r for r in rows if r["method"].startswith("hsx serve plain")}
+    for row in rows:
+        base = plain.get(row["streams"]) if row["method"].startswith("hsx serve") else None
+        row["vs_plain"] = None if base is None else row["gb_per_s"] / base["gb_per_s"]
+        row["server_cpu_vs_plain"] = (  # None: too little CPU to count (clock ticks)
+            None
+            if base is None or not base["server_cpu_s_per_gb"]
+            else row["server_cpu_s_per_gb"] / base["server_cpu_s_per_gb"]
+        )
     return rows
+
+
+def _or_dash(value: float | None) -> float | str:
+    return "-" if value is None else value
 
 
 def main() -> None:
@@ -210,7 +267,9 @@ def main() -> None:
         written = write_dataset(out, num_samples=args.files, hidden_size=HIDDEN,
                                 lengths=[tokens] * args.files, loss_mask="none")  # fmt: skip
         mark_input(out, args.files)
-        rows = summarise(measure(args, out, [w.path for w in written]))
+        keys = s.disk / "keys"  # not s.work: the logs there are kept with the results
+        keys.mkdir()
+        rows = summarise(measure(args, out, [w.path for w in written], keys))
         moved = sum(w.entry.size for w in written)
         data = {"smoke": args.smoke, "machine": machine_info(s.disk, s.shm), "rows": rows,
                 "files": args.files, "bytes_per_round": moved,
@@ -218,10 +277,12 @@ def main() -> None:
     missing = "" if args.mooncake_python else " (mooncake not measured: no --mooncake-python)"
     table = print_table(
         f"Moving {args.files} sample files ({moved / GB:.2f} GB) to readers, 127.0.0.1{missing}",
-        ["transport", "GB/s", "× local", "reader CPU-s/GB", "server CPU-s/GB"],
+        ["transport", "GB/s", "× local", "× plain serve", "reader CPU-s/GB", "server CPU-s/GB",
+         "server CPU × plain"],
         [
-            [r["method"], r["gb_per_s"], r["vs_local"], r["reader_cpu_s_per_gb"],
-             r["server_cpu_s_per_gb"] if r["server_cpu_s_per_gb"] is not None else "-"]
+            [r["method"], r["gb_per_s"], r["vs_local"], _or_dash(r["vs_plain"]),
+             r["reader_cpu_s_per_gb"], _or_dash(r["server_cpu_s_per_gb"]),
+             _or_dash(r["server_cpu_vs_plain"])]
             for r in rows
         ],
     )  # fmt: skip

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 
 def listen_ok(value: str) -> bool:
     """HOST:PORT (or "": none), the rule of every --listen and *_listen."""
@@ -15,3 +17,14 @@ def listen_ok(value: str) -> bool:
 def listen_address(value: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def loopback_host(host: str) -> bool:
+    """Whether ``host`` (of a listen address) reaches this machine only: ``localhost`` or a
+    loopback IP. Any other name may resolve to an interface other nodes reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

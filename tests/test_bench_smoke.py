@@ -192,6 +192,27 @@ def test_overhead_smoke(tmp_path: Path, shm_root: Path) -> None:
         assert row["files"] == 40 and positive(row["files_per_s"])
 
 
+def test_transport_smoke(tmp_path: Path, shm_root: Path) -> None:
+    """hsx serve plain, with its secret and with secret + TLS, side by side in one run."""
+    data = run_smoke("transport.py", tmp_path, shm_root)
+    methods = [r["method"] for r in data["rows"]]
+    modes = ("plain", "secret", "secret+TLS")
+    assert sorted(methods) == sorted(
+        [f"local ×{n}" for n in (1, 2)] + [f"hsx serve {m} ×{n}" for m in modes for n in (1, 2)]
+    )
+    for row in data["rows"]:
+        assert positive(row["gb_per_s"]) and positive(row["reader_cpu_s_per_gb"])
+        if row["method"].startswith("hsx serve"):
+            assert positive(row["vs_plain"])
+            # serve's CPU at smoke size may be under a clock tick: no ratio then
+            cpu_ratio = row["server_cpu_vs_plain"]
+            assert cpu_ratio is None or (math.isfinite(cpu_ratio) and cpu_ratio >= 0)
+            if "plain" in row["method"]:
+                assert row["vs_plain"] == 1 and cpu_ratio in (None, 1)
+        else:
+            assert row["vs_plain"] is None
+
+
 def test_online_smoke(tmp_path: Path, shm_root: Path) -> None:
     data = run_smoke("online.py", tmp_path, shm_root)
     rows = data["rows"]

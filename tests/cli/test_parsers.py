@@ -10,6 +10,7 @@ import pytest
 
 from hsx_async.cli import build_parser, export, load_handler, serve
 from hsx_async.dataset import export as dataset_export
+from hsx_async.dataset.live import http as live_http
 from hsx_async.dataset.live import serve as live_server
 from hsx_async.protocol import DEFAULT_DUMP_ROOT
 from hsx_async.server.fake.options import FakeOptions
@@ -42,3 +43,5 @@ def test_fake_server_dump_root_is_the_protocols() -> None:
 def test_serve_defaults_are_the_server_s() -> None:
     assert serve.MAX_STREAMS == live_server.MAX_STREAMS
     assert _commands()["serve"].get_default("max_streams") == live_server.MAX_STREAMS
+    assert serve.MAX_CONNECTIONS == live_http.MAX_CONNECTIONS
+    assert _commands()["serve"].get_default("max_connections") == live_http.MAX_CONNECTIONS

@@ -38,7 +38,8 @@ its optimizer step or its checkpoint::
   included: the last batches are acknowledged after the loop).
 - ``rank`` and ``world_size`` name the data-parallel rank (``torch.distributed``'s
   ``get_rank()`` and ``get_world_size()``); ranks of one consumer never get one sample
-  twice.
+  twice. ``secret_file`` and ``ca_file`` (default: ``HSX_SERVE_SECRET_FILE``,
+  ``HSX_SERVE_CA_FILE``) are ``hsx serve``'s shared secret and the CA of its certificate.
 
 ``source`` is an output directory (this node, or a shared file system) or the URL of
 ``hsx serve`` on the node that holds it (:mod:`hsx_async.dataset.live.remote`): the same
@@ -71,10 +72,10 @@ from torch.utils.data import IterableDataset
 from hsx_async.dataset import reader
 from hsx_async.dataset.export import export_format
 from hsx_async.dataset.export.plan import DatasetFacts, ExportPlan, find_target, plan_conversion
-from hsx_async.dataset.live.ledger import OwnerVoid
+from hsx_async.dataset.live.ledger import LeaseLost, OwnerVoid
 from hsx_async.dataset.live.registry import check_name
 from hsx_async.dataset.live.remote import RemoteSource
-from hsx_async.dataset.live.sources import LeaseLost, LocalSource, Source
+from hsx_async.dataset.live.sources import LocalSource, Source
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DatasetError, LiveError
 from hsx_async.protocol import BF16
@@ -106,6 +107,8 @@ class LiveDataset(IterableDataset[dict[str, Any]]):
         wait_timeout: float | None = None,
         poll_interval: float = 1.0,
         cache_dir: str | Path | None = None,
+        secret_file: str | Path | None = None,
+        ca_file: str | Path | None = None,
     ) -> None:
         check_name(consumer)
         if not 0 <= rank < world_size:
@@ -121,6 +124,8 @@ class LiveDataset(IterableDataset[dict[str, Any]]):
         self.lease_timeout, self.prefetch = lease_timeout, prefetch
         self.wait_timeout, self.poll_interval = wait_timeout, poll_interval
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
+        # hsx serve's secret and CA (default: HSX_SERVE_SECRET_FILE / HSX_SERVE_CA_FILE)
+        self.remote_options = {"secret_file": secret_file, "ca_file": ca_file}
         self.owner = secrets.token_hex(8)  # this incarnation of the rank
         self._pending: list[str] = []  # done, not yet acknowledged (this process)
         self.lost = 0  # leased samples skipped: their lease went to another rank
@@ -140,7 +145,9 @@ class LiveDataset(IterableDataset[dict[str, Any]]):
     @property
     def source(self) -> Source:
         if self._source is None:
-            source = open_source(self.source_spec, self.consumer, cache_dir=self.cache_dir)
+            source = open_source(
+                self.source_spec, self.consumer, cache_dir=self.cache_dir, **self.remote_options
+            )
             source.hold(self.owner, self.lease_timeout)  # alive while this process is
             self._source = source
         return self._source
@@ -318,12 +325,20 @@ def make_reader(
 
 
 def open_source(
-    source: str | Path, consumer: str, *, cache_dir: Path | None, **remote: object
+    source: str | Path,
+    consumer: str,
+    *,
+    cache_dir: Path | None,
+    secret_file: str | Path | None = None,
+    ca_file: str | Path | None = None,
 ) -> Source:
-    """A local (or shared-file-system) output directory, or ``http(s)://`` ``hsx serve``."""
+    """A local (or shared-file-system) output directory, or ``http(s)://`` ``hsx serve``
+    (with its secret and CA)."""
     text = str(source)
     if text.startswith(("http://", "https://")):
-        return RemoteSource(text, consumer, cache_dir=cache_dir, **remote)  # type: ignore[arg-type]
+        return RemoteSource(
+            text, consumer, cache_dir=cache_dir, secret_file=secret_file, ca_file=ca_file
+        )
     return LocalSource(Path(source), consumer)
 
 

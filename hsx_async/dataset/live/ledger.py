@@ -69,6 +69,11 @@ class OwnerVoid(DatasetError):
     """The owner was replaced by a newer process of its rank: nothing it asks is applied."""
 
 
+class LeaseLost(DatasetError):
+    """The sample is no longer this owner's (its lease ended and went to another owner, or
+    the sample was acknowledged and deleted): the reader skips it, nothing is lost."""
+
+
 @dataclass(slots=True)
 class Lease:
     owner: str

@@ -7,19 +7,16 @@ directory (``hsx-live-<pid>-*``, on ``/dev/shm`` when there is one) and unlinked
 it is mapped, so at most ``prefetch`` files per process sit there. The directory goes with
 :meth:`RemoteSource.close`, the source's collection or the end of its process (a DataLoader
 worker's too); one that a killed process left is removed by the next reader that makes its
-own there (:func:`sweep_caches`: its process is gone). Blocking (``http.client``: the reader runs
-in a trainer's process or its DataLoader workers, which have no event loop).
+own there (:func:`sweep_caches`: its process is gone).
 
-Faults: a lost connection, a 5xx or a file that arrives torn is retried with backoff
-until the server has been unreachable for ``unreachable_timeout`` seconds, then
-:class:`~hsx_async.errors.LiveError`; a repeated call carries the same ``call`` id, so the
-server does not apply it twice. A 4xx is the request's fault: raised at once.
+The HTTP itself — the connection, the secret, TLS, retries, status codes, the download —
+is :class:`~hsx_async.dataset.live.transport.Transport`'s; a repeated call carries the
+same ``call`` id, so the server does not apply it twice.
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import multiprocessing.util
 import os
 import re
@@ -27,44 +24,37 @@ import secrets
 import shutil
 import tempfile
 import threading
-import time
 import urllib.parse
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import orjson
 import structlog
-import xxhash
 
 from hsx_async.dataset.export.plan import DatasetFacts
-from hsx_async.dataset.live.ledger import AckResult, OwnerVoid
+from hsx_async.dataset.live.ledger import AckResult
 from hsx_async.dataset.live.registry import check_name
-from hsx_async.dataset.live.sources import Leased, LeaseLost
+from hsx_async.dataset.live.sources import Leased
+from hsx_async.dataset.live.transport import REQUEST_S, UNREACHABLE_S, Transport
 from hsx_async.dataset.live.wire import (
     ACK,
     DEFAULT_TIMEOUT_S,
     FILE,
-    GONE,
     INFO,
     LEASE,
     MAX_LEASE,
-    MAX_RESPONSE,
     MAX_WAIT_S,
     RELEASE,
     RENEW,
-    VOID_STATUS,
     WIRE_VERSION,
 )
 from hsx_async.dataset.manifest import ManifestEntry, manifest_entry
-from hsx_async.errors import DatasetError, LiveError
+from hsx_async.errors import DatasetError
 from hsx_async.protocol import Storage
 
 log = structlog.get_logger("hsx.live")
 
-UNREACHABLE_S = 600.0
-REQUEST_S = 60.0  # one call (a lease's long poll is at most MAX_WAIT_S of it)
 RELEASE_S = 5.0  # a release is best effort: the leases lapse anyway
 _CHUNK = 4 << 20
 _TORN_RETRIES = 3
@@ -100,10 +90,6 @@ class Heartbeat:
         self._stop.set()
 
 
-class _Retry(Exception):
-    """A fault worth another try (connection, 5xx, a torn file)."""
-
-
 class RemoteSource:
     def __init__(
         self,
@@ -113,17 +99,18 @@ class RemoteSource:
         cache_dir: Path | None = None,
         unreachable_timeout: float = UNREACHABLE_S,
         request_timeout: float = REQUEST_S,
+        secret_file: str | Path | None = None,
+        ca_file: str | Path | None = None,
     ) -> None:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise DatasetError(f"{url!r} is not an http(s)://HOST:PORT of hsx serve")
-        self.url = url.rstrip("/")
-        self._parts = parts
+        """``secret_file``: the file of hsx serve's secret (default: ``HSX_SERVE_SECRET_FILE``
+        or ``HSX_SERVE_SECRET``); ``ca_file``: the CA of its ``https://`` certificate
+        (default: ``HSX_SERVE_CA_FILE``, else the system's store)."""
+        self._http = Transport(
+            url, secret_file=secret_file, ca_file=ca_file,
+            unreachable_timeout=unreachable_timeout, request_timeout=request_timeout,
+        )  # fmt: skip
+        self.url = self._http.url
         self.consumer = check_name(consumer)
-        self.unreachable_timeout = unreachable_timeout
-        self.request_timeout = request_timeout
-        self._held: list[http.client.HTTPConnection] = []  # the open connection, if any
-        weakref.finalize(self, _close_all, self._held)
         self._facts: DatasetFacts | None = None
         self._info_cache: dict[str, Any] | None = None
         self._heartbeat: Heartbeat | None = None
@@ -132,90 +119,20 @@ class RemoteSource:
         self._removers: tuple[Any, ...] = ()  # the cache's finalizers (each runs once)
         self._chunk: memoryview | None = None  # one reused receive buffer
 
-    # -- HTTP with retries ------------------------------------------------------------------
-
-    def _connection(self) -> http.client.HTTPConnection:
-        if not self._held:
-            cls = (
-                http.client.HTTPSConnection
-                if self._parts.scheme == "https"
-                else http.client.HTTPConnection
-            )
-            host, port = self._parts.hostname or "", self._parts.port
-            self._held.append(cls(host, port, timeout=self.request_timeout))
-        return self._held[0]
-
-    def _drop(self) -> None:
-        _close_all(self._held)
-
     def close(self) -> None:
         """Close the connection and remove the cache directory (a later fetch makes a
         new one)."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
-        self._drop()
+        self._http.drop()
         for remove in self._removers:
             remove()
         self._cache, self._removers = None, ()
 
-    def _retrying(self, what: str, attempt: Any, *, patience: float | None = None) -> Any:
-        """``attempt()`` until it succeeds, a 4xx, or ``patience`` (default
-        ``unreachable_timeout``) seconds of faults."""
-        patience = self.unreachable_timeout if patience is None else patience
-        deadline = time.monotonic() + patience
-        pause, last = 0.05, ""
-        while True:
-            try:
-                return attempt()
-            except (_Retry, OSError, http.client.HTTPException) as exc:
-                self._drop()
-                last = str(exc) or type(exc).__name__
-            if time.monotonic() + pause > deadline:
-                raise LiveError(
-                    f"{self.url}: {what} failed for {patience:.0f} s (last: {last}); is hsx "
-                    "serve running there?"
-                )
-            time.sleep(pause)  # backoff before another try of a remote call
-            pause = min(pause * 2, 5.0)
-
-    def _json(
-        self,
-        method: str,
-        path: str,
-        body: dict[str, Any] | None = None,
-        *,
-        patience: float | None = None,
-    ) -> Any:
-        data = None if body is None else orjson.dumps(body)
-
-        def attempt() -> Any:
-            conn = self._connection()
-            headers = {"Content-Type": "application/json"} if data is not None else {}
-            conn.request(method, path, body=data, headers=headers)
-            response = conn.getresponse()
-            raw = response.read(MAX_RESPONSE + 1)
-            if len(raw) > MAX_RESPONSE:
-                raise DatasetError(f"{self.url}{path}: answer over {MAX_RESPONSE} bytes")
-            self._check_status(path, response.status, raw)
-            return orjson.loads(raw)
-
-        return self._retrying(f"{method} {path}", attempt, patience=patience)
-
-    def _check_status(self, path: str, status: int, raw: bytes) -> None:
-        if status >= 500:
-            raise _Retry(f"HTTP {status}")
-        if status >= 400:
-            try:
-                message = orjson.loads(raw).get("error", "")
-            except (orjson.JSONDecodeError, AttributeError):
-                message = raw[:200].decode("utf-8", "replace")
-            error = {GONE: LeaseLost, VOID_STATUS: OwnerVoid}.get(status, DatasetError)
-            raise error(f"{self.url}{path}: {message} (HTTP {status})")
-
     def _call(self, path: str, owner: str, *, patience: float | None = None, **fields: Any) -> Any:
         body = {"consumer": self.consumer, "owner": owner, "call": secrets.token_hex(8), **fields}
-        return self._json("POST", path, body, patience=patience)
+        return self._http.json("POST", path, body, patience=patience)
 
     # -- the Source protocol ----------------------------------------------------------------
 
@@ -257,14 +174,15 @@ class RemoteSource:
         return str(self._info()["dataset"])
 
     def fetch(self, owner: str, epoch: int, entry: ManifestEntry) -> tuple[Path, bool]:
-        """The sample file, whole and as its manifest line hashes it, in the cache."""
+        """The sample file, whole and as its manifest line hashes it, in the cache (only
+        the holder of its lease gets it)."""
         target = self._cache_dir() / f".{secrets.token_hex(8)}.safetensors"
-        query = urllib.parse.urlencode(
-            {"path": entry.path, "consumer": self.consumer, "owner": owner, "epoch": epoch}
-        )
+        fields = {"path": entry.path, "consumer": self.consumer, "owner": owner, "epoch": epoch}
+        query = f"{FILE}?{urllib.parse.urlencode(fields)}"
         for _ in range(_TORN_RETRIES):
-            digest = self._retrying(
-                f"GET {entry.path}", lambda: self._download(f"{FILE}?{query}", entry, target)
+            digest = self._http.retrying(
+                f"GET {entry.path}",
+                lambda: self._http.download(query, entry.path, entry.size, target, self._buffer()),
             )
             if digest == entry.xxh3_64:
                 return target, True
@@ -274,34 +192,6 @@ class RemoteSource:
             f"than its manifest line ({entry.xxh3_64}); run hsx verify on the serving node"
         )
 
-    def _download(self, path: str, entry: ManifestEntry, target: Path) -> str:
-        """One GET of the file into ``target``, hashed on the way (one pass, one reused
-        buffer); its XXH3-64. A short or over-long answer is retried."""
-        conn = self._connection()
-        conn.request("GET", path)
-        response = conn.getresponse()
-        if response.status != 200:
-            self._check_status(path, response.status, response.read(64 << 10))
-            raise _Retry(f"HTTP {response.status}")
-        length = int(response.getheader("Content-Length") or -1)
-        if length != entry.size:
-            response.close()
-            raise _Retry(f"{entry.path}: {length} bytes announced, {entry.size} expected")
-        view, hasher = self._buffer(), xxhash.xxh3_64()
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            left = length
-            while left:
-                n = response.readinto(view[: min(len(view), left)])
-                if not n:
-                    raise _Retry(f"{entry.path}: cut after {length - left} of {length} bytes")
-                hasher.update(view[:n])
-                _write_all(fd, view[:n])
-                left -= n
-        finally:
-            os.close(fd)
-        return str(hasher.hexdigest())
-
     def _buffer(self) -> memoryview:
         if self._chunk is None:
             self._chunk = memoryview(bytearray(_CHUNK))
@@ -309,7 +199,7 @@ class RemoteSource:
 
     def _info(self) -> dict[str, Any]:
         if self._info_cache is None:
-            info = self._json("GET", INFO)
+            info = self._http.json("GET", INFO)
             if info.get("protocol") != WIRE_VERSION:
                 raise DatasetError(
                     f"{self.url} speaks protocol {info.get('protocol')!r}, this reader "
@@ -351,12 +241,6 @@ class RemoteSource:
         return self._cache
 
 
-def _close_all(held: list[http.client.HTTPConnection]) -> None:
-    while held:
-        with contextlib.suppress(OSError):
-            held.pop().close()
-
-
 def sweep_caches(parent: Path) -> list[Path]:
     """Remove the cache directories in ``parent`` that this user's processes left and
     that no process of theirs owns any longer (a reader killed with SIGKILL); the removed.
@@ -388,8 +272,3 @@ def _alive(pid: int) -> bool:
 def _default_cache_parent() -> Path:
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        view = view[os.write(fd, view) :]

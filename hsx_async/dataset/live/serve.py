@@ -12,11 +12,8 @@ and at most ``--max-streams`` files in flight at once (more wait their turn).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
-import contextlib
-import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,29 +22,21 @@ from typing import Any
 
 import orjson
 import structlog
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from hsx_async.dataset.export.plan import dataset_facts
 from hsx_async.dataset.layout import manifest_path_problem
 from hsx_async.dataset.live.follow import DatasetFollower
-from hsx_async.dataset.live.ledger import VOID, OwnerVoid, consumer_names
+from hsx_async.dataset.live.ledger import VOID, LeaseLost, OwnerVoid, consumer_names
 from hsx_async.dataset.live.registry import dataset_identity, read_registry
-from hsx_async.dataset.live.sources import LeaseLost, LocalSource, check_live_dir
+from hsx_async.dataset.live.sources import LocalSource, check_live_dir
 from hsx_async.dataset.live.view import ConsumerProgress, consumer_families, progress
 from hsx_async.dataset.live.wire import (
-    ACK,
     DEFAULT_TIMEOUT_S,
-    FILE,
     GONE,
-    INFO,
-    LEASE,
-    MAX_BODY,
     MAX_HOLDERS,
-    RELEASE,
-    RENEW,
     REPLAY,
     VOID_STATUS,
     WIRE_VERSION,
@@ -62,8 +51,6 @@ from hsx_async.dataset.live.wire import (
 )
 from hsx_async.dataset.manifest import ManifestEntry
 from hsx_async.errors import DatasetError
-from hsx_async.logs import configure_logging
-from hsx_async.net import listen_address, listen_ok
 
 log = structlog.get_logger("hsx.serve")
 
@@ -355,62 +342,7 @@ class _ServeCollector(Collector):
         )
 
 
-# -- the aiohttp application ----------------------------------------------------------------
-
-
-def build_app(server: LiveServer) -> web.Application:
-    async def json_body(request: web.Request) -> dict[str, Any]:
-        try:
-            raw = orjson.loads(await request.read())
-        except orjson.JSONDecodeError:
-            raise WireError("the body is not JSON") from None
-        if not isinstance(raw, dict):
-            raise WireError("the body must be a JSON object")
-        return raw
-
-    def post(handler: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> Any:
-        async def route(request: web.Request) -> web.Response:
-            try:
-                answer = await handler(await json_body(request))
-            except DatasetError as exc:
-                return web.json_response({"error": str(exc)}, status=_status(exc), dumps=_dumps)
-            return web.json_response(answer, dumps=_dumps)
-
-        return route
-
-    async def info(_: web.Request) -> web.Response:
-        return web.json_response(await server.info(), dumps=_dumps)
-
-    async def file(request: web.Request) -> web.StreamResponse:
-        try:
-            path, entry = await server.sample_file(request.query)
-        except DatasetError as exc:
-            return web.json_response({"error": str(exc)}, status=_status(exc))
-        except FileNotFoundError:
-            return web.json_response({"error": "no such sample in the dataset"}, status=404)
-        async with server.streams:  # sent while held: at most max_streams at once
-            response = _SentFile(path, chunk_size=1 << 20)
-            await response.prepare(request)
-            server.files_sent.inc()
-            server.bytes_sent.inc(entry.size)
-            return response
-
-    async def metrics(_: web.Request) -> web.Response:
-        body = generate_latest(server.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app = web.Application(client_max_size=MAX_BODY)
-    app.router.add_get(INFO, info)
-    app.router.add_get(FILE, file)
-    app.router.add_post(LEASE, post(server.lease))
-    app.router.add_post(ACK, post(server.ack))
-    app.router.add_post(RELEASE, post(server.release))
-    app.router.add_post(RENEW, post(server.renew))
-    app.router.add_get("/metrics", metrics)
-    return app
-
-
-def _status(exc: DatasetError) -> int:
+def http_status(exc: DatasetError) -> int:
     """The HTTP status of a refusal (PROTOCOL §6.4)."""
     if isinstance(exc, Busy):
         return 429
@@ -421,86 +353,4 @@ def _status(exc: DatasetError) -> int:
     return VOID_STATUS  # a replaced owner, an unregistered consumer, a refused epoch
 
 
-def _dumps(obj: Any) -> str:
-    return orjson.dumps(obj).decode()
-
-
-class _SentFile(web.FileResponse):
-    """A file response sent inside the handler (so that the stream limit holds while it
-    is sent): aiohttp's own prepare after the handler then has nothing left to do (a
-    FileResponse would open and send the file again, and fail)."""
-
-    async def prepare(self, request: web.BaseRequest) -> Any:
-        if self.prepared:
-            return None
-        return await super().prepare(request)
-
-
-async def serve(
-    out_dir: Path,
-    listen: str,
-    *,
-    max_streams: int = MAX_STREAMS,
-    on_bound: Callable[[str], None] | None = None,
-    stop: asyncio.Event | None = None,
-) -> None:
-    """Serve until ``stop`` is set (or SIGINT/SIGTERM when none is given)."""
-    server = LiveServer(out_dir, max_streams=max_streams)
-    if not listen or not listen_ok(listen):
-        raise DatasetError(
-            f"--listen {listen!r} is not HOST:PORT (e.g. 127.0.0.1:9470, 0.0.0.0:9470)"
-        )
-    host, port = listen_address(listen)
-    runner = web.AppRunner(build_app(server), access_log=None)
-    await runner.setup()
-    own_stop = stop is None
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    if own_stop:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-    reaper: asyncio.Task[None] | None = None
-    try:
-        site = web.TCPSite(runner, host, port)
-        try:
-            await site.start()
-        except OSError as exc:
-            raise DatasetError(
-                f"cannot listen on {listen}: {exc.strerror}; pick another --listen"
-            ) from None
-        adopted = await server.adopt_served_owners()
-        reaper = asyncio.create_task(server.reap())
-        bound = runner.addresses[0]
-        url = f"http://{bound[0]}:{bound[1]}"
-        log.info("serve_listening", url=url, out=str(out_dir), owners_adopted=adopted)
-        if on_bound is not None:
-            on_bound(url)
-        await stop.wait()
-    finally:
-        if own_stop:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
-        if reaper is not None:
-            reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reaper
-        await runner.cleanup()
-        server.close()
-
-
-def serve_command(args: argparse.Namespace) -> int:
-    """``hsx serve`` (``hsx_async.cli.serve``)."""
-    configure_logging("auto", "info")
-    out = Path(args.out)
-
-    def announce(url: str) -> None:
-        print(f"hsx serve: {out} on {url}", flush=True)
-
-    # asyncio's own loop, not uvloop: uvloop has no loop.sendfile, and aiohttp then copies
-    # every file through Python (bench/transport.py measured the server's CPU per GB).
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(out, args.listen, max_streams=args.max_streams, on_bound=announce))
-    return 0
-
-
-__all__ = ["LiveServer", "build_app", "serve", "serve_command"]
+__all__ = ["MAX_STREAMS", "LiveServer", "http_status"]

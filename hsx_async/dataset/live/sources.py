@@ -14,7 +14,7 @@ from typing import Protocol
 
 from hsx_async.dataset.export.plan import DatasetFacts, dataset_facts
 from hsx_async.dataset.live.follow import DatasetFollower
-from hsx_async.dataset.live.ledger import AckResult, ConsumerLog, consumer_names
+from hsx_async.dataset.live.ledger import AckResult, ConsumerLog, LeaseLost, consumer_names
 from hsx_async.dataset.live.owners import OwnerHold
 from hsx_async.dataset.live.registry import (
     ACKED,
@@ -31,11 +31,6 @@ from hsx_async.dataset.provenance import PROVENANCE
 from hsx_async.errors import DatasetError
 
 MAX_CONSUMERS = 64  # consumers of a dataset whose registry names none
-
-
-class LeaseLost(DatasetError):
-    """The sample is no longer this owner's (its lease ended and went to another owner, or
-    the sample was acknowledged and deleted): the reader skips it, nothing is lost."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,12 +7,13 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DRIVER = Path(__file__).with_name("consumer_driver.py")
 WAIT_S = 60.0
 
@@ -26,13 +27,24 @@ class Child:
         self.lines: list[str] = []
 
     @classmethod
-    async def start(cls, name: str, *argv: str, logs: bool = False) -> Child:
-        """``logs``: its stderr (an hsx command's JSON log lines) is read with stdout."""
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+    async def start(
+        cls,
+        name: str,
+        *argv: str,
+        logs: bool = False,
+        env: dict[str, str] | None = None,
+        nofile: tuple[int, int] | None = None,
+    ) -> Child:
+        """``logs``: its stderr (an hsx command's JSON log lines) is read with stdout;
+        ``env``: added to this process's; ``nofile``: its descriptor limits (soft, hard)."""
+        env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
         stderr = asyncio.subprocess.STDOUT if logs else asyncio.subprocess.DEVNULL
+        limit = (
+            None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+        )
         proc = await asyncio.create_subprocess_exec(
             sys.executable, *argv, stdout=asyncio.subprocess.PIPE, stderr=stderr, cwd=REPO,
-            env=env, limit=1 << 20,
+            env=env, limit=1 << 20, preexec_fn=limit,
         )  # fmt: skip
         return cls(proc, name)
 
@@ -84,10 +96,18 @@ class Child:
             await asyncio.wait_for(self.proc.wait(), WAIT_S)
 
 
-async def start_server(out: Path, port: int) -> tuple[Child, str]:
-    """``hsx serve`` with its log lines read too (:func:`faults` says what went wrong)."""
+async def start_server(
+    out: Path,
+    port: int,
+    *args: str,
+    env: dict[str, str] | None = None,
+    nofile: tuple[int, int] | None = None,
+) -> tuple[Child, str]:
+    """``hsx serve`` (``args``: more of its flags) with its log lines read too
+    (:func:`server_faults` says what went wrong)."""
     child = await Child.start("hsx serve", "-m", "hsx_async", "serve", str(out),
-                              "--listen", f"127.0.0.1:{port}", logs=True)  # fmt: skip
+                              "--listen", f"127.0.0.1:{port}", *args, logs=True, env=env,
+                              nofile=nofile)  # fmt: skip
     while not (line := await child.line()).startswith("hsx serve:"):
         assert line.startswith("{"), line
     return child, line.rsplit(" on ", 1)[1]

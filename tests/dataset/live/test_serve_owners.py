@@ -15,10 +15,9 @@ import pytest
 
 from hsx_async.dataset.live import serve as serve_module
 from hsx_async.dataset.live import sources as sources_module
-from hsx_async.dataset.live.ledger import LOST, NOT_LEASED, OwnerVoid
+from hsx_async.dataset.live.ledger import LOST, NOT_LEASED, LeaseLost, OwnerVoid
 from hsx_async.dataset.live.registry import ACKED, Registry, record_registry
 from hsx_async.dataset.live.serve import Busy, LiveServer
-from hsx_async.dataset.live.sources import LeaseLost
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.errors import DatasetError
 from tests.dataset.live.test_dataset import mark_input
