@@ -230,8 +230,8 @@ class LiveDataset(IterableDataset[dict[str, Any]]):
             return 0
         try:
             result = self.source.ack(self.owner, self.epoch, pending, adopted_from=adopted_from)
-        except OwnerVoid as exc:
-            raise LiveError(str(exc)) from None
+        except OwnerVoid:
+            raise  # replaced: what it did is the newer process's to redo
         except BaseException:
             self._pending = pending + self._pending
             raise

@@ -46,7 +46,7 @@ from hsx_async.dataset.durable import exclusive_lock, fsync_dir
 from hsx_async.dataset.live.owners import alive
 from hsx_async.dataset.live.registry import CONSUMERS_DIR, check_name
 from hsx_async.dataset.manifest import AppendLog, LogTail
-from hsx_async.errors import DatasetError
+from hsx_async.errors import DatasetError, LiveError
 from hsx_async.protocol import valid_ns
 
 LOG_NAME = "log.jsonl"
@@ -63,10 +63,12 @@ VOID = "this process was replaced by a newer one of its rank (its leases are voi
 NOT_LEASED = "never leased to this owner"
 LOST = "its lease ended (the owner was not alive) and it went to another owner"
 UNKNOWN = "no committed sample of this dataset has this id"
+ACKED_BY_OTHER = "acknowledged already by the owner its lease went to"
 
 
-class OwnerVoid(DatasetError):
-    """The owner was replaced by a newer process of its rank: nothing it asks is applied."""
+class OwnerVoid(LiveError):
+    """The owner was replaced by a newer process of its rank: nothing it asks is applied
+    (the reader stops: its rank lives on in the newer process)."""
 
 
 class LeaseLost(DatasetError):
@@ -98,6 +100,7 @@ class ConsumerState:
     """What a consumer's log says, line by line (pure: no I/O)."""
 
     acked: dict[int, set[str]] = field(default_factory=dict)  # epoch → ids
+    acked_by: dict[tuple[int, str], str] = field(default_factory=dict)  # → first owner
     leases: dict[tuple[int, str], Lease] = field(default_factory=dict)  # (epoch, id)
     delivered: dict[tuple[int, str], set[str]] = field(default_factory=dict)  # → owners
     ranks: dict[str, int] = field(default_factory=dict)  # owner → rank
@@ -153,11 +156,13 @@ class ConsumerState:
         epoch = int(rec["epoch"])
         done = self.acked.setdefault(epoch, set())
         ids = [str(i) for i in rec["ids"]]
+        by = str(rec.get("from", rec["owner"]))  # whose training the ack records
         for sample in ids:
             if sample in done:
                 self.duplicate_acks += 1
             else:
                 done.add(sample)
+                self.acked_by[(epoch, sample)] = by
             self.leases.pop((epoch, sample), None)
             self.returned.get(epoch, {}).pop(sample, None)
         self._remember(str(rec["owner"]), rec.get("call"), ids)
@@ -397,7 +402,11 @@ class ConsumerLog:
             result = AckResult()
             for sample in wanted:
                 if self.state.is_acked(epoch, sample):
-                    result.again.append(sample)
+                    by = self.state.acked_by.get((epoch, sample))
+                    if by in (owner, adopted_from) or by is None:
+                        result.again.append(sample)  # its own ack again (a retry): counted
+                    else:
+                        result.refused[sample] = ACKED_BY_OTHER
                     continue
                 reason = self.state.judge_ack(owner, epoch, sample, known, adopted_from)
                 if reason:

@@ -120,7 +120,10 @@ async def server_faults(child: Child) -> list[str]:
     return [ln for ln in child.lines if ln and not ln.startswith(("{", "hsx serve:"))]
 
 
-async def start_consumer(source: str, *args: str) -> Child:
-    child = await Child.start("consumer", str(DRIVER), source, *args)
+async def start_consumer(
+    source: str, *args: str, env: dict[str, str] | None = None, logs: bool = False
+) -> Child:
+    """A consumer driver; ``logs``: its stderr (warnings, a traceback) read with stdout."""
+    child = await Child.start("consumer", str(DRIVER), source, *args, env=env, logs=logs)
     await child.until("owner")
     return child
