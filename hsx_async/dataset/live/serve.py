@@ -303,8 +303,10 @@ class LiveServer:
         async with self._follow_lock:
             followed = await asyncio.to_thread(self.follower.refresh)
         entry = next((e for e in followed.entries.values() if e.path == rel), None)
-        if entry is None or rel in followed.retired:
+        if entry is None:
             raise FileNotFoundError(rel)
+        if rel in followed.retired:  # every consumer has it: no lease of it is anyone's
+            raise LeaseLost(f"sample {entry.id} was acknowledged by every consumer and deleted")
         req = file_request(query)
         consumer = await self._consumer(req.consumer, req.epoch)
         holder = consumer.holders.get(req.owner)

@@ -168,3 +168,22 @@ def test_serve_refuses_a_directory_that_is_no_dataset(tmp_path: Path) -> None:
         LiveServer(tmp_path)
     (tmp_path / "empty").mkdir()
     LiveServer(tmp_path / "empty").close()  # an empty one is waited for (hsx run not started)
+
+
+async def test_a_file_deleted_after_its_lease_went_elsewhere_is_lost_not_missing(out: Path) -> None:
+    """The soak's find: a reader paused past its timeout asked for a file that the owner
+    its lease went to had acknowledged (and the spool deleted): 404 crashed it; 410 makes
+    it skip the sample."""
+    record_registry(out, Registry(ACKED, ("train",), 0), retired=0)
+    server = LiveServer(out)
+    mine = _ids(await server.lease(_lease(A, 1, timeout=1.0)))
+    assert server.lapse(time.monotonic() + 2.0) == 1
+    assert _ids(await server.lease(_lease(B, 2, rank=1))) == mine
+    assert (await server.ack(_ack(B, 3, mine)))["acked"] == 2  # retired: deleted
+    entry = next(e for e in read_manifest(out, retired=True) if str(e.id) == mine[0])
+    assert not (out / entry.path).exists()
+    with pytest.raises(LeaseLost, match="deleted"):
+        await server.sample_file(
+            {"path": entry.path, "consumer": "train", "owner": A, "epoch": "0"}
+        )
+    server.close()
