@@ -1,0 +1,153 @@
+"""``hsx front speculators`` end to end on real parts: a real ``mooncake_master``, the front
+(its own Mooncake client and segment) in .venv-mooncake, the fake server, and speculators'
+own trainer-side code (``tests/front/speculators_reader.py``) reading what the front
+published. What the trainer reads equals what ``hsx run`` + ``hsx export --format
+speculators`` write for the same prompts; a prompt the server refuses reaches the trainer
+as hs-connectors' ``:error`` marker naming the sample's fault."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from hsx_async.cli import main
+from hsx_async.run.daemon import Daemon
+from hsx_async.server.fake.options import FakeOptions
+from hsx_async.server.fake.server import running_fake_server
+from tests.dataset.test_export import model_dir
+from tests.e2e import config_raw, free_port, make_config, write_config, write_samples
+from tests.front.conftest import REPO, mooncake_python, stop, wait_listening
+
+pytestmark = pytest.mark.mooncake
+
+HIDDEN = 64
+VOCAB = 50_000  # the fake server refuses an id at or past it (a 400: the sample's fault)
+READER = Path(__file__).with_name("speculators_reader.py")
+
+
+@pytest.fixture
+async def fake(shm_root: Path) -> AsyncIterator[str]:
+    options = FakeOptions(dump_root=shm_root, chunk_size=32, max_batch_tokens=96, vocab_size=VOCAB)
+    async with running_fake_server(options) as srv:
+        yield srv.url
+
+
+async def _offline(tmp: Path, samples: Path, url: str, dump: Path, model: Path) -> Path:
+    """``hsx run`` then ``hsx export --format speculators --model``: its destination."""
+    config = make_config(tmp / "run", samples, [url], dump, hidden_size=HIDDEN)
+    summary = await Daemon(config).run()
+    assert (summary.done, summary.quarantined) == (3, 0), summary
+    dest = tmp / "speculators"
+    code = await asyncio.to_thread(
+        main,
+        [
+            "export",
+            str(config.output.dir),
+            "--format",
+            "speculators",
+            "--to",
+            str(dest),
+            "--model",
+            str(model),
+        ],
+    )
+    assert code == 0
+    return dest
+
+
+async def _front(
+    tmp: Path, samples: Path, url: str, dump: Path, *, model: Path, master: str
+) -> tuple[asyncio.subprocess.Process, str]:
+    raw = config_raw(tmp / "front", samples, [url], dump, hidden_size=HIDDEN)
+    config = write_config(tmp, raw, "front.toml")
+    port = free_port()
+    log = (tmp / "front.log").open("wb")
+    proc = await asyncio.create_subprocess_exec(
+        mooncake_python(),
+        "-m",
+        "hsx_async",
+        "front",
+        "speculators",
+        "--config",
+        str(config),
+        "--model",
+        str(model),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--served-model-name",
+        "tiny",
+        "--mooncake-master",
+        master,
+        "--mooncake-segment-mib",
+        "64",
+        "--mooncake-buffer-mib",
+        "16",
+        stdout=log,
+        stderr=log,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
+    log.close()
+    try:
+        await wait_listening(port, proc, "hsx front")
+    except BaseException:
+        await stop(proc)
+        print((tmp / "front.log").read_text())
+        raise
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def test_speculators_reads_what_hsx_run_writes(
+    tmp_path: Path, fake: str, shm_root: Path, mooncake_master: str
+) -> None:
+    sample_set = write_samples(tmp_path / "samples.jsonl", 3, seed=7, max_len=90)
+    model, _ = model_dir(tmp_path / "model", HIDDEN)
+    dest = await _offline(tmp_path, sample_set.path, fake, shm_root, model)
+    rows = [orjson.loads(line) for line in (dest / "samples.jsonl").read_bytes().splitlines()]
+    prompts = [row["input_ids"] for row in rows] + [[1, VOCAB + 5, 2]]
+    (tmp_path / "requests.json").write_text(json.dumps(prompts))
+
+    proc, url = await _front(
+        tmp_path, sample_set.path, fake, shm_root, model=model, master=mooncake_master
+    )
+    try:
+        reader = await asyncio.create_subprocess_exec(
+            mooncake_python(),
+            str(READER),
+            url,
+            mooncake_master,
+            str(tmp_path / "requests.json"),
+            str(tmp_path / "read.safetensors"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        )
+        out, _ = await asyncio.wait_for(reader.communicate(), 90.0)
+        assert reader.returncode == 0, out.decode(errors="replace")[-3000:]
+    finally:
+        await stop(proc)
+    read = load_file(tmp_path / "read.safetensors")
+    with safe_open(tmp_path / "read.safetensors", framework="pt") as fh:
+        notes = fh.metadata()
+    for i, row in enumerate(rows):
+        offline = load_file(dest / "hidden_states" / f"hs_{i}.safetensors")
+        assert f"error_{i}" not in notes, notes
+        assert read[f"hidden_states_{i}"].dtype == torch.bfloat16
+        assert read[f"hidden_states_{i}"].shape == (len(row["input_ids"]), 4, HIDDEN)
+        assert torch.equal(read[f"hidden_states_{i}"], offline["hidden_states"])
+        assert torch.equal(read[f"token_ids_{i}"], offline["token_ids"])
+        assert notes[f"gone_{i}"] == "0"  # the trainer's delete removed the pinned object
+    refused = len(rows)
+    assert f"hidden_states_{refused}" not in read
+    error = notes[f"error_{refused}"]
+    assert error.startswith("MooncakeIntegrityError: Mooncake producer error for key=hsx-")
+    assert ":error: sample fault" in error, error
+    assert notes[f"gone_{refused}"] == "0"
