@@ -35,6 +35,7 @@ MAX_REASON = 4096  # hs-connectors truncates its own reasons there
 # Mooncake's status codes met here (mooncake-transfer-engine 0.3.13).
 NO_SPACE = -200  # the segments cannot hold the object (pinned objects are never evicted)
 NO_BUFFER = -600  # the object is larger than the client's local buffer
+MIN_SEGMENT = 16 << 20  # Mooncake refuses a smaller segment ("Total size must be at least")
 
 
 class MooncakeError(HsxError):
@@ -107,6 +108,11 @@ class Publisher:
     Its calls block: run them in a thread."""
 
     def __init__(self, options: MooncakeOptions) -> None:
+        if options.segment_bytes < MIN_SEGMENT:
+            raise MooncakeError(
+                f"a Mooncake segment of {options.segment_bytes} bytes is below Mooncake's "
+                f"least ({MIN_SEGMENT} bytes): raise --mooncake-segment-mib to 16 or more"
+            )
         try:
             from mooncake.store import (  # noqa: PLC0415
                 MooncakeDistributedStore,
@@ -132,7 +138,8 @@ class Publisher:
         if status != 0:
             raise MooncakeError(
                 f"Mooncake setup failed with status {status}: is mooncake_master running at "
-                f"{options.master} (--mooncake-master)?"
+                f"{options.master} (--mooncake-master), and can this host give the segment "
+                f"({options.segment_bytes} bytes) and buffer ({options.buffer_bytes} bytes)?"
             )
         self._store: Any = store
         self._pinned: Any = ReplicateConfig()

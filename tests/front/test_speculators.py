@@ -12,6 +12,7 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import orjson
 import pytest
 import torch
@@ -64,9 +65,18 @@ async def _offline(tmp: Path, samples: Path, url: str, dump: Path, model: Path) 
 
 
 async def _front(
-    tmp: Path, samples: Path, url: str, dump: Path, *, model: Path, master: str
+    tmp: Path,
+    samples: Path,
+    url: str,
+    dump: Path,
+    *,
+    model: Path,
+    master: str,
+    urls: list[str] | None = None,
+    buffer_mib: int = 16,
+    segment_mib: int = 64,
 ) -> tuple[asyncio.subprocess.Process, str]:
-    raw = config_raw(tmp / "front", samples, [url], dump, hidden_size=HIDDEN)
+    raw = config_raw(tmp / "front", samples, urls or [url], dump, hidden_size=HIDDEN)
     config = write_config(tmp, raw, "front.toml")
     port = free_port()
     log = (tmp / "front.log").open("wb")
@@ -87,9 +97,9 @@ async def _front(
         "--mooncake-master",
         master,
         "--mooncake-segment-mib",
-        "64",
+        str(segment_mib),
         "--mooncake-buffer-mib",
-        "16",
+        str(buffer_mib),
         stdout=log,
         stderr=log,
         cwd=REPO,
@@ -103,6 +113,25 @@ async def _front(
         print((tmp / "front.log").read_text())
         raise
     return proc, f"http://127.0.0.1:{port}"
+
+
+async def _read(url: str, master: str, tmp: Path) -> Path:
+    """speculators' own reader over ``tmp/requests.json``: the file it saved."""
+    out = tmp / "read.safetensors"
+    reader = await asyncio.create_subprocess_exec(
+        mooncake_python(),
+        str(READER),
+        url,
+        master,
+        str(tmp / "requests.json"),
+        str(out),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
+    log, _ = await asyncio.wait_for(reader.communicate(), 90.0)
+    assert reader.returncode == 0, log.decode(errors="replace")[-3000:]
+    return out
 
 
 async def test_speculators_reads_what_hsx_run_writes(
@@ -119,23 +148,11 @@ async def test_speculators_reads_what_hsx_run_writes(
         tmp_path, sample_set.path, fake, shm_root, model=model, master=mooncake_master
     )
     try:
-        reader = await asyncio.create_subprocess_exec(
-            mooncake_python(),
-            str(READER),
-            url,
-            mooncake_master,
-            str(tmp_path / "requests.json"),
-            str(tmp_path / "read.safetensors"),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-        )
-        out, _ = await asyncio.wait_for(reader.communicate(), 90.0)
-        assert reader.returncode == 0, out.decode(errors="replace")[-3000:]
+        out = await _read(url, mooncake_master, tmp_path)
     finally:
         await stop(proc)
-    read = load_file(tmp_path / "read.safetensors")
-    with safe_open(tmp_path / "read.safetensors", framework="pt") as fh:
+    read = load_file(out)
+    with safe_open(out, framework="pt") as fh:
         notes = fh.metadata()
     for i, row in enumerate(rows):
         offline = load_file(dest / "hidden_states" / f"hs_{i}.safetensors")
@@ -151,3 +168,73 @@ async def test_speculators_reads_what_hsx_run_writes(
     assert error.startswith("MooncakeIntegrityError: Mooncake producer error for key=hsx-")
     assert ":error: sample fault" in error, error
     assert notes[f"gone_{refused}"] == "0"
+
+
+async def test_failures_reach_the_trainer_as_its_error_markers(
+    tmp_path: Path, fake: str, shm_root: Path, mooncake_master: str
+) -> None:
+    """The front takes the servers in turn (the fake one, then one that is down) and has a
+    4 MiB Mooncake buffer and a 16 MiB segment (Mooncake's least). A prompt too large for the
+    buffer, one sent to the server that is down, one that finds the segment full (unread
+    samples hold it) reach speculators' reader as their ``:error`` markers, each naming its
+    cause; a good one as its rows. Requests the trainer's API refuses are answered as vLLM
+    answers them."""
+    sample_set = write_samples(tmp_path / "samples.jsonl", 1, seed=3, max_len=40)
+    model, _ = model_dir(tmp_path / "model", HIDDEN)
+    dead = f"http://127.0.0.1:{free_port()}"
+    proc, url = await _front(
+        tmp_path,
+        sample_set.path,
+        fake,
+        shm_root,
+        model=model,
+        master=mooncake_master,
+        urls=[fake, dead],
+        buffer_mib=4,
+        segment_mib=16,
+    )
+    big = [7] * 8200  # 8200 tokens x 4 slots x 64 x 2 bytes: over the 4 MiB buffer
+    fill = [8] * 7000  # 3.4 MiB: five do not fit in the 16 MiB segment
+    # In turn: fake (too big), dead, fake (the segment is full), dead, fake (read).
+    prompts = [big, [1, 2, 3], fill, [8, 9], [4, 5, 6]]
+    (tmp_path / "requests.json").write_text(json.dumps(prompts))
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _refusals(session, url)
+            # Four unread samples from the fake server (each followed by one to the dead one).
+            for prompt in [fill, [1]] * 4:
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+                async with session.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+        out = await _read(url, mooncake_master, tmp_path)
+    finally:
+        await stop(proc)
+    read = load_file(out)
+    with safe_open(out, framework="pt") as fh:
+        notes = fh.metadata()
+    assert "over the Mooncake client's local buffer" in notes["error_0"], notes
+    assert "--mooncake-buffer-mib" in notes["error_0"]
+    for i in (1, 3):
+        assert ":error: server fault" in notes[f"error_{i}"], notes
+        assert dead.removeprefix("http://") in notes[f"error_{i}"]
+    assert "Mooncake is full" in notes["error_2"], notes
+    assert "error_4" not in notes
+    assert read["token_ids_4"].tolist() == [4, 5, 6]
+    assert read["hidden_states_4"].shape == (3, 4, HIDDEN)
+    assert [notes[f"gone_{i}"] for i in range(5)] == ["0"] * 5
+
+
+async def _refusals(session: aiohttp.ClientSession, url: str) -> None:
+    refusals = [
+        ({"model": "other", "prompt": [1], "max_tokens": 1}, 404),
+        ({"model": "tiny", "prompt": "text", "max_tokens": 1}, 400),
+        ({"model": "tiny", "prompt": [], "max_tokens": 1}, 400),
+        ({"model": "tiny", "prompt": [1, -2], "max_tokens": 1}, 400),
+        ({"model": "tiny", "prompt": [1, 2], "max_tokens": 8}, 400),
+    ]
+    for body, status in refusals:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == status, body
+            assert (await resp.json())["error"]["code"] == status
+    async with session.post(f"{url}/v1/completions", data=b"{not json") as resp:
+        assert resp.status == 400
