@@ -14,6 +14,7 @@ request on the servers in turn (the trainer retries a failed sample itself).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import secrets
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from hsx_async.dataset.provenance import FinalStateGuard
 from hsx_async.errors import ConfigError, DatasetError, DumpError, HsxError, RequestError
 from hsx_async.protocol import BF16, HIDDEN, num_layers
 from hsx_async.run.client import Server, ServerPool, SGLangClient
-from hsx_async.run.dump import Dump, on_tmpfs, prepare_namespace, remove_tree
+from hsx_async.run.dump import Dump, namespace_lock, on_tmpfs, prepare_namespace, remove_tree
 from hsx_async.run.faults import fault_of
 from hsx_async.run.source import Sample
 from hsx_async.run.workers import collect_dump
@@ -72,8 +73,9 @@ class Extractor:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.final_states = FinalStateGuard(state_dir)  # one final-state kind per front
         self.ns = f"{config.dump.namespace_prefix}-{FRONT_NAMESPACE}"
-        self.ns_dir = prepare_namespace(config.dump.root, self.ns)
-        self.on_tmpfs = on_tmpfs(self.ns_dir)
+        self.ns_dir = config.dump.root / self.ns
+        self.on_tmpfs = False
+        self._held = contextlib.ExitStack()
         self.nonce = secrets.token_hex(4)
         self._count = itertools.count()
         urls = config.server.urls
@@ -87,13 +89,27 @@ class Extractor:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Extractor:
+        """Holds the front's dump namespace (:class:`ConfigError` when another front with
+        the same ``dump.namespace_prefix`` holds it), cleared."""
+        root = self.config.dump.root
+        root.mkdir(parents=True, exist_ok=True)
+        self._held.enter_context(namespace_lock(root, self.ns))
+        try:
+            prepare_namespace(root, self.ns)
+            self.on_tmpfs = on_tmpfs(self.ns_dir)
+        except BaseException:
+            self._held.close()
+            raise
         self._session = aiohttp.ClientSession()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._session is not None:
-            await self._session.close()
-        await asyncio.to_thread(remove_tree, self.ns_dir)
+        try:
+            if self._session is not None:
+                await self._session.close()
+            await asyncio.to_thread(remove_tree, self.ns_dir)
+        finally:
+            self._held.close()
 
     def next_rid(self) -> str:
         return f"{self.nonce}-{next(self._count)}"
