@@ -7,8 +7,9 @@ pre-norm one speculators reads with the export's conversion (:class:`FinalConver
 What goes wrong is attributed as ``hsx run`` attributes it (:func:`fault_of`): the
 sample's fault or the server's, in the reason the trainer reads.
 
-This round handles bfloat16 storage only ([output].dtype = "bfloat16"), one attempt per
-request on the servers in turn (the trainer retries a failed sample itself).
+This round handles bfloat16 storage only ([output].dtype = "bfloat16"). The servers are
+taken in turn; a server's fault moves the prompt on to the next one (each server once, no
+eviction from rotation yet); the sample's fault is final.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+import structlog
 import torch
 
 from hsx_async.config import Config
@@ -37,6 +39,8 @@ from hsx_async.run.workers import collect_dump
 from hsx_async.run.writer import read_sections
 
 FRONT_NAMESPACE = "front"
+
+log = structlog.get_logger("hsx.front")
 
 
 class ExtractionFailed(HsxError):
@@ -115,7 +119,24 @@ class Extractor:
         return f"{self.nonce}-{next(self._count)}"
 
     async def extract(self, rid: str, input_ids: list[int]) -> Extracted:
-        """The prompt's rows; :class:`ExtractionFailed` naming whose fault it was."""
+        """The prompt's rows, from the servers in turn: a server's fault moves on to the
+        next one (each server tried once); :class:`ExtractionFailed` naming whose fault it
+        was once the sample's fault stops it or every server failed it."""
+        failed: list[ExtractionFailed] = []
+        for attempt in range(len(self.pool.servers)):
+            try:
+                return await self._attempt(f"{rid}-{attempt}", input_ids)
+            except ExtractionFailed as exc:
+                if exc.cause != "server":
+                    raise
+                log.info("server_failed", rid=rid, reason=str(exc))
+                failed.append(exc)
+        if len(failed) == 1:
+            raise failed[0]
+        reasons = "; ".join(str(f) for f in failed)
+        raise ExtractionFailed("server", failed[-1].kind, f"every server failed it: {reasons}")
+
+    async def _attempt(self, rid: str, input_ids: list[int]) -> Extracted:
         assert self._session is not None, "use the extractor as an async context manager"
         server: Server = next(self._turn)
         ids = np.asarray(input_ids, dtype=np.int64)

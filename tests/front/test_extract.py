@@ -33,6 +33,7 @@ async def fake(shm_root: Path) -> AsyncIterator[str]:
 
 
 def _config(tmp: Path, urls: list[str], dump: Path, **output: str) -> Config:
+    tmp.mkdir(parents=True, exist_ok=True)
     samples = write_samples(tmp / "samples.jsonl", 1).path
     return make_config(tmp, samples, urls, dump, output=dict(output))
 
@@ -56,16 +57,30 @@ async def test_rows_are_the_servers_with_the_final_state_pre_norm(
 async def test_faults_name_the_sample_or_the_server(
     tmp_path: Path, fake: str, shm_root: Path
 ) -> None:
+    """A server's fault moves the prompt on to the next server; the sample's is final; when
+    every server fails it, the reason names each."""
     dead = f"http://127.0.0.1:{free_port()}"
-    config = _config(tmp_path, [fake, dead], shm_root)
-    async with Extractor(config, FinalConversion(PRE_NORM), tmp_path / "st") as ex:
-        with pytest.raises(ExtractionFailed) as refused:  # the fake: an id past its vocab
+    gain = torch.ones(64)
+    config = _config(tmp_path, [dead, fake], shm_root)
+    async with Extractor(config, FinalConversion(PRE_NORM, gain, 1e-5), tmp_path / "st") as ex:
+        got = await ex.extract(ex.next_rid(), [1, 2])  # the dead one, then the fake one
+        assert got.token_ids.tolist() == [1, 2]
+        with pytest.raises(ExtractionFailed) as refused:  # the dead one, then the fake's 400
             await ex.extract(ex.next_rid(), [1, VOCAB + 1])
         assert refused.value.cause == "sample"
-        with pytest.raises(ExtractionFailed) as down:  # the dead one
+    config = _config(tmp_path / "down", [dead, f"http://127.0.0.1:{free_port()}"], shm_root)
+    async with Extractor(config, FinalConversion(PRE_NORM), tmp_path / "st2") as ex:
+        with pytest.raises(ExtractionFailed, match="every server failed it") as down:
             await ex.extract(ex.next_rid(), [1, 2])
         assert down.value.cause == "server" and str(down.value).startswith("server fault")
-        # The fake again: post-norm rows and no final norm to convert them with.
+        assert str(down.value).count("server fault") == 3  # the summary and each server's
+
+
+async def test_a_post_norm_server_needs_the_final_norm(
+    tmp_path: Path, fake: str, shm_root: Path
+) -> None:
+    config = _config(tmp_path, [fake], shm_root)
+    async with Extractor(config, FinalConversion(PRE_NORM), tmp_path / "st") as ex:
         with pytest.raises(ExtractionFailed, match="needs the final norm: give --model") as n:
             await ex.extract(ex.next_rid(), [1, 2])
         assert n.value.cause == "server"

@@ -173,12 +173,12 @@ async def test_speculators_reads_what_hsx_run_writes(
 async def test_failures_reach_the_trainer_as_its_error_markers(
     tmp_path: Path, fake: str, shm_root: Path, mooncake_master: str
 ) -> None:
-    """The front takes the servers in turn (the fake one, then one that is down) and has a
-    4 MiB Mooncake buffer and a 16 MiB segment (Mooncake's least). A prompt too large for the
-    buffer, one sent to the server that is down, one that finds the segment full (unread
-    samples hold it) reach speculators' reader as their ``:error`` markers, each naming its
-    cause; a good one as its rows. Requests the trainer's API refuses are answered as vLLM
-    answers them."""
+    """The front takes the servers in turn (the fake one and one that is down: every prompt
+    the down one fails moves on to the fake one) and has a 4 MiB Mooncake buffer and a 16 MiB
+    segment (Mooncake's least). A prompt too large for the buffer and one that finds the
+    segment full (unread samples hold it) reach speculators' reader as their ``:error``
+    markers, each naming its cause; the others as their rows. Requests the trainer's API
+    refuses are answered as vLLM answers them."""
     sample_set = write_samples(tmp_path / "samples.jsonl", 1, seed=3, max_len=40)
     model, _ = model_dir(tmp_path / "model", HIDDEN)
     dead = f"http://127.0.0.1:{free_port()}"
@@ -195,14 +195,12 @@ async def test_failures_reach_the_trainer_as_its_error_markers(
     )
     big = [7] * 8200  # 8200 tokens x 4 slots x 64 x 2 bytes: over the 4 MiB buffer
     fill = [8] * 7000  # 3.4 MiB: five do not fit in the 16 MiB segment
-    # In turn: fake (too big), dead, fake (the segment is full), dead, fake (read).
     prompts = [big, [1, 2, 3], fill, [8, 9], [4, 5, 6]]
     (tmp_path / "requests.json").write_text(json.dumps(prompts))
     try:
         async with aiohttp.ClientSession() as session:
             await _refusals(session, url)
-            # Four unread samples from the fake server (each followed by one to the dead one).
-            for prompt in [fill, [1]] * 4:
+            for prompt in [fill, [1]] * 4:  # unread: they hold the segment
                 body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
                 async with session.post(f"{url}/v1/completions", json=body) as resp:
                     assert resp.status == 200
@@ -214,13 +212,11 @@ async def test_failures_reach_the_trainer_as_its_error_markers(
         notes = fh.metadata()
     assert "over the Mooncake client's local buffer" in notes["error_0"], notes
     assert "--mooncake-buffer-mib" in notes["error_0"]
-    for i in (1, 3):
-        assert ":error: server fault" in notes[f"error_{i}"], notes
-        assert dead.removeprefix("http://") in notes[f"error_{i}"]
     assert "Mooncake is full" in notes["error_2"], notes
-    assert "error_4" not in notes
-    assert read["token_ids_4"].tolist() == [4, 5, 6]
-    assert read["hidden_states_4"].shape == (3, 4, HIDDEN)
+    for i in (1, 3, 4):  # the server that is down cost the trainer nothing
+        assert f"error_{i}" not in notes, notes
+        assert read[f"token_ids_{i}"].tolist() == prompts[i]
+        assert read[f"hidden_states_{i}"].shape == (len(prompts[i]), 4, HIDDEN)
     assert [notes[f"gone_{i}"] for i in range(5)] == ["0"] * 5
 
 
