@@ -30,7 +30,7 @@ from aiohttp import web
 from hsx_async.config import Config, load_config
 from hsx_async.dataset.export.plan import FinalConversion
 from hsx_async.dataset.target import final_norm_weight, norm_gain, read_target
-from hsx_async.errors import ArgumentError, HsxError
+from hsx_async.errors import ArgumentError
 from hsx_async.front.extract import ExtractionFailed, Extractor, check_config
 from hsx_async.front.mooncake import MooncakeError, MooncakeOptions, Publisher, error_manifest, pack
 from hsx_async.logs import configure_logging
@@ -237,4 +237,4 @@ def front_command(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["Front", "HsxError", "build_app", "front_command", "serve"]
+__all__ = ["Front", "build_app", "front_command", "serve"]
