@@ -1,0 +1,240 @@
+"""``hsx front speculators``: the part of vLLM's API speculators' online trainer calls.
+
+speculators 0.9.0's trainer (``speculators/train/data.py``,
+``data_generation/vllm_client.py``) asks ``/v1/completions`` for each sample (``prompt``:
+the token ids, ``max_tokens=1``, ``return_token_ids``), checks the answer's
+``choices[0].prompt_token_ids`` against its ids, and reads the sample from Mooncake Store at
+the handle the answer's ``kv_transfer_params`` names (hs-connectors' ``MooncakeTransfer``).
+This front answers those calls from hsx's own extraction path
+(:mod:`hsx_async.front.extract`) and publishes each sample with
+:mod:`hsx_async.front.mooncake`; a sample that fails is published as the reader's
+``{handle}:error`` marker with the reason (the sample's or the server's fault), so the
+trainer fails that sample fast instead of waiting out its timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from hsx_async.config import Config, load_config
+from hsx_async.dataset.export.plan import FinalConversion
+from hsx_async.dataset.target import final_norm_weight, norm_gain, read_target
+from hsx_async.errors import ArgumentError
+from hsx_async.front.extract import ExtractionFailed, Extractor, check_config
+from hsx_async.front.mooncake import MooncakeError, MooncakeOptions, Publisher, error_manifest, pack
+from hsx_async.logs import configure_logging
+from hsx_async.net import listen_address, listen_ok
+from hsx_async.protocol import PRE_NORM
+
+log = structlog.get_logger("hsx.front")
+
+MAX_REQUEST = 8 << 20  # a 32K-token prompt is ~200 KB of JSON
+HANDLE_PREFIX = "hsx-"
+
+
+@dataclass
+class Front:
+    extractor: Extractor
+    publisher: Publisher
+    model: str
+
+    async def completion(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """The status and the answer to one ``/v1/completions`` body."""
+        problem = self._refusal(body)
+        if problem is not None:
+            status, message = problem
+            return status, _error(message, status)
+        ids: list[int] = body["prompt"]
+        rid = self.extractor.next_rid()
+        handle = HANDLE_PREFIX + rid
+        try:
+            got = await self.extractor.extract(rid, ids)
+            manifest, blob = pack(
+                handle, {"hidden_states": got.hidden_states, "token_ids": got.token_ids}
+            )
+            await asyncio.to_thread(self.publisher.put_sample, handle, blob)
+        except (ExtractionFailed, MooncakeError) as exc:
+            reason = str(exc)
+            log.info("sample_failed", handle=handle, reason=reason)
+            try:
+                await asyncio.to_thread(self.publisher.put_error, handle, reason)
+            except MooncakeError as marker:  # the trainer could not read a marker: say it here
+                return 503, _error(f"{reason}; and its error marker: {marker}", 503)
+            manifest = error_manifest(handle)
+        return 200, self._answer(rid, ids, manifest)
+
+    def _refusal(self, body: dict[str, Any]) -> tuple[int, str] | None:
+        if body.get("model") != self.model:
+            return (
+                404,
+                f"The model `{body.get('model')}` does not exist; this front serves "
+                f"`{self.model}`.",
+            )
+        prompt = body.get("prompt")
+        if not (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+        ):
+            return 400, "prompt must be a non-empty list of token ids (hsx's front takes no text)"
+        if body.get("max_tokens", 1) != 1:
+            return 400, "max_tokens must be 1: the front extracts the prompt's hidden states only"
+        return None
+
+    def _answer(self, rid: str, ids: list[int], manifest: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "id": f"cmpl-{rid}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "prompt_token_ids": ids,
+                    "token_ids": [],
+                }
+            ],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)},
+            "kv_transfer_params": manifest,
+        }
+
+
+def _error(message: str, status: int) -> dict[str, Any]:
+    kind = "NotFoundError" if status == 404 else "BadRequestError"
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def build_app(front: Front) -> web.Application:
+    async def models(_: web.Request) -> web.Response:
+        entry = {"id": front.model, "object": "model", "created": 0, "owned_by": "hsx"}
+        return web.json_response({"object": "list", "data": [entry]})
+
+    async def completions(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response(_error("the body is not JSON", 400), status=400)
+        if not isinstance(body, dict):
+            return web.json_response(_error("the body is not a JSON object", 400), status=400)
+        status, answer = await front.completion(body)
+        return web.json_response(answer, status=status)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=MAX_REQUEST)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    return app
+
+
+def conversion(model: Path | None) -> FinalConversion:
+    """To the pre-norm final state speculators reads; the norm from ``--model`` when given
+    (needed when the servers dump the post-norm state)."""
+    if model is None:
+        return FinalConversion(PRE_NORM)
+    target = read_target(model)
+    weight = final_norm_weight(target)
+    return FinalConversion(PRE_NORM, norm_gain(weight, target.norm_kind), target.norm_eps)
+
+
+async def serve(
+    config: Config,
+    options: MooncakeOptions,
+    *,
+    listen: str,
+    model_name: str,
+    final: FinalConversion,
+    on_bound: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM when none is given)."""
+    if not listen_ok(listen):
+        raise ArgumentError("--listen", f"{listen!r} is not HOST:PORT (e.g. 127.0.0.1:8000)")
+    check_config(config)
+    publisher = await asyncio.to_thread(Publisher, options)
+    try:
+        state = config.output.dir / "front"
+        async with Extractor(config, final, state) as extractor:
+            front = Front(extractor, publisher, model_name)
+            await _listen(front, listen, on_bound, stop)
+    finally:
+        await asyncio.to_thread(publisher.close)
+
+
+async def _listen(
+    front: Front, listen: str, on_bound: Callable[[str], None] | None, stop: asyncio.Event | None
+) -> None:
+    host, port = listen_address(listen)
+    runner = web.AppRunner(build_app(front), access_log=None)
+    await runner.setup()
+    own_stop = stop is None
+    stop = stop or asyncio.Event()
+    if own_stop:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            raise ArgumentError(
+                "--listen", f"cannot listen on {listen}: {exc.strerror}; pick another"
+            ) from None
+        bound = runner.addresses[0]
+        url = f"http://{bound[0]}:{bound[1]}"
+        log.info("front_listening", url=url, model=front.model)
+        if on_bound is not None:
+            on_bound(url)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def front_command(args: argparse.Namespace) -> int:
+    """``hsx front speculators`` (``hsx_async.cli.front``)."""
+    configure_logging("auto", "info")
+    config = load_config(Path(args.config))
+    options = MooncakeOptions(
+        master=args.mooncake_master,
+        local_hostname=args.mooncake_host,
+        protocol=args.mooncake_protocol,
+        segment_bytes=args.mooncake_segment_mib << 20,
+        buffer_bytes=args.mooncake_buffer_mib << 20,
+    )
+    name = args.served_model_name or config.model.name or "hsx"
+
+    def announce(url: str) -> None:
+        print(f"hsx front speculators: serving {name} on {url}", flush=True)
+
+    model = Path(args.model) if args.model else None
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(
+            serve(
+                config,
+                options,
+                listen=args.listen,
+                model_name=name,
+                final=conversion(model),
+                on_bound=announce,
+            )
+        )
+    return 0
+
+
+__all__ = ["Front", "build_app", "front_command", "serve"]

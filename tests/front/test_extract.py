@@ -1,0 +1,102 @@
+"""The front's extraction (:mod:`hsx_async.front.extract`) against the fake server, without
+Mooncake: the rows are the server's, the final state converted to pre-norm as the export
+converts it; faults are named by whose they are; one front per dump namespace."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hsx_async.config import Config
+from hsx_async.dataset.export.plan import FinalConversion
+from hsx_async.dataset.target import pre_from_post
+from hsx_async.errors import ConfigError
+from hsx_async.front.extract import ExtractionFailed, Extractor, check_config
+from hsx_async.protocol import PRE_NORM
+from hsx_async.server.fake.options import FakeOptions
+from hsx_async.server.fake.server import expected_hidden_states, running_fake_server
+from tests.e2e import free_port, make_config, write_samples
+
+VOCAB = 50_000
+
+
+@pytest.fixture
+async def fake(shm_root: Path) -> AsyncIterator[str]:
+    options = FakeOptions(dump_root=shm_root, chunk_size=32, vocab_size=VOCAB)
+    async with running_fake_server(options) as srv:
+        yield srv.url
+
+
+def _config(tmp: Path, urls: list[str], dump: Path, **output: str) -> Config:
+    tmp.mkdir(parents=True, exist_ok=True)
+    samples = write_samples(tmp / "samples.jsonl", 1).path
+    return make_config(tmp, samples, urls, dump, output=dict(output))
+
+
+async def test_rows_are_the_servers_with_the_final_state_pre_norm(
+    tmp_path: Path, fake: str, shm_root: Path
+) -> None:
+    gain = torch.rand(64, generator=torch.Generator().manual_seed(1)) * 2.8 + 0.2
+    config = _config(tmp_path, [fake], shm_root)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6] * 9  # 72 tokens: three chunks of the fake's 32
+    async with Extractor(config, FinalConversion(PRE_NORM, gain, 1e-5), tmp_path / "st") as ex:
+        got = await ex.extract(ex.next_rid(), ids)
+        assert list(ex.ns_dir.iterdir()) == []  # the dump is gone once read
+    raw = expected_hidden_states(np.asarray(ids), 64, 4)
+    want = torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16)
+    assert torch.equal(got.hidden_states[:, :-1], want[:, :-1])
+    assert torch.equal(got.hidden_states[:, -1], pre_from_post(want[:, -1], gain))
+    assert got.token_ids.tolist() == ids and got.token_ids.dtype == torch.int64
+
+
+async def test_faults_name_the_sample_or_the_server(
+    tmp_path: Path, fake: str, shm_root: Path
+) -> None:
+    """A server's fault moves the prompt on to the next server; the sample's is final; when
+    every server fails it, the reason names each."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    gain = torch.ones(64)
+    config = _config(tmp_path, [dead, fake], shm_root)
+    async with Extractor(config, FinalConversion(PRE_NORM, gain, 1e-5), tmp_path / "st") as ex:
+        got = await ex.extract(ex.next_rid(), [1, 2])  # the dead one, then the fake one
+        assert got.token_ids.tolist() == [1, 2]
+        with pytest.raises(ExtractionFailed) as refused:  # the dead one, then the fake's 400
+            await ex.extract(ex.next_rid(), [1, VOCAB + 1])
+        assert refused.value.cause == "sample"
+    config = _config(tmp_path / "down", [dead, f"http://127.0.0.1:{free_port()}"], shm_root)
+    async with Extractor(config, FinalConversion(PRE_NORM), tmp_path / "st2") as ex:
+        with pytest.raises(ExtractionFailed, match="every server failed it") as down:
+            await ex.extract(ex.next_rid(), [1, 2])
+        assert down.value.cause == "server" and str(down.value).startswith("server fault")
+        assert str(down.value).count("server fault") == 3  # the summary and each server's
+
+
+async def test_a_post_norm_server_needs_the_final_norm(
+    tmp_path: Path, fake: str, shm_root: Path
+) -> None:
+    config = _config(tmp_path, [fake], shm_root)
+    async with Extractor(config, FinalConversion(PRE_NORM), tmp_path / "st") as ex:
+        with pytest.raises(ExtractionFailed, match="needs the final norm: give --model") as n:
+            await ex.extract(ex.next_rid(), [1, 2])
+        assert n.value.cause == "server"
+
+
+async def test_one_front_per_dump_namespace(tmp_path: Path, fake: str, shm_root: Path) -> None:
+    config = _config(tmp_path, [fake], shm_root)
+    async with Extractor(config, FinalConversion(PRE_NORM), tmp_path / "a"):
+        with pytest.raises(ConfigError, match=re.escape("dump.namespace_prefix")):
+            async with Extractor(config, FinalConversion(PRE_NORM), tmp_path / "b"):
+                pass
+    async with Extractor(config, FinalConversion(PRE_NORM), tmp_path / "c"):
+        pass  # released at the end of the first
+
+
+def test_fp8_storage_is_refused_for_now(tmp_path: Path) -> None:
+    config = _config(tmp_path, ["http://127.0.0.1:1"], tmp_path / "d", dtype="float8_e4m3fn")
+    with pytest.raises(ConfigError, match=re.escape('set [output].dtype = "bfloat16"')):
+        check_config(config)

@@ -1,0 +1,236 @@
+"""``hsx front speculators`` end to end on real parts: a real ``mooncake_master``, the front
+(its own Mooncake client and segment) in .venv-mooncake, the fake server, and speculators'
+own trainer-side code (``tests/front/speculators_reader.py``) reading what the front
+published. What the trainer reads equals what ``hsx run`` + ``hsx export --format
+speculators`` write for the same prompts; a prompt the server refuses reaches the trainer
+as hs-connectors' ``:error`` marker naming the sample's fault."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from hsx_async.cli import main
+from hsx_async.run.daemon import Daemon
+from hsx_async.server.fake.options import FakeOptions
+from hsx_async.server.fake.server import running_fake_server
+from tests.dataset.test_export import model_dir
+from tests.e2e import config_raw, free_port, make_config, write_config, write_samples
+from tests.front.conftest import REPO, mooncake_python, stop, wait_listening
+
+pytestmark = pytest.mark.mooncake
+
+HIDDEN = 64
+VOCAB = 50_000  # the fake server refuses an id at or past it (a 400: the sample's fault)
+READER = Path(__file__).with_name("speculators_reader.py")
+
+
+@pytest.fixture
+async def fake(shm_root: Path) -> AsyncIterator[str]:
+    options = FakeOptions(dump_root=shm_root, chunk_size=32, max_batch_tokens=96, vocab_size=VOCAB)
+    async with running_fake_server(options) as srv:
+        yield srv.url
+
+
+async def _offline(tmp: Path, samples: Path, url: str, dump: Path, model: Path) -> Path:
+    """``hsx run`` then ``hsx export --format speculators --model``: its destination."""
+    config = make_config(tmp / "run", samples, [url], dump, hidden_size=HIDDEN)
+    summary = await Daemon(config).run()
+    assert (summary.done, summary.quarantined) == (3, 0), summary
+    dest = tmp / "speculators"
+    code = await asyncio.to_thread(
+        main,
+        [
+            "export",
+            str(config.output.dir),
+            "--format",
+            "speculators",
+            "--to",
+            str(dest),
+            "--model",
+            str(model),
+        ],
+    )
+    assert code == 0
+    return dest
+
+
+async def _front(
+    tmp: Path,
+    samples: Path,
+    url: str,
+    dump: Path,
+    *,
+    model: Path,
+    master: str,
+    urls: list[str] | None = None,
+    buffer_mib: int = 16,
+    segment_mib: int = 64,
+) -> tuple[asyncio.subprocess.Process, str]:
+    raw = config_raw(tmp / "front", samples, urls or [url], dump, hidden_size=HIDDEN)
+    config = write_config(tmp, raw, "front.toml")
+    port = free_port()
+    log = (tmp / "front.log").open("wb")
+    proc = await asyncio.create_subprocess_exec(
+        mooncake_python(),
+        "-m",
+        "hsx_async",
+        "front",
+        "speculators",
+        "--config",
+        str(config),
+        "--model",
+        str(model),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--served-model-name",
+        "tiny",
+        "--mooncake-master",
+        master,
+        "--mooncake-segment-mib",
+        str(segment_mib),
+        "--mooncake-buffer-mib",
+        str(buffer_mib),
+        stdout=log,
+        stderr=log,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
+    log.close()
+    try:
+        await wait_listening(port, proc, "hsx front")
+    except BaseException:
+        await stop(proc)
+        print((tmp / "front.log").read_text())
+        raise
+    return proc, f"http://127.0.0.1:{port}"
+
+
+async def _read(url: str, master: str, tmp: Path) -> Path:
+    """speculators' own reader over ``tmp/requests.json``: the file it saved."""
+    out = tmp / "read.safetensors"
+    reader = await asyncio.create_subprocess_exec(
+        mooncake_python(),
+        str(READER),
+        url,
+        master,
+        str(tmp / "requests.json"),
+        str(out),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
+    log, _ = await asyncio.wait_for(reader.communicate(), 90.0)
+    assert reader.returncode == 0, log.decode(errors="replace")[-3000:]
+    return out
+
+
+async def test_speculators_reads_what_hsx_run_writes(
+    tmp_path: Path, fake: str, shm_root: Path, mooncake_master: str
+) -> None:
+    sample_set = write_samples(tmp_path / "samples.jsonl", 3, seed=7, max_len=90)
+    model, _ = model_dir(tmp_path / "model", HIDDEN)
+    dest = await _offline(tmp_path, sample_set.path, fake, shm_root, model)
+    rows = [orjson.loads(line) for line in (dest / "samples.jsonl").read_bytes().splitlines()]
+    prompts = [row["input_ids"] for row in rows] + [[1, VOCAB + 5, 2]]
+    (tmp_path / "requests.json").write_text(json.dumps(prompts))
+
+    proc, url = await _front(
+        tmp_path, sample_set.path, fake, shm_root, model=model, master=mooncake_master
+    )
+    try:
+        out = await _read(url, mooncake_master, tmp_path)
+    finally:
+        await stop(proc)
+    read = load_file(out)
+    with safe_open(out, framework="pt") as fh:
+        notes = fh.metadata()
+    for i, row in enumerate(rows):
+        offline = load_file(dest / "hidden_states" / f"hs_{i}.safetensors")
+        assert f"error_{i}" not in notes, notes
+        assert read[f"hidden_states_{i}"].dtype == torch.bfloat16
+        assert read[f"hidden_states_{i}"].shape == (len(row["input_ids"]), 4, HIDDEN)
+        assert torch.equal(read[f"hidden_states_{i}"], offline["hidden_states"])
+        assert torch.equal(read[f"token_ids_{i}"], offline["token_ids"])
+        assert notes[f"gone_{i}"] == "0"  # the trainer's delete removed the pinned object
+    refused = len(rows)
+    assert f"hidden_states_{refused}" not in read
+    error = notes[f"error_{refused}"]
+    assert error.startswith("MooncakeIntegrityError: Mooncake producer error for key=hsx-")
+    assert ":error: sample fault" in error, error
+    assert notes[f"gone_{refused}"] == "0"
+
+
+async def test_failures_reach_the_trainer_as_its_error_markers(
+    tmp_path: Path, fake: str, shm_root: Path, mooncake_master: str
+) -> None:
+    """The front takes the servers in turn (the fake one and one that is down: every prompt
+    the down one fails moves on to the fake one) and has a 4 MiB Mooncake buffer and a 16 MiB
+    segment (Mooncake's least). A prompt too large for the buffer and one that finds the
+    segment full (unread samples hold it) reach speculators' reader as their ``:error``
+    markers, each naming its cause; the others as their rows. Requests the trainer's API
+    refuses are answered as vLLM answers them."""
+    sample_set = write_samples(tmp_path / "samples.jsonl", 1, seed=3, max_len=40)
+    model, _ = model_dir(tmp_path / "model", HIDDEN)
+    dead = f"http://127.0.0.1:{free_port()}"
+    proc, url = await _front(
+        tmp_path,
+        sample_set.path,
+        fake,
+        shm_root,
+        model=model,
+        master=mooncake_master,
+        urls=[fake, dead],
+        buffer_mib=4,
+        segment_mib=16,
+    )
+    big = [7] * 8200  # 8200 tokens x 4 slots x 64 x 2 bytes: over the 4 MiB buffer
+    fill = [8] * 7000  # 3.4 MiB: five do not fit in the 16 MiB segment
+    prompts = [big, [1, 2, 3], fill, [8, 9], [4, 5, 6]]
+    (tmp_path / "requests.json").write_text(json.dumps(prompts))
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _refusals(session, url)
+            for prompt in [fill, [1]] * 4:  # unread: they hold the segment
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+                async with session.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+        out = await _read(url, mooncake_master, tmp_path)
+    finally:
+        await stop(proc)
+    read = load_file(out)
+    with safe_open(out, framework="pt") as fh:
+        notes = fh.metadata()
+    assert "over the Mooncake client's local buffer" in notes["error_0"], notes
+    assert "--mooncake-buffer-mib" in notes["error_0"]
+    assert "Mooncake is full" in notes["error_2"], notes
+    for i in (1, 3, 4):  # the server that is down cost the trainer nothing
+        assert f"error_{i}" not in notes, notes
+        assert read[f"token_ids_{i}"].tolist() == prompts[i]
+        assert read[f"hidden_states_{i}"].shape == (len(prompts[i]), 4, HIDDEN)
+    assert [notes[f"gone_{i}"] for i in range(5)] == ["0"] * 5
+
+
+async def _refusals(session: aiohttp.ClientSession, url: str) -> None:
+    refusals = [
+        ({"model": "other", "prompt": [1], "max_tokens": 1}, 404),
+        ({"model": "tiny", "prompt": "text", "max_tokens": 1}, 400),
+        ({"model": "tiny", "prompt": [], "max_tokens": 1}, 400),
+        ({"model": "tiny", "prompt": [1, -2], "max_tokens": 1}, 400),
+        ({"model": "tiny", "prompt": [1, 2], "max_tokens": 8}, 400),
+    ]
+    for body, status in refusals:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == status, body
+            assert (await resp.json())["error"]["code"] == status
+    async with session.post(f"{url}/v1/completions", data=b"{not json") as resp:
+        assert resp.status == 400
