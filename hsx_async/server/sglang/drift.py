@@ -92,6 +92,9 @@ SGLANG_TARGETS: tuple[Target, ...] = (
     # Model side (Llama as the reference family): capture before layer i if i is listed.
     *_attrs("srt/models/llama.py", "LlamaModel", "layers_to_capture layers",
             "sets the captured layers on the decoder stack through it"),
+    *_attrs("srt/models/llama.py", "LlamaModel", "norm",
+            "reads the hidden size and the served dtype from the final norm's weight (the "
+            "page-locked warm-up)"),
     # Server settings checked at start-up.
     *(Target(_RC, None, n, "function", "reads the server settings through it")
       for n in ("get_parallel", "get_memory", "get_exec", "get_disagg", "get_serving")),
