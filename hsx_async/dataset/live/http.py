@@ -53,6 +53,8 @@ MAX_CONNECTIONS = 256
 HEADER_S = 5.0  # from a connection's opening (or its next request's first byte) to its header
 BODY_S = 10.0  # from the header to the end of the body (at most MAX_BODY bytes)
 IDLE_S = 60.0  # a keep-alive connection without a request
+SEND_GRACE_S = 10.0  # a sample file's send: this long plus its size at SEND_MIN_RATE
+SEND_MIN_RATE = 8 << 20  # bytes/s a reader must at least take a file at (then: cut)
 LINGER_S = 1.0  # the unread body of a refused request is drained this long, then cut
 BACKLOG = 128  # the kernel's queue of connections, and asyncio's accepts per wake-up
 EVICTABLE = 0.2  # of header_s: a connection waits this long before a new one may evict it
@@ -66,6 +68,13 @@ class Limits:
     max_connections: int = MAX_CONNECTIONS
     header_s: float = HEADER_S
     body_s: float = BODY_S
+    send_grace_s: float = SEND_GRACE_S
+    send_rate: int = SEND_MIN_RATE
+
+    def send_deadline(self, size: int) -> float:
+        """Seconds a sample file of ``size`` bytes may take to send before it is cut (a
+        reader paused mid-download holds no stream for longer)."""
+        return self.send_grace_s + size / self.send_rate
 
     def check(self) -> None:
         for flag, value in (
@@ -74,8 +83,8 @@ class Limits:
         ):
             if value < 1:
                 raise ArgumentError(flag, f"is {value}, expected at least 1")
-        if self.header_s <= 0 or self.body_s <= 0:
-            raise ArgumentError("deadlines", "header and body deadlines must be > 0 s")
+        if min(self.header_s, self.body_s, self.send_grace_s, self.send_rate) <= 0:
+            raise ArgumentError("deadlines", "header, body and send deadlines must be > 0")
 
 
 # -- who gets in -----------------------------------------------------------------------------
@@ -325,7 +334,7 @@ def build_app(
     meters = connections.meters if connections is not None else _Meters(server)
     front = _front(secret, limits or Limits(), connections, meters)
     app = web.Application(client_max_size=MAX_BODY, middlewares=[front])
-    _add_routes(app, server)
+    _add_routes(app, server, limits or Limits())
     return app
 
 
@@ -365,7 +374,7 @@ def _front(
     return front
 
 
-def _add_routes(app: web.Application, server: LiveServer) -> None:
+def _add_routes(app: web.Application, server: LiveServer, limits: Limits) -> None:
     async def json_body(request: web.Request) -> dict[str, Any]:
         try:
             raw = orjson.loads(await request.read())
@@ -395,12 +404,7 @@ def _add_routes(app: web.Application, server: LiveServer) -> None:
             return web.json_response({"error": str(exc)}, status=http_status(exc))
         except FileNotFoundError:
             return web.json_response({"error": "no such sample in the dataset"}, status=404)
-        async with server.streams:  # sent while held: at most max_streams at once
-            response = _SentFile(path, chunk_size=1 << 20)
-            await response.prepare(request)
-            server.files_sent.inc()
-            server.bytes_sent.inc(entry.size)
-            return response
+        return await _send(server, request, path, entry.size, limits.send_deadline(entry.size))
 
     async def metrics(_: web.Request) -> web.Response:
         body = generate_latest(server.registry)
@@ -413,6 +417,27 @@ def _add_routes(app: web.Application, server: LiveServer) -> None:
     app.router.add_post(RELEASE, post(server.release))
     app.router.add_post(RENEW, post(server.renew))
     app.router.add_get("/metrics", metrics)
+
+
+async def _send(
+    server: LiveServer, request: web.Request, path: Path, size: int, deadline: float
+) -> web.StreamResponse:
+    """Send a sample file within ``deadline`` seconds, holding one of the streams."""
+    async with server.streams:  # sent while held: at most max_streams at once
+        response = _SentFile(path, chunk_size=1 << 20)
+        try:
+            async with asyncio.timeout(deadline):
+                await response.prepare(request)
+        except TimeoutError:
+            # A reader that stopped taking bytes (paused mid-download) keeps no slot: its
+            # connection is cut; it fetches again (checked against the hash) when it runs.
+            server.files_cut.inc()
+            if request.transport is not None:
+                request.transport.abort()
+            return response
+        server.files_sent.inc()
+        server.bytes_sent.inc(size)
+        return response
 
 
 def _dumps(obj: Any) -> str:

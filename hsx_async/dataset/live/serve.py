@@ -96,6 +96,11 @@ class LiveServer:
         self.registry = CollectorRegistry(auto_describe=True)
         self.files_sent = Counter("hsx_serve_files", "Sample files sent", registry=self.registry)
         self.bytes_sent = Counter("hsx_serve_bytes", "Sample bytes sent", registry=self.registry)
+        self.files_cut = Counter(
+            "hsx_serve_files_cut",
+            "Sample file sends cut at their deadline (a reader that stopped taking bytes)",
+            registry=self.registry,
+        )
         self.registry.register(_ServeCollector(self))
 
     async def _consumer(self, name: str, epoch: int = 0) -> _Consumer:

@@ -18,6 +18,7 @@ import resource
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -441,3 +442,58 @@ async def test_the_soft_descriptor_limit_is_raised_to_the_hard_one(tmp_path: Pat
     finally:
         await server.kill()
     assert await server_faults(server) == []
+
+
+async def test_a_reader_paused_mid_download_holds_no_stream_past_its_deadline(
+    tmp_path: Path,
+) -> None:
+    """A reader stopped mid-file (a trainer paused for a checkpoint, SIGSTOP) held one of
+    the --max-streams send slots for as long as it stayed stopped: with 8 such ranks every
+    file waited. Now a send is cut at its deadline and the next file goes out."""
+    out = tmp_path / "out"
+    write_dataset(out, num_samples=2, hidden_size=4096, lengths=[1024, 1024])
+    mark_input(out, 2)
+    limits = Limits(max_streams=1, send_grace_s=0.5, send_rate=64 << 20)  # 32 MiB: 1 s
+    async with in_process(out, limits) as (host, port):
+        paths = []
+        for call in ("ab", "cd"):
+            conn = await asyncio.open_connection(host, port)
+            conn[1].write(_lease(call, 0))
+            paths += [e["path"] for e in orjson.loads(await body(conn[0]))["entries"]]
+            await _close(conn[1])
+        stalled = await _get_file(host, port, paths[0])
+        size = _length(await asyncio.wait_for(stalled[0].readuntil(b"\r\n\r\n"), 10))
+        started = time.monotonic()
+        moving = await _get_file(host, port, paths[1])
+        assert len(await asyncio.wait_for(body(moving[0]), 20)) > 0
+        assert time.monotonic() - started < 15  # behind the cut, not behind the pause
+        got = await asyncio.wait_for(stalled[0].read(), 20)  # cut short, then closed
+        assert len(got) < size
+        for conn in (stalled, moving):
+            await _close(conn[1])
+
+
+def _length(head: bytes) -> int:
+    return int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+
+
+async def body(reader: asyncio.StreamReader) -> bytes:
+    """One HTTP answer's body (its head read past), bounded in time."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert b" 200 " in head.split(b"\r\n")[0], head
+    return await asyncio.wait_for(reader.readexactly(_length(head)), 20)
+
+
+async def _get_file(
+    host: str, port: int, path: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    query = urllib.parse.urlencode({"path": path, "consumer": "t", "owner": "ab" * 8, "epoch": 0})
+    conn = await asyncio.open_connection(host, port, limit=1 << 16)
+    conn[1].write(f"GET /v1/file?{query} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    return conn
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
