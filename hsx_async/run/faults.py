@@ -6,7 +6,9 @@ its own consequence (README, "Guarantees"):
 - **sample** — the sample itself (the server refused its content: a 4xx such as a token
   id past the vocabulary or a prompt past the context). Only sample causes charge
   ``workers.max_attempts`` and quarantine; a refusal of the content is *permanent*: the
-  same bytes get the same answer, so it is quarantined at once, not retried.
+  same bytes get the same answer, so it is quarantined without a retry, once the server is
+  shown to work (a later sample committed, or its probe passed: a storm of refusals from
+  one server is that server's fault, issue 38).
 - **server** — the server the attempt went to: unreachable, a 404/5xx, no hsx hook or
   connector, a timeout, a broken dump, an identity that is not the job's. The server is
   taken out of rotation (at once, or after a streak of soft faults), the sample goes back
@@ -79,7 +81,7 @@ class Fault:
     ``evict``: the server leaves rotation at once (else after a streak of soft faults);
     ``reached``: the request reached the server and could have failed because of the
     sample (a suspicion, settled by evidence); ``permanent``: a sample fault that a retry
-    cannot change (quarantined at once)."""
+    cannot change (quarantined without a retry, once the server is shown to work)."""
 
     cause: Cause
     kind: str
