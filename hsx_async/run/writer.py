@@ -627,23 +627,13 @@ def read_sections(dump: Dump, names: Collection[str]) -> dict[str, tuple[Section
     for section, piece in _sections(dump):
         if section.name not in names:
             continue
-        block = bytearray(piece.length)
-        part_fd = _open_part(piece.path, piece.part_bytes)
-        try:
-            with memoryview(block) as view:
-                _read_exact(part_fd, piece.path.name, view, piece.offset)
-        finally:
-            os.close(part_fd)
         _, held = found.setdefault(section.name, (section, bytearray()))
-        held += block
+        held += _read_piece(piece)
     return {name: (section, bytes(data)) for name, (section, data) in found.items()}
 
 
-def _read_checked(piece: _Piece, check: SectionCheck) -> _Piece:
-    """A piece whose bytes must pass a check (:func:`~hsx_async.protocol.section_check`:
-    the FP8 scales and outliers, a few bytes a vector), read into the copy's own memory and
-    checked there; the file gets those bytes (``data``): what is checked is what is written,
-    whatever the server does to the part meanwhile."""
+def _read_piece(piece: _Piece) -> bytearray:
+    """A piece's bytes, read whole into this process's memory."""
     data = bytearray(piece.length)
     part_fd = _open_part(piece.path, piece.part_bytes)
     try:
@@ -651,6 +641,15 @@ def _read_checked(piece: _Piece, check: SectionCheck) -> _Piece:
             _read_exact(part_fd, piece.path.name, view, piece.offset)
     finally:
         os.close(part_fd)
+    return data
+
+
+def _read_checked(piece: _Piece, check: SectionCheck) -> _Piece:
+    """A piece whose bytes must pass a check (:func:`~hsx_async.protocol.section_check`:
+    the FP8 scales and outliers, a few bytes a vector), read into the copy's own memory and
+    checked there; the file gets those bytes (``data``): what is checked is what is written,
+    whatever the server does to the part meanwhile."""
+    data = _read_piece(piece)
     problem = check(data)
     if problem is not None:
         raise DumpError(f"{piece.path.name}: {problem}")
