@@ -92,6 +92,7 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 "spool_limit": limit,
             }
             config = write_config(tmp, raw)
+            (tmp / "out").mkdir()  # the trainer may come first: it waits in an empty directory
             hsx = await Child.start("hsx run", "-m", "hsx_async", "run", "--config", str(config),
                                     "--no-report", logs=True)  # fmt: skip
             aux = ",".join(map(str, srv.aux_layers))

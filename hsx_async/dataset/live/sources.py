@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import structlog
+
 from hsx_async.dataset.export.plan import DatasetFacts, dataset_facts
 from hsx_async.dataset.live.follow import DatasetFollower
 from hsx_async.dataset.live.ledger import AckResult, ConsumerLog, LeaseLost, consumer_names
@@ -29,6 +31,8 @@ from hsx_async.dataset.live.retire import RETIRE_EPOCH, Retirer
 from hsx_async.dataset.manifest import MANIFEST, QUARANTINE, ManifestEntry, log_files
 from hsx_async.dataset.provenance import PROVENANCE
 from hsx_async.errors import DatasetError
+
+log = structlog.get_logger("hsx.live")
 
 MAX_CONSUMERS = 64  # consumers of a dataset whose registry names none
 
@@ -59,8 +63,9 @@ class Source(Protocol):
 
 def check_live_dir(out_dir: Path) -> None:
     """A live reader (or ``hsx serve``) may start before ``hsx run``: an output directory
-    that does not exist yet or is empty is waited for. Anything else that is no hsx
-    dataset is refused at once (issue 39: a wrong path hung silently)."""
+    that does not exist yet, or is empty, is waited for (nothing is made in it until it
+    holds a dataset's files; a missing one is said in the log). Anything else that is no
+    hsx dataset is refused at once (issue 39: a wrong path hung silently)."""
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
@@ -92,6 +97,7 @@ class LocalSource:
         self.log = ConsumerLog(out_dir, consumer)
         self.retirer = Retirer(out_dir)
         self._holds: dict[str, OwnerHold] = {}
+        self._said_missing = False
 
     # -- rules read afresh at every call (issue 37: never a stale registry) --------------
 
@@ -124,10 +130,23 @@ class LocalSource:
     # -- the Source protocol ----------------------------------------------------------------
 
     def hold(self, owner: str, timeout: float = 0.0) -> None:
-        """Keep ``owner`` alive while this process lives (``timeout``: remote only)."""
-        if owner not in self._holds:
+        """Keep ``owner`` alive while this process lives (``timeout``: remote only); in a
+        directory that does not exist yet, from the first lease it answers."""
+        if owner not in self._holds and self._exists():
             self.log.ensure_dir()
             self._holds[owner] = OwnerHold(self.log.dir, owner)
+
+    def _exists(self) -> bool:
+        """Whether the output directory exists (said once in the log while it does not)."""
+        if self.out_dir.is_dir():
+            return True
+        if not self._said_missing:
+            self._said_missing = True
+            log.warning(
+                "live_waiting_for_dataset", out=str(self.out_dir),
+                note="no such directory yet: waiting for hsx run to make it; is the path right?",
+            )  # fmt: skip
+        return False
 
     def drop(self, owner: str) -> None:
         hold = self._holds.pop(owner, None)
@@ -150,6 +169,8 @@ class LocalSource:
         timeout: float | None = None,
     ) -> Leased:
         self.check(epoch)
+        if not self._exists():
+            return Leased([], ended=False)
         if via is None:
             self.hold(owner)
         followed = self.follower.refresh()

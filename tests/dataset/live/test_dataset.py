@@ -272,3 +272,9 @@ def test_a_directory_that_is_no_dataset_is_refused_at_once(tmp_path: Path) -> No
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
     with pytest.raises(DatasetError, match="not a directory"):
         LiveDataset(tmp_path / "model.safetensors", consumer="train")
+    # A directory that does not exist yet is waited for (hsx run may start later), made
+    # nothing in, and said in the log; wait_timeout ends the wait.
+    typo = LiveDataset(tmp_path / "typo", consumer="train", wait_timeout=0.2, poll_interval=0.05)
+    with pytest.raises(LiveError, match="no sample"):
+        next(iter(typo))
+    assert not (tmp_path / "typo").exists()
