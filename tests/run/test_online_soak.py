@@ -2,9 +2,9 @@
 ``hsx serve`` (with its secret) and four trainer ranks on two consumers (``near`` reads
 the output directory, ``far`` goes through ``hsx serve``), each a child process on
 127.0.0.1. The test SIGKILLs every side at random moments (a killed trainer restarts from
-its last checkpoint), SIGSTOPs trainers past their lease timeout, replaces a rank that
-goes on acknowledging, and runs one reader with its clock 700 s ahead, while a peer
-without the secret hammers serve.
+its last checkpoint, or the one before), SIGSTOPs trainers past their lease timeout,
+replaces a rank that goes on acknowledging, and runs one reader with its clock 700 s
+ahead, while a peer without the secret hammers serve.
 
 Checked: every sample is acknowledged by each consumer, and no acknowledgement is applied
 twice (a second one comes only from a checkpoint restored after its ack); what every
@@ -119,7 +119,11 @@ async def act(soak: Soak, rng: random.Random) -> None:
     elif what == "kill":
         await asyncio.sleep(rng.uniform(0.0, 0.3))
         await rank.child.kill()
-        await rank.start()  # from its last checkpoint
+        older = rank.checkpoint.with_suffix(".prev")
+        if rng.random() < 0.5 and older.is_file():  # from the checkpoint before the last
+            older.replace(rank.checkpoint)
+            soak.count("older checkpoint")
+        await rank.start()  # from its (restored) checkpoint
         soak.count(what)
     elif what == "stop":  # a pause past the lease timeout (a long checkpoint, an eval)
         rank.child.proc.send_signal(signal.SIGSTOP)

@@ -106,6 +106,8 @@ def _checkpoint(live: LiveDataset, path: Path | None) -> None:
     """Save the live state durably, as a trainer's checkpoint holds it (temp, fsync, rename)."""
     if path is None:
         return
+    if path.is_file():  # the one before stays too: a trainer may restart from an older one
+        path.replace(path.with_suffix(".prev"))
     tmp = path.with_suffix(".tmp")
     with tmp.open("wb") as fh:
         fh.write(json.dumps(live.state_dict()).encode())
