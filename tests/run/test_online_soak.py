@@ -185,9 +185,12 @@ async def hammer(port: int, stop: asyncio.Event, answers: list[int]) -> None:
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n"
                 writer.write(head.encode() + b"Connection: close\r\n\r\n" + data)
-                status = await asyncio.wait_for(reader.readline(), 30)
-                answers.append(int(status.split()[1]))
-                writer.close()
+                try:
+                    status = await asyncio.wait_for(reader.readline(), 30)
+                finally:
+                    writer.close()
+                if status:  # b"": a serve killed mid-request closed the connection
+                    answers.append(int(status.split()[1]))
         await asyncio.sleep(0.05)  # a steady stream of requests, not a synchronisation
 
 
