@@ -171,6 +171,8 @@ async def test_train_while_extracting_exactly_once_under_random_kills(
         for child in (online.hsx, online.consumer, server):
             if child is not None:
                 await child.kill()
+    for run in online.runs:  # a killed run's last lines are still in its pipe: read them
+        await run.finish()
     paused = sum(run.count("event", "intake_paused_limit") for run in online.runs)
     note = f"seed {seed}, kills {kills}, spool pauses {paused}"
     print(note)
