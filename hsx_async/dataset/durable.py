@@ -31,18 +31,28 @@ def exclusive_lock(path: Path, busy: str, *, wait: float = 0.0) -> Iterator[None
         os.close(fd)
 
 
-def is_locked(path: Path) -> bool:
-    """Whether a live process holds :func:`exclusive_lock` on ``path`` now (creates nothing)."""
+def is_locked(path: Path, *, holders_share: bool = False, remove_if_free: bool = False) -> bool:
+    """Whether a live process holds a lock on ``path`` now (creates nothing).
+
+    A holder of :func:`exclusive_lock` is seen by a shared probe; holders that share the lock
+    among themselves (``holders_share``: a live dataset's owners) by an exclusive one.
+    ``remove_if_free`` unlinks a file nobody holds while the probe still holds it, so no
+    holder can take it in between.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_EX if holders_share else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
+    else:
+        if remove_if_free:
+            with contextlib.suppress(OSError):
+                path.unlink()
     finally:
-        os.close(fd)  # also drops the shared lock taken
+        os.close(fd)  # also drops the lock taken
     return False
 
 

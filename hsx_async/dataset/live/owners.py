@@ -17,6 +17,8 @@ import fcntl
 import os
 from pathlib import Path
 
+from hsx_async.dataset.durable import is_locked
+
 OWNERS_DIR = "owners"
 
 
@@ -53,19 +55,7 @@ def alive(consumer_dir: Path, owner: str) -> bool:
     """Whether a process holds ``owner`` now. A dead owner's lock file is removed (its
     owner id never comes back: one incarnation)."""
     path = owner_lock_path(consumer_dir, owner)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return True
-    with contextlib.suppress(OSError):
-        path.unlink()
-    os.close(fd)
-    return False
+    return is_locked(path, holders_share=True, remove_if_free=True)
 
 
 def _same_file(fd: int, path: Path) -> bool:
