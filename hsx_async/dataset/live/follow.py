@@ -34,6 +34,7 @@ class Followed:
 
     order: list[str] = field(default_factory=list)  # committed ids, commit order
     entries: dict[str, ManifestEntry] = field(default_factory=dict)
+    by_path: dict[str, str] = field(default_factory=dict)  # file → its id in entries
     retired: dict[str, int] = field(default_factory=dict)  # path → bytes
     settled: dict[int, int] = field(default_factory=dict)  # shard → manifest + quarantine lines
     input_lines: dict[str, int] = field(default_factory=dict)  # "index/count" → lines
@@ -123,4 +124,5 @@ class DatasetFollower:
                 if key not in state.entries:
                     state.order.append(key)
                 state.entries[key] = entry
+                state.by_path[entry.path] = key
         return False

@@ -307,8 +307,8 @@ class LiveServer:
             raise WireError(problem)
         async with self._follow_lock:
             followed = await asyncio.to_thread(self.follower.refresh)
-        entry = next((e for e in followed.entries.values() if e.path == rel), None)
-        if entry is None:
+        entry = followed.entries.get(followed.by_path.get(rel, ""))
+        if entry is None or entry.path != rel:  # unknown, or its id was committed again since
             raise FileNotFoundError(rel)
         if rel in followed.retired:  # every consumer has it: no lease of it is anyone's
             raise LeaseLost(f"sample {entry.id} was acknowledged by every consumer and deleted")

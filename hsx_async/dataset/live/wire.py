@@ -142,14 +142,14 @@ def adopted_from(raw: dict[str, Any]) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class FileRequest:
-    path: str
     consumer: str
     owner: str
     epoch: int
 
 
 def file_request(query: Any) -> FileRequest:
-    """``GET /v1/file``'s query: the file, and the owner whose lease it is under."""
+    """``GET /v1/file``'s query: the owner whose lease the file is under (its ``path`` is
+    checked first, by :meth:`LiveServer.sample_file`, for the 400/404 order)."""
     try:
         consumer, owner = check_name(query.get("consumer")), check_owner(query.get("owner"))
     except DatasetError as exc:
@@ -157,7 +157,7 @@ def file_request(query: Any) -> FileRequest:
     epoch = query.get("epoch", "")
     if not (isinstance(epoch, str) and epoch.isdecimal() and int(epoch) <= 1 << 20):
         raise WireError(f"'epoch' must be an integer in [0, {1 << 20}], got {epoch!r}")
-    return FileRequest(str(query.get("path", "")), consumer, owner, int(epoch))
+    return FileRequest(consumer, owner, int(epoch))
 
 
 def id_list(raw: dict[str, Any]) -> tuple[int, list[str]]:
