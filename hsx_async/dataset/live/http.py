@@ -407,6 +407,7 @@ def _add_routes(app: web.Application, server: LiveServer, limits: Limits) -> Non
         return await _send(server, request, path, entry.size, limits.send_deadline(entry.size))
 
     async def metrics(_: web.Request) -> web.Response:
+        await server.refresh_progress()
         body = generate_latest(server.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

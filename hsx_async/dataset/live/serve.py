@@ -32,7 +32,7 @@ from hsx_async.dataset.live.follow import DatasetFollower
 from hsx_async.dataset.live.ledger import VOID, LeaseLost, OwnerVoid, consumer_names
 from hsx_async.dataset.live.registry import dataset_identity, read_registry
 from hsx_async.dataset.live.sources import LocalSource, check_live_dir
-from hsx_async.dataset.live.view import ConsumerProgress, consumer_families, progress
+from hsx_async.dataset.live.view import ConsumerProgress, consumer_families, log_progress
 from hsx_async.dataset.live.wire import (
     DEFAULT_TIMEOUT_S,
     GONE,
@@ -80,7 +80,7 @@ class _Consumer:
     source: LocalSource
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     holders: dict[str, _Holder] = field(default_factory=dict)
-    progress: ConsumerProgress | None = None  # after the last call
+    progress: ConsumerProgress | None = None  # as of the last scrape of /metrics
 
 
 class LiveServer:
@@ -171,6 +171,13 @@ class LiveServer:
                 log.info("serve_owners_lapsed")
             await asyncio.sleep(every)
 
+    async def refresh_progress(self) -> None:
+        """Each consumer's progress, computed when ``/metrics`` is scraped (not on every
+        call: it probes every lease's owner)."""
+        for consumer in list(self.consumers.values()):
+            async with consumer.lock:
+                consumer.progress = await asyncio.to_thread(_progress, consumer.source)
+
     def close(self) -> None:
         for consumer in self.consumers.values():
             consumer.source.close()
@@ -202,7 +209,6 @@ class LiveServer:
             holder.answers[who.call] = answer
             while len(holder.answers) > REPLAY:
                 holder.answers.popitem(last=False)
-            consumer.progress = await asyncio.to_thread(_progress, consumer.source)
             return answer
 
     @staticmethod
@@ -328,16 +334,12 @@ class Busy(WireError):
 
 
 def _progress(source: LocalSource) -> ConsumerProgress:
-    return progress(
-        source.consumer,
-        source.log.state,
-        set(source.follower.state.entries),
-        source.log.alive.fresh(),
-    )
+    """``source``'s consumer now: its log and the manifests read to their ends."""
+    return log_progress(source.log, set(source.follower.refresh().entries))
 
 
 class _ServeCollector(Collector):
-    """Per consumer: its lag, acknowledged samples and live leases (after its last call),
+    """Per consumer: its lag, acknowledged samples and live leases (at the scrape),
     as :mod:`~hsx_async.dataset.live.view` computes them for the run and ``hsx status``."""
 
     def __init__(self, server: LiveServer) -> None:

@@ -497,3 +497,31 @@ async def _close(writer: asyncio.StreamWriter) -> None:
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
+
+
+# -- metrics -----------------------------------------------------------------------------------
+
+
+def _gauge(text: bytes, name: str, consumer: str) -> float:
+    [value] = re.findall(rb'^%s\{consumer="%s"\} (\S+)' % (name.encode(), consumer.encode()),
+                         text, re.M)  # fmt: skip
+    return float(value)
+
+
+async def test_metrics_say_each_consumer_s_progress_when_scraped(tmp_path: Path) -> None:
+    """serve's ``hsx_consumer_*`` gauges are computed at the scrape (not on every call), from
+    the logs read to their ends: a reader's acknowledgements and leases show up at once."""
+    out = dataset(tmp_path, samples=6)
+    async with in_process(out, Limits()) as (host, port):
+        url = f"http://{host}:{port}"
+        status, text = await asyncio.to_thread(request, url, "GET", "/metrics")
+        assert status == 200 and b"hsx_consumer_lag_samples{" not in text  # no consumer yet
+        source = RemoteSource(url, "train")
+        leased = await asyncio.to_thread(source.lease, "ab" * 8, 0, 0, 4)
+        ids = [str(e.id) for e in leased.entries]
+        await asyncio.to_thread(source.ack, "ab" * 8, 0, ids[:3])
+        _, text = await asyncio.to_thread(request, url, "GET", "/metrics")
+        assert _gauge(text, "hsx_consumer_acked_samples", "train") == 3
+        assert _gauge(text, "hsx_consumer_lag_samples", "train") == 3
+        assert _gauge(text, "hsx_consumer_leases", "train") == 1
+        await asyncio.to_thread(source.close)
