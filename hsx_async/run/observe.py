@@ -8,8 +8,6 @@ a pipe it becomes a ``progress`` log event every ``daemon.progress_interval`` se
 from __future__ import annotations
 
 import asyncio
-import errno
-import socket
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TextIO
@@ -20,7 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from hsx_async.errors import ConfigError
-from hsx_async.net import listen_address
+from hsx_async.net import bind_failure, listen_address
 from hsx_async.units import eta_text, human_bytes
 
 log = structlog.get_logger("hsx.observe")
@@ -41,37 +39,6 @@ def build_app(registry: CollectorRegistry, status_fn: StatusFn) -> web.Applicati
     return app
 
 
-def listen_problem(listen: str) -> str:
-    """'' when ``daemon.metrics_listen`` can be bound now (or is "": no endpoint), else one
-    line naming the key: `hsx check` reports it, `hsx run` refuses to start with it (a
-    second run on one machine must not die of the first one's port after its start-up)."""
-    if not listen:
-        return ""
-    host, port = listen_address(listen)
-    try:
-        for family, kind, proto, _, address in socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        ):
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp binds
-                probe.bind(address)
-    except OSError as exc:
-        return _bind_failure(listen, exc)
-    return ""
-
-
-def _bind_failure(listen: str, exc: OSError) -> str:
-    if exc.errno == errno.EADDRINUSE:
-        return (
-            f"daemon.metrics_listen {listen} is in use (another hsx run on this machine?): "
-            'give each run its own HOST:PORT, or "" for no /metrics and /status'
-        )
-    return (
-        f"daemon.metrics_listen {listen} cannot be bound: {exc.strerror or exc}; "
-        'give a local HOST:PORT, or "" for no /metrics and /status'
-    )
-
-
 async def serve_http(
     listen: str,
     registry: CollectorRegistry,
@@ -87,7 +54,7 @@ async def serve_http(
         try:
             await site.start()
         except OSError as exc:  # taken since the start-up check (listen_problem)
-            raise ConfigError("", _bind_failure(listen, exc)) from None
+            raise ConfigError("", bind_failure(listen, exc)) from None
         bound = runner.addresses[0]
         url = f"http://{bound[0]}:{bound[1]}"
         log.info("metrics_listening", url=url)
