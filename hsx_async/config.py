@@ -271,15 +271,7 @@ def _convert(value: Any, hint: Any, key: str, base: Path) -> Any:
     if hint is Size:
         return Size(parse_size(value, key))
     if hint is Path:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(key, f"{value!r} is not a path; write a non-empty string")
-        try:
-            path = Path(os.path.expandvars(value)).expanduser()
-        except RuntimeError:  # ~user of a user that does not exist
-            raise ConfigError(
-                key, f"{value!r}: cannot expand '~'; write an absolute path"
-            ) from None
-        return path if path.is_absolute() else base / path
+        return _path(value, key, base)
     if origin in (typing.Union, types.UnionType):  # int | Literal["auto"]: the first arm that fits
         for arm in get_args(hint):
             with contextlib.suppress(ConfigError):
@@ -301,6 +293,16 @@ def _convert(value: Any, hint: Any, key: str, base: Path) -> Any:
     if type(value) is not hint:
         raise ConfigError(key, f"{value!r} is not {_TYPE_WORDS.get(hint, str(hint))}")
     return value
+
+
+def _path(value: Any, key: str, base: Path) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(key, f"{value!r} is not a path; write a non-empty string")
+    try:
+        path = Path(os.path.expandvars(value)).expanduser()
+    except RuntimeError:  # ~user of a user that does not exist
+        raise ConfigError(key, f"{value!r}: cannot expand '~'; write an absolute path") from None
+    return path if path.is_absolute() else base / path
 
 
 def _one_of(value: Any, hint: Any, key: str, base: Path) -> Any:
