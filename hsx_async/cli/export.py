@@ -60,4 +60,4 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "speculators gets FP8 always, the slots without FP8 bytes (kept bf16 slots, a "
         "converted final state, a bf16 dataset) quantized by the export",
     )
-    parser.set_defaults(handler="hsx_async.dataset.export.command:export_command")
+    parser.set_defaults(handler="hsx_async.cli.handlers.export:export_command")

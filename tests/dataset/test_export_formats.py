@@ -24,7 +24,7 @@ from hsx_async.dataset.export import (
     format_names,
     read_export_log,
 )
-from hsx_async.dataset.export.command import _print_result
+from hsx_async.cli.handlers.export import _print_result
 from hsx_async.dataset.export.plan import DatasetFacts
 from hsx_async.dataset.live.dataset import HSX_ID, LiveDataset, views
 from hsx_async.errors import DatasetError

@@ -1,4 +1,5 @@
-"""``hsx export``: the command line over :func:`~.driver.export_dataset`."""
+"""``hsx export``: :func:`hsx_async.dataset.export.driver.export_dataset`, its progress and
+what it wrote."""
 
 from __future__ import annotations
 
