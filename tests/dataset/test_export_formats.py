@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hsx_async.cli import build_parser, main
+from hsx_async.cli.handlers.export import _print_result
 from hsx_async.dataset.export import (
     DRAFT_CONFIG,
     EXPORT_INFO,
@@ -24,7 +25,6 @@ from hsx_async.dataset.export import (
     format_names,
     read_export_log,
 )
-from hsx_async.cli.handlers.export import _print_result
 from hsx_async.dataset.export.plan import DatasetFacts
 from hsx_async.dataset.live.dataset import HSX_ID, LiveDataset, views
 from hsx_async.errors import DatasetError
