@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from hsx_async.config import config_from_dict
 from hsx_async.engines import ENGINE_NAMES, ENGINES
 from hsx_async.errors import ConfigError
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
-from tests.e2e import check_dataset, config_raw, write_config, write_samples
+from tests.e2e import SampleSet, check_dataset, config_raw, write_config, write_samples
 from tests.engines import standin
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,22 +58,22 @@ def test_an_engine_that_is_no_name_is_refused_with_the_names(tmp_path: Path, val
 
 
 async def _child(module: str, *args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", module, *args,
-        cwd=REPO, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        async with asyncio.timeout(CHILD_TIMEOUT_S):
-            out, err = await proc.communicate()
-    finally:
-        if proc.returncode is None:  # timed out: leave no process behind
-            proc.kill()
-            await proc.wait()
-    return proc.returncode or 0, out.decode(), err.decode()
+    """``python -m module ARGS`` beside the test's event loop (which serves the fake
+    server); killed past CHILD_TIMEOUT_S."""
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        check=False,
+    )
+    return done.returncode, done.stdout, done.stderr
 
 
-def _job(tmp: Path, url: str, dumps: Path, engine: str) -> tuple[Path, Any]:
+def _job(tmp: Path, url: str, dumps: Path, engine: str) -> tuple[Path, SampleSet]:
     samples = write_samples(tmp / "in.jsonl", 12, max_len=40, bad_every=5)
     raw = config_raw(tmp, samples.path, [url], dumps, hidden_size=H, aux_layers=AUX)
     raw["server"]["engine"] = engine
@@ -80,18 +81,27 @@ def _job(tmp: Path, url: str, dumps: Path, engine: str) -> tuple[Path, Any]:
     return write_config(tmp, raw), samples
 
 
+async def _run_on_standin_server(
+    tmp: Path, dumps: Path, engine: str
+) -> tuple[int, str, str, SampleSet, int]:
+    """``hsx run`` with the stand-in registered, its config naming ``engine``, against a
+    fake server serving only the stand-in's paths: (exit, stdout, stderr, the samples, the
+    marked requests the server took)."""
+    options = FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=dumps, paths=standin.FAKE_PATHS)
+    async with running_fake_server(options) as server:
+        config, samples = _job(tmp, server.url, dumps, engine)
+        code, out, err = await _child(
+            "tests.engines.standin", "run", "--config", str(config), "--no-report"
+        )
+    return code, out, err, samples, server.stats.hsx_requests
+
+
 async def test_hsx_run_extracts_through_a_registered_engines_paths(
     tmp_path: Path, shm_root: Path
 ) -> None:
-    options = FakeOptions(
-        hidden_size=H, aux_layers=AUX, dump_root=shm_root, paths=standin.FAKE_PATHS
-    )
-    async with running_fake_server(options) as server:
-        config, samples = _job(tmp_path, server.url, shm_root, "standin")
-        code, out, err = await _child("tests.engines.standin", "run", "--config", str(config),
-                                      "--no-report")  # fmt: skip
-        assert code == 0, err
-        assert server.stats.hsx_requests >= len(samples.good)
+    code, out, err, samples, taken = await _run_on_standin_server(tmp_path, shm_root, "standin")
+    assert code == 0, err
+    assert taken >= len(samples.good)
     assert out.startswith(f"{len(samples.good)} samples written, {len(samples.bad_lines)} quar")
     check_dataset(tmp_path / "out", samples, hidden_size=H, num_layers=len(AUX) + 1)
 
@@ -105,16 +115,11 @@ async def test_an_unregistered_engine_stops_hsx_run_before_it_starts(tmp_path: P
 
 async def test_the_wrong_engine_is_named_from_the_registry(tmp_path: Path, shm_root: Path) -> None:
     """The config says sglang; the server answers 404 at /generate and serves the stand-in's
-    info path: the run names the registered engine to set."""
-    options = FakeOptions(
-        hidden_size=H, aux_layers=AUX, dump_root=shm_root, paths=standin.FAKE_PATHS
-    )
-    async with running_fake_server(options) as server:
-        config, _ = _job(tmp_path, server.url, shm_root, "sglang")
-        code, out, err = await _child("tests.engines.standin", "run", "--config", str(config),
-                                      "--no-report")  # fmt: skip
+    info path: the run names the registered engine to set, and nothing is extracted."""
+    code, out, err, _, taken = await _run_on_standin_server(tmp_path, shm_root, "sglang")
     assert code == 2, (out, err)
     assert "set [server].engine (or engines) to 'standin'" in err, err
+    assert taken == 0
 
 
 def _engine_literals(path: Path) -> list[str]:
