@@ -73,23 +73,28 @@ async def _child(module: str, *args: str) -> tuple[int, str, str]:
     return done.returncode, done.stdout, done.stderr
 
 
-def _job(tmp: Path, url: str, dumps: Path, engine: str) -> tuple[Path, SampleSet]:
+def _job(
+    tmp: Path, url: str, dumps: Path, engine: str, **overrides: dict[str, Any]
+) -> tuple[Path, SampleSet]:
     samples = write_samples(tmp / "in.jsonl", 12, max_len=40, bad_every=5)
-    raw = config_raw(tmp, samples.path, [url], dumps, hidden_size=H, aux_layers=AUX)
+    raw = config_raw(tmp, samples.path, [url], dumps, hidden_size=H, aux_layers=AUX, **overrides)
     raw["server"]["engine"] = engine
     raw["daemon"]["log_level"] = "warning"
     return write_config(tmp, raw), samples
 
 
 async def _run_on_standin_server(
-    tmp: Path, dumps: Path, engine: str
+    tmp: Path, dumps: Path, engine: str, *, hook: bool = True, **overrides: dict[str, Any]
 ) -> tuple[int, str, str, SampleSet, int]:
-    """``hsx run`` with the stand-in registered, its config naming ``engine``, against a
-    fake server serving only the stand-in's paths: (exit, stdout, stderr, the samples, the
-    marked requests the server took)."""
-    options = FakeOptions(hidden_size=H, aux_layers=AUX, dump_root=dumps, paths=standin.FAKE_PATHS)
+    """``hsx run`` with the stand-in registered, its config naming ``engine`` (and
+    ``overrides``), against a fake server serving only the stand-in's paths (``hook``
+    False: a server without the hsx hook): (exit, stdout, stderr, the samples, the marked
+    requests the server took)."""
+    options = FakeOptions(
+        hidden_size=H, aux_layers=AUX, dump_root=dumps, paths=standin.FAKE_PATHS, hook=hook
+    )
     async with running_fake_server(options) as server:
-        config, samples = _job(tmp, server.url, dumps, engine)
+        config, samples = _job(tmp, server.url, dumps, engine, **overrides)
         code, out, err = await _child(
             "tests.engines.standin", "run", "--config", str(config), "--no-report"
         )
@@ -120,6 +125,20 @@ async def test_the_wrong_engine_is_named_from_the_registry(tmp_path: Path, shm_r
     assert code == 2, (out, err)
     assert "set [server].engine (or engines) to 'standin'" in err, err
     assert taken == 0
+
+
+async def test_a_server_without_the_hook_is_told_where_the_engines_launch_is(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    """The stand-in's answer does not prove its hook took the request (``acks_mark``
+    False): no dump is a hook that may not be loaded, and the reason names the engine's
+    own ``deploy`` (before: deploy/sglang for every engine but vLLM)."""
+    code, _, err, _, taken = await _run_on_standin_server(
+        tmp_path, shm_root, "standin", hook=False,
+        server={"unreachable_timeout": 3.0}, dump={"timeout": 0.5},
+    )  # fmt: skip
+    assert code == 3 and taken == 0, err
+    assert "is the hsx hook loaded (deploy/standin)" in err.splitlines()[-1], err
 
 
 def _engine_literals(path: Path) -> list[str]:
