@@ -17,12 +17,13 @@ import tomllib
 import types
 import typing
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-from hsx_async.engines import EngineName
+from hsx_async.engines import DEFAULT_ENGINE, ENGINES, EngineName
 from hsx_async.errors import ConfigError
 from hsx_async.net import listen_ok
 from hsx_async.protocol import (
@@ -67,13 +68,25 @@ def parse_size(value: object, key: str) -> int:
 
 
 @dataclass(frozen=True)
+class OneOf:
+    """A key's value is a name of a registry (``Annotated[str, OneOf(table)]``), read when
+    a file is loaded: whatever the table holds then (a registered engine) is valid."""
+
+    table: Mapping[str, object]
+
+
+# An engine's name, one of the registry's (hsx_async.engines).
+EngineChoice = Annotated[EngineName, OneOf(ENGINES)]
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     urls: tuple[str, ...]
     request_timeout: float = 600.0
     health_interval: float = 5.0
     unreachable_timeout: float = 1800.0
-    engine: EngineName = "sglang"  # what every server runs (hsx_async.engines)
-    engines: tuple[EngineName, ...] = ()  # one per URL, where replicas differ
+    engine: EngineChoice = DEFAULT_ENGINE  # what every server runs (hsx_async.engines)
+    engines: tuple[EngineChoice, ...] = ()  # one per URL, where replicas differ
 
     def engine_of(self, url: str) -> EngineName:
         """The engine of one of :attr:`urls` (``engines`` wins over ``engine``)."""
@@ -253,18 +266,12 @@ def _nearest(key: str, valid: list[str]) -> str:
 
 def _convert(value: Any, hint: Any, key: str, base: Path) -> Any:
     origin = get_origin(hint)
+    if origin is Annotated:
+        return _one_of(value, hint, key, base)
     if hint is Size:
         return Size(parse_size(value, key))
     if hint is Path:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(key, f"{value!r} is not a path; write a non-empty string")
-        try:
-            path = Path(os.path.expandvars(value)).expanduser()
-        except RuntimeError:  # ~user of a user that does not exist
-            raise ConfigError(
-                key, f"{value!r}: cannot expand '~'; write an absolute path"
-            ) from None
-        return path if path.is_absolute() else base / path
+        return _path(value, key, base)
     if origin in (typing.Union, types.UnionType):  # int | Literal["auto"]: the first arm that fits
         for arm in get_args(hint):
             with contextlib.suppress(ConfigError):
@@ -288,10 +295,30 @@ def _convert(value: Any, hint: Any, key: str, base: Path) -> Any:
     return value
 
 
+def _path(value: Any, key: str, base: Path) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(key, f"{value!r} is not a path; write a non-empty string")
+    try:
+        path = Path(os.path.expandvars(value)).expanduser()
+    except RuntimeError:  # ~user of a user that does not exist
+        raise ConfigError(key, f"{value!r}: cannot expand '~'; write an absolute path") from None
+    return path if path.is_absolute() else base / path
+
+
+def _one_of(value: Any, hint: Any, key: str, base: Path) -> Any:
+    """A value of ``Annotated[T, OneOf(table)]``: one of the table's names as it is now."""
+    inner, *marks = get_args(hint)
+    for mark in marks:
+        if isinstance(mark, OneOf) and not (isinstance(value, str) and value in mark.table):
+            choices = " | ".join(repr(c) for c in mark.table)
+            raise ConfigError(key, f"{value!r} is not one of {choices}")
+    return _convert(value, inner, key, base)
+
+
 def _section(cls: type[Any], raw: Any, name: str, base: Path) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(name, f"must be a table ([{name}]), got {raw!r}")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:

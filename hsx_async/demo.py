@@ -2,12 +2,12 @@
 
 Starts the reference server (a small seeded Llama on the CPU) in this process, extracts the
 sample set shipped with the package through the full pipeline (HTTP, /dev/shm dumps,
-durable dataset), and prints where the dataset is and what it holds.
+durable dataset), and says where the dataset is and what it holds (the handler,
+:mod:`hsx_async.cli.handlers.demo`, prints it).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.resources
 import secrets
 import shutil
@@ -17,14 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import uvloop
-
 from hsx_async.config import Config, config_from_dict
 from hsx_async.dataset.inspection import verify_dataset
-from hsx_async.logs import configure_logging
 from hsx_async.protocol import DEFAULT_DUMP_ROOT
 from hsx_async.run.daemon import Daemon, RunSummary
-from hsx_async.run.report import write_report
 from hsx_async.units import human_bytes
 
 
@@ -126,19 +122,3 @@ def hsx_invocation() -> str:
     if found is not None and Path(found).resolve() == me.resolve():
         return "hsx"
     return str(me)
-
-
-def _say(text: str) -> None:
-    print(f"  {text}", flush=True)
-
-
-def demo_command(args: argparse.Namespace) -> int:
-    configure_logging("auto", "warning")
-    out = Path(args.out).resolve()
-    samples = Path(args.samples) if args.samples else demo_samples()
-    print(f"hsx demo: reference server (tiny Llama on CPU) → {samples.name} → {out}")
-    summary, config = uvloop.run(run_demo(out, samples, say=_say))
-    print(describe(summary, config))
-    json_path, png_path, hint = write_report(out)
-    print(f"report:    {png_path or json_path}" + (f" ({hint})" if hint else ""))
-    return 0 if verify_dataset(out).ok else 1

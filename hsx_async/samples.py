@@ -9,7 +9,6 @@ renamed, so an interrupted command never leaves half a file for ``hsx run`` to f
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,19 +61,18 @@ def write_samples(path: Path, lines: Iterator[bytes]) -> tuple[int, int]:
     return samples, size
 
 
-def samples_command(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+def write_synthetic(
+    out: Path, *, count: int, max_len: int, min_len: int | None, vocab: int, seed: int
+) -> tuple[int, int]:
+    """``count`` synthetic samples written to the file ``out`` (:func:`write_samples`);
+    returns (samples, bytes). ``min_len`` None: 16, or ``max_len`` when that is shorter."""
     if out.is_dir():
         raise ConfigError(
             "", f"--out {out} is a directory; name a file such as {out}/samples.jsonl"
         )
-    min_len = min(16, args.max_len) if args.min_len is None else args.min_len
-    lines = synthetic_lines(
-        args.count, max_len=args.max_len, min_len=min_len, vocab=args.vocab, seed=args.seed
-    )
+    min_len = min(16, max_len) if min_len is None else min_len
+    lines = synthetic_lines(count, max_len=max_len, min_len=min_len, vocab=vocab, seed=seed)
     try:
-        samples, size = write_samples(out, lines)
+        return write_samples(out, lines)
     except OSError as exc:
         raise ConfigError("", f"--out: cannot write {out}: {exc.strerror}") from None
-    print(f"hsx samples: wrote {samples:,} samples ({size:,} bytes) to {out}")
-    return 0

@@ -146,5 +146,5 @@ def test_decode_answers_are_parsed_per_engine() -> None:
 )
 def test_a_malformed_decode_answer_is_the_servers_fault(name: str, body: Any, match: str) -> None:
     with pytest.raises(AnswerError, match=match):
-        ENGINES[name].parse_decode(body, "r", 3)  # type: ignore[index]
+        ENGINES[name].parse_decode(body, "r", 3)
     assert fault_of(AnswerError("x")).cause == "server"

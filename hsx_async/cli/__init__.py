@@ -3,10 +3,12 @@ errors into exit codes.
 
 Each command has a parser module here, named after it (``hsx_async.cli.run`` for ``hsx
 run``): its ``add_parser(subparsers)`` declares the options and names the handler as
-``"module:function"``, a callable ``(argparse.Namespace) -> int``. The parser modules
-import only the standard library, so ``hsx --help`` and ``hsx <command> --help`` load no
-domain module; the handler's module is imported when its command runs
-(``tests/cli/test_help_imports.py`` holds both).
+``"module:function"``, a callable ``(argparse.Namespace) -> int``, in
+:mod:`hsx_async.cli.handlers` (``hsx_async.cli.handlers.export:export_command``): it calls
+the domain with typed arguments, prints and chooses the exit code. The parser modules
+import only the standard library (and the export formats' table of names), so ``hsx
+--help`` and ``hsx <command> --help`` load no domain module; the handler's module is
+imported when its command runs (``tests/cli/test_help_imports.py`` holds both).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""``hsx export``: the dataset in SpecForge's or speculators' offline format.
+"""``hsx export``: the dataset in an existing trainer's offline format.
 
-The formats, the dtypes and SpecForge's group size are those of
+The formats are the registry's (:mod:`hsx_async.dataset.export.formats`, a table of names
+that imports no format). The dtypes and SpecForge's group size are those of
 :mod:`hsx_async.dataset.export`, restated here so that ``--help`` imports no export code
 (``tests/cli/test_parsers.py`` holds them equal).
 """
@@ -10,15 +11,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-FORMATS = ("specforge", "speculators")
+from hsx_async.dataset.export.formats import format_names
+
 DTYPE_CHOICES = ("auto", "bfloat16", "float8_e4m3fn")
 SPECFORGE_GROUP_SIZE = 2000  # SpecForge's --file-group-size default
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    formats = format_names()
     parser = subparsers.add_parser(
         "export",
-        help="write the dataset in SpecForge's or speculators' offline format",
+        help=f"write the dataset in a trainer's offline format ({', '.join(formats)})",
         description=(
             "Export every sample of an hsx output directory (all shards) for an existing "
             "trainer. Streaming and resumable: run it again to finish an interrupted export "
@@ -26,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         ),
     )
     parser.add_argument("out_dir", type=Path, metavar="OUT", help="hsx output directory")
-    parser.add_argument("--format", required=True, choices=FORMATS, help="target format")
+    parser.add_argument("--format", required=True, choices=formats, help="target format")
     parser.add_argument(
         "--to", required=True, type=Path, dest="dest", metavar="DIR", help="directory to write"
     )
@@ -57,4 +60,4 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "speculators gets FP8 always, the slots without FP8 bytes (kept bf16 slots, a "
         "converted final state, a bf16 dataset) quantized by the export",
     )
-    parser.set_defaults(handler="hsx_async.dataset.export.command:export_command")
+    parser.set_defaults(handler="hsx_async.cli.handlers.export:export_command")

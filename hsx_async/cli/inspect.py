@@ -18,4 +18,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument(
         "files", nargs="+", type=Path, metavar="FILE", help="sample files (data/…/*.safetensors)"
     )
-    parser.set_defaults(handler="hsx_async.dataset.audit:inspect_command")
+    parser.set_defaults(handler="hsx_async.cli.handlers.inspect:inspect_command")

@@ -14,4 +14,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="DIR",
         help="destination directory (created; run again to resume an interrupted merge)",
     )
-    p.set_defaults(handler="hsx_async.dataset.merge:merge_command")
+    p.set_defaults(handler="hsx_async.cli.handlers.merge:merge_command")

@@ -59,4 +59,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--json", action="store_true", help="print the summary as one JSON object instead"
     )
-    p.set_defaults(handler="hsx_async.prepare.command:prepare_command")
+    p.set_defaults(handler="hsx_async.cli.handlers.prepare:prepare_command")

@@ -27,4 +27,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--all", action="store_true", help="put back every line, the input's own faults too"
     )
-    p.set_defaults(handler="hsx_async.dataset.quarantine:quarantine_command")
+    p.set_defaults(handler="hsx_async.cli.handlers.quarantine:quarantine_command")

@@ -17,4 +17,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("out", help="output directory ([output].dir)")
     p.add_argument("--no-png", action="store_true", help="write report.json only")
-    p.set_defaults(handler="hsx_async.run.report:report_command")
+    p.set_defaults(handler="hsx_async.cli.handlers.report:report_command")

@@ -22,4 +22,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--vocab", type=int, default=1024, help="token ids are drawn from [3, VOCAB)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--out", required=True, metavar="FILE", help="the JSONL file to write")
-    p.set_defaults(handler="hsx_async.samples:samples_command")
+    p.set_defaults(handler="hsx_async.cli.handlers.samples:samples_command")

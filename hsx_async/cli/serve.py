@@ -44,4 +44,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=MAX_CONNECTIONS,
         help="open connections at most (one more evicts the longest waiting one)",
     )
-    p.set_defaults(handler="hsx_async.dataset.live.http:serve_command")
+    p.set_defaults(handler="hsx_async.cli.handlers.serve:serve_command")

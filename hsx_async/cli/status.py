@@ -8,4 +8,4 @@ import argparse
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("status", help="what an output directory holds")
     p.add_argument("out", help="output directory ([output].dir)")
-    p.set_defaults(handler="hsx_async.dataset.inspection:status_command")
+    p.set_defaults(handler="hsx_async.cli.handlers.status:status_command")

@@ -27,4 +27,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="print one JSON object (the checks, and with --deep the audit: storage, "
         "per-layer statistics and FP8 error, problems, warnings) instead of text",
     )
-    v.set_defaults(handler="hsx_async.dataset.inspection:verify_command")
+    v.set_defaults(handler="hsx_async.cli.handlers.verify:verify_command")

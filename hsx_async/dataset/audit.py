@@ -24,7 +24,6 @@ Hard faults are ``problems`` (``hsx verify --deep`` fails on them); heuristic fi
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -725,10 +724,10 @@ def _inspectable(path: Path) -> Path:
     return path
 
 
-def inspect_command(args: argparse.Namespace) -> int:
-    for path in args.files:
-        try:
-            print(inspect_file(_inspectable(path)))
-        except OSError as exc:
-            raise DatasetError(f"{path}: cannot read it ({exc.strerror})") from None
-    return 0
+def inspect_path(path: Path) -> str:
+    """What ``hsx inspect`` shows of one sample file (:func:`inspect_file`), or
+    :class:`DatasetError` saying why it cannot (a directory, no such file, unreadable)."""
+    try:
+        return inspect_file(_inspectable(path))
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read it ({exc.strerror})") from None

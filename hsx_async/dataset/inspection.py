@@ -8,7 +8,6 @@ a resumed run extracts them again.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +42,6 @@ from hsx_async.dataset.provenance import PROVENANCE, dataset_storage, read_prove
 from hsx_async.dataset.quarantine import reason_of, retried_before
 from hsx_async.dataset.running import Running, running_runs
 from hsx_async.errors import DatasetError, DumpError
-from hsx_async.logs import configure_logging
 from hsx_async.protocol import (
     HIDDEN,
     OUTLIER_INDEX,
@@ -379,42 +377,3 @@ def _rewrite_without(log_path: Path, bad: set[str]) -> int:
     keep = [orjson.dumps(rec) + b"\n" for _, rec in records if rec.get("path") not in bad]
     write_atomic(log_path, b"".join(keep))
     return len(records) - len(keep)
-
-
-# -- CLI -----------------------------------------------------------------------------------
-
-
-def status_command(args: argparse.Namespace) -> int:
-    configure_logging("auto", "warning")  # a skipped events line is said on stderr
-    print(dataset_status(Path(args.out)).format())
-    return 0
-
-
-def verify_command(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    report = verify_dataset(out, threads=args.threads)
-    as_json: dict[str, Any] = {"verify": report.to_dict()}
-    if not args.json:
-        print(report.format())
-    ok = report.ok
-    if args.repair and report.problems:
-        dropped = repair(out, report.problems)
-        as_json["repaired"] = dropped
-        if not args.json:
-            print(
-                f"repaired: dropped {dropped} manifest entries; `hsx run` will extract them again"
-            )
-    if args.deep:
-        # The audit decodes with torch; `hsx run` imports this module (verify_dataset,
-        # human_bytes) and a bf16 run never loads torch, so only --deep pays for it.
-        from hsx_async.dataset.audit import audit_dataset  # noqa: PLC0415
-
-        plot = Path(args.plot) if args.plot else None
-        audit = audit_dataset(out, sample_fraction=args.fraction, plot_path=plot)
-        as_json["deep"] = audit.to_dict()
-        if not args.json:
-            print(audit.format())
-        ok = ok and not audit.problems
-    if args.json:
-        print(orjson.dumps(as_json, option=orjson.OPT_INDENT_2).decode())
-    return 0 if ok else 1

@@ -10,7 +10,6 @@ two sources is an error. Sources must come from the same input and model shape.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import os
 import shutil
@@ -43,7 +42,6 @@ from hsx_async.dataset.provenance import (
     write_provenance,
 )
 from hsx_async.errors import DatasetError
-from hsx_async.units import human_bytes
 
 
 @dataclass
@@ -181,12 +179,3 @@ def _merge_entry(
     have[key] = entry
     result.copied += 1
     result.bytes += entry.size
-
-
-def merge_command(args: argparse.Namespace) -> int:
-    result = merge([Path(s) for s in args.sources], Path(args.to))
-    print(
-        f"merged {result.copied} samples ({human_bytes(result.bytes)}), {result.skipped} already "
-        f"there, {result.quarantined} quarantine lines → {args.to}"
-    )
-    return 0

@@ -18,7 +18,6 @@ time, in ``quarantine-retried*.jsonl``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import re
 import time
@@ -200,42 +199,3 @@ def _put_back(out_dir: Path, path: Path, back: list[Any], stay: list[Any]) -> No
     finally:
         log.close()
     write_atomic(path, b"".join(orjson.dumps(rec) + b"\n" for rec in stay))
-
-
-# -- CLI -----------------------------------------------------------------------------------
-
-
-def quarantine_command(args: argparse.Namespace) -> int:
-    # inspection (hsx status) imports this module for its counts: its rule, imported here.
-    from hsx_async.dataset.inspection import require_dataset  # noqa: PLC0415 - see above
-
-    out = Path(args.out)
-    require_dataset(out)
-    if args.retry or args.kind or args.all:
-        done = retry(out, kinds=args.kind or (), everything=args.all)
-        for kind, count in done.by_kind.items():
-            print(f"put back: {count:,}  {kind}")
-        print(
-            f"{done.lines:,} lines put back (history: {RETRIED}*.jsonl), {done.kept:,} still "
-            "quarantined" + ("; run `hsx run` again to extract them" if done.lines else "")
-        )
-        return 0
-    found = kinds(out)
-    for k in found:
-        label = "retriable" if k.retriable else "input    "
-        example = k.example if len(k.example) <= 80 else k.example[:79] + "…"
-        print(f"{k.count:>8,}  {label}  {k.cause or '?':<6}  {k.kind:<24}  e.g. {example}")
-    total, retriable = sum(k.count for k in found), sum(k.count for k in found if k.retriable)
-    hint = (
-        f"`hsx quarantine {out} --retry` puts those back (--kind TEXT: by kind, --all: every line)"
-        if retriable
-        else "nothing for --retry to put back (the input's own faults would be quarantined "
-        "again; --all puts them back anyway)"
-        if total
-        else "nothing to put back"
-    )
-    print(
-        f"{total:,} quarantined, {retriable:,} after failed attempts; {hint}; "
-        f"{retried_before(out):,} put back before"
-    )
-    return 0

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from hsx_async.protocol import Storage
 
-if TYPE_CHECKING:
-    from hsx_async.engines import EngineName
-
+# An engine's name: a key of hsx_async.engines.ENGINES (what [server].engine says).
+EngineName = str
 Finish = Literal["stop", "length"]
 
 
@@ -59,6 +58,12 @@ class Engine:
     decode_path: str
     decode_body: Callable[[str, Sequence[int], Decoding], dict[str, Any]]
     parse_decode: Callable[[object, str, int], Decoded]
+    # A dump that did not appear although the request was answered: ``acks_mark`` says
+    # the answer itself proves the hook took the request (vLLM's connector echoes the rid),
+    # so the dump went elsewhere (dump.root); else the hook may not be loaded, and
+    # ``deploy`` is where its launch is described.
+    acks_mark: bool
+    deploy: str
 
 
 def is_count(value: object) -> bool:

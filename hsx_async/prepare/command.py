@@ -3,17 +3,15 @@
 Streams the input, encodes chunks of lines in worker processes (``--workers``; results are
 taken back in input order, so the output is the same for any number of workers), and
 writes three files that appear only once complete (temp → fsync → rename): the samples,
-the quarantine (``{"id", "line", "reason"}`` per refused record) and a summary, which is
-also printed. At most ``2 × workers`` chunks are in flight: memory stays bounded.
+the quarantine (``{"id", "line", "reason"}`` per refused record) and a summary, which the
+command prints (:mod:`hsx_async.cli.handlers.prepare`). At most ``2 × workers`` chunks
+are in flight: memory stays bounded.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import multiprocessing
 import multiprocessing.forkserver
-import sys
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -25,7 +23,6 @@ import orjson
 from hsx_async.config import load_config
 from hsx_async.dataset.durable import open_atomic
 from hsx_async.dataset.layout import canonical_id
-from hsx_async.errors import ArgumentError
 from hsx_async.parallel import ordered_map
 from hsx_async.prepare.encode import (
     ChunkResult,
@@ -35,7 +32,7 @@ from hsx_async.prepare.encode import (
     encode_chunk,
     init_worker,
 )
-from hsx_async.prepare.summary import PrepareStats, describe, disk_free, size_estimate
+from hsx_async.prepare.summary import PrepareStats, disk_free, size_estimate
 from hsx_async.run.source import TOO_LONG, SampleReader
 
 CHUNK_LINES = 64
@@ -175,7 +172,8 @@ def run_prepare(
     return summary
 
 
-def _estimate_from_config(path: Path | None) -> dict[str, Any] | None:
+def estimate_from_config(path: Path | None) -> dict[str, Any] | None:
+    """What the extraction estimate needs from a job's config (``--config``), if any."""
     if path is None:
         return None
     config = load_config(path)
@@ -186,42 +184,3 @@ def _estimate_from_config(path: Path | None) -> dict[str, Any] | None:
         "reserve": config.output.disk_reserve,
         "max_tokens": config.input.max_tokens,
     }
-
-
-def _check_arguments(args: argparse.Namespace) -> None:
-    if args.workers < 1:
-        raise ArgumentError("--workers", f"is {args.workers}, expected at least 1")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise ArgumentError("--max-tokens", f"is {args.max_tokens}, expected at least 1")
-    if not args.input.is_file():
-        raise ArgumentError("INPUT", f"{args.input} is not a file")
-    if args.system == "override" and not args.system_prompt:
-        raise ArgumentError(
-            "--system override",
-            "needs --system-prompt TEXT, the system prompt to put in every conversation",
-        )
-
-
-def prepare_command(args: argparse.Namespace) -> int:
-    _check_arguments(args)
-    estimate = _estimate_from_config(args.config)
-    max_tokens = args.max_tokens or (estimate or {}).get("max_tokens") or 32768
-    options = EncodeOptions(
-        tokenizer=args.tokenizer,
-        chat_template=args.chat_template,
-        system=args.system,
-        system_prompt=args.system_prompt,
-        max_tokens=max_tokens,
-        length_policy=args.length_policy,
-    )
-    paths = PreparePaths.beside(args.input, args.out, args.quarantine)
-    summary = run_prepare(options, paths, workers=args.workers, estimate=estimate)
-    if args.json:
-        sys.stdout.write(orjson.dumps(summary).decode() + "\n")
-    else:
-        print(describe(summary))
-    if not summary["samples"]:
-        with contextlib.suppress(OSError):
-            sys.stderr.write(f"hsx: no sample written; see {paths.quarantine}\n")
-        return 1
-    return 0

@@ -1,5 +1,6 @@
-"""The client's HTTP side: one prefill request per attempt (``POST /generate`` to SGLang,
-``POST /v1/completions`` to vLLM: :mod:`hsx_async.engines`) and a rotation of replicas.
+"""The client's HTTP side: one prefill request per attempt (to each server's engine's path:
+``POST /generate`` to SGLang, ``POST /v1/completions`` to vLLM, :mod:`hsx_async.engines`)
+and a rotation of replicas.
 
 :class:`ServerPool` spreads requests over the servers in rotation (fewest in flight
 first) and takes a server out of rotation with the reason — at once for a fault that says
@@ -34,7 +35,7 @@ import structlog
 import yarl
 
 from hsx_async.config import ServerConfig, redact_url
-from hsx_async.engines import ENGINES, Engine, EngineName
+from hsx_async.engines import DEFAULT_ENGINE, ENGINES, Engine, EngineName
 from hsx_async.errors import DumpError, NoServerError, RequestError, ResponseError
 from hsx_async.protocol import BF16_STORAGE, Storage
 from hsx_async.run.faults import Fault
@@ -66,7 +67,7 @@ class PoolStopped(Exception):
 @dataclass(eq=False)
 class Server:
     url: str
-    engine_name: EngineName = "sglang"
+    engine_name: EngineName = DEFAULT_ENGINE
     healthy: bool = True
     in_flight: int = 0
     soft_failures: int = 0
@@ -109,7 +110,9 @@ class ServerPool:
         engines: Sequence[EngineName] | None = None,
         admission: bool = False,
     ) -> None:
-        names: list[EngineName] = list(engines) if engines is not None else ["sglang"] * len(urls)
+        names: list[EngineName] = (
+            list(engines) if engines is not None else [DEFAULT_ENGINE] * len(urls)
+        )
         # admission: every server starts out of rotation until it is admitted (hsx run).
         self.admission = admission
         self.servers = [self._new(u.rstrip("/"), e) for u, e in zip(urls, names, strict=True)]
@@ -285,7 +288,9 @@ class ServerPool:
     ) -> None:
         """Live reload: add new servers, retire removed ones (in-flight calls finish). A URL
         whose engine changed is retired and added anew."""
-        names: list[EngineName] = list(engines) if engines is not None else ["sglang"] * len(urls)
+        names: list[EngineName] = (
+            list(engines) if engines is not None else [DEFAULT_ENGINE] * len(urls)
+        )
         wanted = {(u.rstrip("/"), e) for u, e in zip(urls, names, strict=True)}
         for s in self.servers:
             s.retired = (s.url, s.engine_name) not in wanted

@@ -20,7 +20,6 @@ shards written into one directory. The PNG needs matplotlib (``pip install
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as dt
 import itertools
@@ -50,7 +49,6 @@ from hsx_async.dataset.manifest import (
 from hsx_async.dataset.provenance import read_provenance
 from hsx_async.dataset.quarantine import reason_of
 from hsx_async.errors import DatasetError
-from hsx_async.logs import configure_logging
 
 if TYPE_CHECKING:
     from hsx_async.run.client import Server
@@ -460,17 +458,3 @@ def write_report(out_dir: Path, *, png: bool = True) -> tuple[Path, Path | None,
     png_path = out_dir / REPORT_PNG
     render(report, png_path)
     return json_path, png_path, ""
-
-
-# -- CLI -----------------------------------------------------------------------------------
-
-
-def report_command(args: argparse.Namespace) -> int:
-    configure_logging("auto", "warning")  # a skipped events line is said on stderr
-    json_path, png_path, hint = write_report(Path(args.out), png=not args.no_png)
-    print(f"report: {json_path}")
-    if png_path is not None:
-        print(f"report: {png_path}")
-    if hint:
-        print(f"hsx report: no PNG: {hint}")
-    return 0

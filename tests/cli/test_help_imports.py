@@ -26,7 +26,16 @@ for command in json.loads(sys.argv[1]):
 print(json.dumps(loaded))
 """
 
-_ALLOWED_HSX = ("hsx_async", "hsx_async.errors", "hsx_async.cli")
+_ALLOWED_HSX = (
+    "hsx_async",
+    "hsx_async.errors",
+    "hsx_async.cli",
+    # The export formats' registry (names only) and the packages above it, which import
+    # nothing for it: `hsx export --format` takes the registry's names.
+    "hsx_async.dataset",
+    "hsx_async.dataset.export",
+    "hsx_async.dataset.export.formats",
+)
 
 
 def _commands() -> list[list[str]]:

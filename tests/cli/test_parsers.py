@@ -30,7 +30,6 @@ def test_every_command_names_a_handler_that_exists(name: str) -> None:
 
 
 def test_export_choices_are_the_exporters() -> None:
-    assert export.FORMATS == dataset_export.FORMAT_NAMES
     assert export.DTYPE_CHOICES == dataset_export.DTYPE_CHOICES
     assert export.SPECFORGE_GROUP_SIZE == dataset_export.SPECFORGE_GROUP_SIZE
 

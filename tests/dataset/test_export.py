@@ -25,6 +25,7 @@ from hsx_async.dataset.export import (
     assign_indices,
     export_dataset,
     read_export_log,
+    specforge,
     specforge_relpath,
     speculators_relpath,
 )
@@ -319,7 +320,7 @@ def test_a_failed_write_leaves_no_output_and_no_record(
 ) -> None:
     src, dest = tmp_path / "out", tmp_path / "sf"
     write_dataset(src, num_samples=4, hidden_size=8)
-    real = export.FORMATS["specforge"].write
+    real = specforge.FORMAT.write
     calls = 0
 
     def flaky(sample_path: Path, entry: object, conv: object, tmp: Path) -> None:
@@ -330,8 +331,8 @@ def test_a_failed_write_leaves_no_output_and_no_record(
             raise OSError(28, "No space left on device")
         real(sample_path, entry, conv, tmp)  # type: ignore[arg-type]
 
-    flaky_format = dataclasses.replace(export.FORMATS["specforge"], write=flaky)
-    monkeypatch.setitem(export.FORMATS, "specforge", flaky_format)
+    flaky_format = dataclasses.replace(specforge.FORMAT, write=flaky)
+    monkeypatch.setattr(specforge, "FORMAT", flaky_format)
     with pytest.raises(OSError, match="No space"):
         export_dataset(src, dest, fmt="specforge")
     assert len(read_export_log(dest)) == 2

@@ -29,8 +29,7 @@ import orjson
 
 from hsx_async.dataset.durable import exclusive_lock
 from hsx_async.dataset.export.draft import DRAFT_CONFIG, describe_ids, draft_config, draft_ids_for
-from hsx_async.dataset.export.format import TMP_PREFIX, ExportFormat, write_output
-from hsx_async.dataset.export.formats import export_format
+from hsx_async.dataset.export.format import TMP_PREFIX, ExportFormat, export_format, write_output
 from hsx_async.dataset.export.fp8 import requantized_slots
 from hsx_async.dataset.export.log import EXPORT_LOG, ExportRecord, assign_indices, read_export_log
 from hsx_async.dataset.export.plan import (

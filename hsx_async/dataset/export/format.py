@@ -6,19 +6,22 @@ hidden-state dtypes and aux-layer counts it takes, how it writes one sample, wha
 once every sample is there, and what the operator does next. Everything else — the export
 log, indices, resume, locking, the final-state conversion, ``draft-config.json`` — is the
 driver's (:mod:`.driver`) and the same for every format. A new format is one module that
-defines ``FORMAT`` and one entry in :mod:`.formats`.
+defines ``FORMAT`` and one line in :mod:`.formats`; :func:`export_format` loads it.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hsx_async.dataset.durable import write_durably
+from hsx_async.dataset.export.formats import FORMAT_MODULES
 from hsx_async.dataset.export.plan import DatasetFacts, ExportPlan, FinalConversion
 from hsx_async.dataset.manifest import ManifestEntry
+from hsx_async.errors import DatasetError
 
 TMP_PREFIX = ".hsx-tmp-"  # a file under this name is never a complete output
 
@@ -79,3 +82,18 @@ def write_output(final: Path, write: Callable[[Path], object]) -> int:
     final.parent.mkdir(parents=True, exist_ok=True)
     write_durably(final, write, tmp=final.with_name(TMP_PREFIX + final.name))
     return final.stat().st_size
+
+
+def export_format(name: str) -> ExportFormat:
+    """The format registered as ``name`` (its module imported now), or
+    :class:`DatasetError` naming the registered ones."""
+    try:
+        module = FORMAT_MODULES[name]
+    except KeyError:
+        raise DatasetError(
+            f"unknown export format {name!r}; choose one of {', '.join(FORMAT_MODULES)}"
+        ) from None
+    found = getattr(importlib.import_module(module), "FORMAT", None)
+    if not isinstance(found, ExportFormat) or found.name != name:
+        raise DatasetError(f"{module} defines no export format {name!r} (FORMAT)")
+    return found

@@ -46,9 +46,11 @@ its optimizer step or its checkpoint::
 leases and acks, made by the server in the same logs; files travel over HTTP and are
 checked against their manifest hash before they are read.
 
-``view`` is the layout of each sample: ``"hsx"`` (what :class:`HiddenStateDataset` yields),
-``"specforge"`` (what SpecForge 0.2.0's offline loader reads: ``input_ids``, ``loss_mask``
-int64, ``aux_hidden_state`` [1, T, 3H], ``hidden_state`` [1, T, H] post-norm) or
+``view`` is the layout of each sample: ``"hsx"`` (what :class:`HiddenStateDataset` yields)
+or the name of an export format (:mod:`hsx_async.dataset.export.formats`: :func:`views`),
+in the format's own in-memory layout — ``"specforge"`` (what SpecForge 0.2.0's offline
+loader reads: ``input_ids``, ``loss_mask`` int64, ``aux_hidden_state`` [1, T, 3H],
+``hidden_state`` [1, T, H] post-norm) or
 ``"speculators"`` (what speculators 0.9.0's transfer hands its dataset: ``hidden_states``
 [T, L, H] with the *pre*-norm final state, ``token_ids``, plus ``loss_mask`` int64). The
 final state is converted as ``hsx export`` converts it (its own code, with ``model``: the
@@ -70,7 +72,8 @@ import structlog
 from torch.utils.data import IterableDataset
 
 from hsx_async.dataset import reader
-from hsx_async.dataset.export import export_format
+from hsx_async.dataset.export.format import export_format
+from hsx_async.dataset.export.formats import format_names
 from hsx_async.dataset.export.plan import DatasetFacts, ExportPlan, find_target, plan_conversion
 from hsx_async.dataset.live.ledger import LeaseLost, OwnerVoid
 from hsx_async.dataset.live.registry import check_name
@@ -84,8 +87,14 @@ log = structlog.get_logger("hsx.live")
 
 HSX_ID = "hsx_id"
 HSX_IDS = "hsx_ids"
-VIEWS = ("hsx", "specforge", "speculators")
+HSX_VIEW = "hsx"  # the dataset's own layout; every other view is an export format's
 DEFAULT_LEASE_S = 600.0
+
+
+def views() -> tuple[str, ...]:
+    """The layouts a :class:`LiveDataset` yields: the dataset's own and each registered
+    export format's."""
+    return (HSX_VIEW, *format_names())
 
 
 class LiveDataset(IterableDataset[dict[str, Any]]):
@@ -100,7 +109,7 @@ class LiveDataset(IterableDataset[dict[str, Any]]):
         rank: int = 0,
         world_size: int = 1,
         epoch: int = 0,
-        view: str = "hsx",
+        view: str = HSX_VIEW,
         model: str | Path | None = None,
         lease_timeout: float = DEFAULT_LEASE_S,
         prefetch: int = 4,
@@ -113,8 +122,8 @@ class LiveDataset(IterableDataset[dict[str, Any]]):
         check_name(consumer)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-        if view not in VIEWS:
-            raise ValueError(f"view is {view!r}, expected one of {', '.join(VIEWS)}")
+        if view not in views():
+            raise ValueError(f"view is {view!r}, expected one of {', '.join(views())}")
         if lease_timeout <= 0 or prefetch < 1 or poll_interval <= 0 or epoch < 0:
             raise ValueError("lease_timeout and poll_interval > 0, prefetch ≥ 1, epoch ≥ 0")
         self.source_spec = str(source)
@@ -309,7 +318,7 @@ def make_reader(
     """The function that reads one sample file in ``view``'s layout: ``"hsx"``, or an
     export format's own in-memory sample (:class:`~.export.format.ExportFormat`
     ``tensors``), planned as ``hsx export --format <view> --dtype bfloat16`` plans it."""
-    if view == "hsx":
+    if view == HSX_VIEW:
         expect = None if facts.provenance is None else facts.storage
 
         def read_hsx(path: Path, entry: ManifestEntry) -> dict[str, Any]:

@@ -21,7 +21,6 @@ flight) and the listening socket.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import hashlib
@@ -44,7 +43,6 @@ from hsx_async.dataset.live.secret import MAKE_ONE, read_secret
 from hsx_async.dataset.live.serve import MAX_STREAMS, LiveServer, http_status
 from hsx_async.dataset.live.wire import ACK, FILE, INFO, LEASE, MAX_BODY, RELEASE, RENEW, WireError
 from hsx_async.errors import ArgumentError, DatasetError
-from hsx_async.logs import configure_logging
 from hsx_async.net import listen_address, listen_ok, loopback_host
 
 log = structlog.get_logger("hsx.serve")
@@ -543,28 +541,29 @@ async def serve(
         server.close()
 
 
-def serve_command(args: argparse.Namespace) -> int:
-    """``hsx serve`` (``hsx_async.cli.serve``)."""
-    configure_logging("auto", "info")
-    out = Path(args.out)
-    limits = Limits(max_streams=args.max_streams, max_connections=args.max_connections)
+def run_serve(
+    out: Path,
+    listen: str,
+    *,
+    limits: Limits,
+    secret_file: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    on_bound: Callable[[str], None],
+) -> None:
+    """``hsx serve``'s whole life: the limits, the secret, the certificate and the listen
+    address checked before anything is logged (a refusal is one line), then :func:`serve`
+    until SIGINT or SIGTERM; ``on_bound`` hears the URL once it listens."""
     limits.check()
-    secret = read_secret(args.secret_file, name="--secret-file")
-    tls = tls_context(args.tls_cert, args.tls_key)
-    check_listen(args.listen, secret)  # before anything is logged: a refusal is one line
+    secret = read_secret(secret_file, name="--secret-file")
+    tls = tls_context(tls_cert, tls_key)
+    check_listen(listen, secret)
     before, now = raise_nofile()
     log.info("serve_descriptors", soft_before=before, soft=now)
-
-    def announce(url: str) -> None:
-        print(f"hsx serve: {out} on {url}", flush=True)
-
     # asyncio's own loop, not uvloop: uvloop has no loop.sendfile, and aiohttp then copies
     # every file through Python (bench/transport.py measured the server's CPU per GB).
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(
-            serve(out, args.listen, limits=limits, secret=secret, tls=tls, on_bound=announce)
-        )
-    return 0
+        asyncio.run(serve(out, listen, limits=limits, secret=secret, tls=tls, on_bound=on_bound))
 
 
-__all__ = ["Limits", "build_app", "check_listen", "raise_nofile", "serve", "serve_command"]
+__all__ = ["Limits", "build_app", "check_listen", "raise_nofile", "run_serve", "serve"]

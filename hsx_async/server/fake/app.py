@@ -239,10 +239,11 @@ def build_app(
         control=control or FakeControl(options.fault_rate, options.faults),
         faults=DumpFaults(options),
     )
-    app.router.add_post("/generate", _generate)
+    paths = options.paths
+    app.router.add_post(paths.generate, _generate)
     app.router.add_get("/health", _health)
-    app.router.add_get("/get_model_info", _model_info)
-    app.router.add_get("/get_server_info", _server_info)
+    app.router.add_get(paths.model_info, _model_info)
+    app.router.add_get(paths.server_info, _server_info)
     app.router.add_get("/hsx_fake/stats", _stats)
     app.cleanup_ctx.append(_lifetime)
     app.on_shutdown.append(_on_shutdown)

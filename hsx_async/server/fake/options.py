@@ -38,6 +38,16 @@ BENIGN_FAULTS: tuple[str, ...] = ("late_meta",)
 
 
 @dataclass(frozen=True)
+class FakePaths:
+    """Where the fake server answers: SGLang's paths (its bodies are SGLang's whatever the
+    paths; a client engine speaking them at other paths: tests/engines/standin.py)."""
+
+    generate: str = "/generate"
+    model_info: str = "/get_model_info"
+    server_info: str = "/get_server_info"
+
+
+@dataclass(frozen=True)
 class FakeOptions:
     hidden_size: int = 64
     aux_layers: tuple[int, ...] = (1, 3, 5)
@@ -75,6 +85,7 @@ class FakeOptions:
     # True: in every FP8 dump of the outliers layout, each part's first vector names an
     # outlier channel past the hidden size (a hook whose index arithmetic is off by one).
     bad_outliers: bool = False
+    paths: FakePaths = FakePaths()
 
     def __post_init__(self) -> None:
         positive: dict[str, float] = {

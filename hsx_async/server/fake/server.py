@@ -28,6 +28,7 @@ from hsx_async.server.fake.options import (
     BENIGN_FAULTS,
     FakeControl,
     FakeOptions,
+    FakePaths,
     FakeStats,
     check_fault_policy,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "SERVER_NAME",
     "FakeControl",
     "FakeOptions",
+    "FakePaths",
     "FakeServerHandle",
     "FakeStats",
     "build_app",

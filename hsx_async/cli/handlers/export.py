@@ -1,4 +1,5 @@
-"""``hsx export``: the command line over :func:`~.driver.export_dataset`."""
+"""``hsx export``: :func:`hsx_async.dataset.export.driver.export_dataset`, its progress and
+what it wrote."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import orjson
 
 from hsx_async.dataset.export.draft import DRAFT_CONFIG
 from hsx_async.dataset.export.driver import ExportResult, export_dataset
-from hsx_async.dataset.export.formats import FORMATS
+from hsx_async.dataset.export.format import export_format
 from hsx_async.units import human_bytes
 
 
@@ -32,7 +33,7 @@ def export_command(args: argparse.Namespace) -> int:
 
 
 def _print_result(result: ExportResult) -> None:
-    fmt = FORMATS[result.fmt]
+    fmt = export_format(result.fmt)
     print(
         f"exported {result.total} samples to {result.dest} ({result.fmt}): {result.written} "
         f"written ({human_bytes(result.bytes_written)}), {result.skipped} already there, "
