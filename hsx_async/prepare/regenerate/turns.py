@@ -36,14 +36,14 @@ from hsx_async.run.client import PoolStopped, Server, SGLangClient
 from hsx_async.run.commit import Committer
 from hsx_async.run.failpoints import failpoint
 from hsx_async.run.faults import fault_of
-from hsx_async.run.handoff import EOF, EndOfInput
+from hsx_async.run.handoff import Conveyor, EndOfInput
 from hsx_async.run.retry import Attempts, RetryPolicy
 from hsx_async.run.source import TOO_LONG, SampleReader
 
 log = structlog.get_logger("hsx.regenerate")
 _READ_BATCH = 256
 
-Intake = asyncio.Queue[Conversation | EndOfInput]
+Intake = Conveyor[Conversation]
 
 
 class _Abandoned(Exception):
@@ -105,7 +105,7 @@ class Turns:
 
     def start(self, tg: asyncio.TaskGroup) -> None:
         concurrency = self.config.workers.start_concurrency
-        intake: Intake = asyncio.Queue(2 * concurrency)  # backpressure on the reader
+        intake: Intake = Conveyor(2 * concurrency)  # backpressure on the reader
         tg.create_task(self._read(intake), name="hsx-reader")
         self._running = concurrency
         for index in range(concurrency):
@@ -129,7 +129,7 @@ class Turns:
                     if conv is not None:
                         await intake.put(conv)  # blocks while the workers are busy
         finally:
-            await intake.put(EOF)
+            intake.close()  # never waits: a reader cut off on a full queue ends too
 
     async def _admit(self, line: int, raw: bytes) -> Conversation | None:
         """The conversation to regenerate, or None (done before, or quarantined now)."""
@@ -166,7 +166,6 @@ class Turns:
                 except _Abandoned:
                     self.stats.abandoned += 1
                     log.info("conversation_abandoned", id=conv.id, input_line=conv.line + 1)
-            intake.put_nowait(EOF)  # for the next worker
         finally:
             self._running -= 1
             if self._running == 0:
