@@ -37,10 +37,11 @@ from hsx_async.layer_ids import architecture_of, draft_ids, num_layers_of
 from hsx_async.protocol import Storage
 from hsx_async.run.admission import PROBE_IDS, server_info
 from hsx_async.run.claims import Claim, info_claim, job_fault, server_fault
-from hsx_async.run.client import Server, ServerPool, SGLangClient
+from hsx_async.run.client import Server, SGLangClient
 from hsx_async.run.dump import Dump, prepare_namespace, remove_tree, validate_dump, wait_for_meta
 from hsx_async.run.fingerprint import TOLERANCE, Fingerprint, fingerprint
 from hsx_async.run.guard import free_bytes
+from hsx_async.run.job import server_pool
 from hsx_async.run.mounts import fs_type, huge_always, mount_of
 from hsx_async.run.observe import listen_problem
 from hsx_async.run.source import BadLine, SampleReader, open_input, require_samples
@@ -463,12 +464,7 @@ async def check_servers(
     config: Config, report: Report, probe: list[npt.NDArray[np.int64]] | None = None
 ) -> float:
     """Check every server; returns their summed prefill rate in tokens/s (0: not measured)."""
-    pool = ServerPool(
-        config.server.urls,
-        health_interval=1.0,
-        unreachable_timeout=1.0,
-        engines=[config.server.engine_of(u) for u in config.server.urls],
-    )
+    pool = server_pool(config, admission=False)
     total = 0.0
     # What each server heard from says against the config (hsx_async.run.claims), and the
     # first passing server's probe rows, which the others' must match (issue 38).
