@@ -16,7 +16,7 @@ import numpy as np
 
 from hsx_async.engines import EngineName
 from hsx_async.protocol import Storage
-from hsx_async.run.admission import PROBE_IDS
+from hsx_async.run.probe import PROBE_IDS
 from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.dump import prepare_namespace, remove_tree, validate_dump, wait_for_meta
 from hsx_async.run.fingerprint import Fingerprint, fingerprint

@@ -59,6 +59,11 @@ class Engine:
     decode_path: str
     decode_body: Callable[[str, Sequence[int], Decoding], dict[str, Any]]
     parse_decode: Callable[[object, str, int], Decoded]
+    # True: an answer to a marked prefill means the hsx hook took it (vLLM's connector
+    # refuses a request it cannot dump), so a dump that never appears under dump.root was
+    # written under another root; False: an answer proves nothing (SGLang answers a marked
+    # request without the hook too).
+    answer_means_hooked: bool = False
 
 
 def is_count(value: object) -> bool:

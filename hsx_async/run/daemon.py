@@ -48,6 +48,7 @@ from hsx_async.run.notify import Notifier, watchdog_loop
 from hsx_async.run.observe import progress_line, progress_loop, serve_http
 from hsx_async.run.pool import Pipeline
 from hsx_async.run.preflight import operator_problem
+from hsx_async.run.probe import DumpProbe
 from hsx_async.run.reload import reload_config
 from hsx_async.run.report import RunRecorder, Tick, write_report
 from hsx_async.run.signals import Stopper
@@ -210,8 +211,9 @@ class Daemon:
             self.admission = Admission(
                 cfg,
                 client,
-                nonce=pipeline.workers.nonce,
-                namespace=probe_namespace(cfg),
+                probe=DumpProbe(
+                    cfg, client, nonce=pipeline.workers.nonce, namespace=probe_namespace(cfg)
+                ),
                 record=self._record_server,
                 job=job,
                 final_states=pipeline.workers.final_states,

@@ -35,7 +35,6 @@ from hsx_async.dataset.target import read_config
 from hsx_async.errors import DatasetError, DumpError, HsxError, InputError, RequestError
 from hsx_async.layer_ids import architecture_of, draft_ids, num_layers_of
 from hsx_async.protocol import Storage
-from hsx_async.run.admission import PROBE_IDS, server_info
 from hsx_async.run.claims import Claim, info_claim, job_fault, server_fault
 from hsx_async.run.client import Server, SGLangClient
 from hsx_async.run.dump import Dump, prepare_namespace, remove_tree, validate_dump, wait_for_meta
@@ -44,6 +43,7 @@ from hsx_async.run.guard import free_bytes
 from hsx_async.run.job import server_pool
 from hsx_async.run.mounts import fs_type, huge_always, mount_of
 from hsx_async.run.observe import listen_problem
+from hsx_async.run.probe import PROBE_IDS, server_info
 from hsx_async.run.source import BadLine, SampleReader, open_input, require_samples
 from hsx_async.run.spool_estimate import SpoolRates, spool_lines
 from hsx_async.run.writer import check_sections

@@ -31,15 +31,17 @@ from hsx_async.prepare.regenerate.files import (
     quarantined,
     written_ids,
 )
-from hsx_async.prepare.regenerate.serving import DecodeAdmission
+from hsx_async.prepare.regenerate.serving import DecodeProbe
 from hsx_async.prepare.regenerate.summary import RegenStats, RegenSummary
 from hsx_async.prepare.regenerate.turns import Done, Logs, Turns
 from hsx_async.prepare.template import ChatEncoder, load_tokenizer, read_template
-from hsx_async.run.admission import PROBE_IDS
+from hsx_async.run.admission import Admission
 from hsx_async.run.client import ServerPool
 from hsx_async.run.commit import Committer
+from hsx_async.run.identity import JobRecord
 from hsx_async.run.job import JobRunner, connected, server_pool
 from hsx_async.run.notify import Notifier
+from hsx_async.run.probe import PROBE_IDS
 from hsx_async.run.report import RunRecorder, Tick
 from hsx_async.run.signals import Stopper
 
@@ -84,6 +86,7 @@ class Regenerator:
         self.recorder = RunRecorder.at(paths.events, self._tick)  # <stem>.events.jsonl
         self.pool: ServerPool | None = None
         self.turns: Turns | None = None
+        self.admission: Admission | None = None
         self._started = time.monotonic()
 
     @property
@@ -190,11 +193,18 @@ class Regenerator:
                     nonce=self.nonce, stats=self.stats,
                 )  # fmt: skip
                 vocab = len(self.encoder.tokenizer)
-                admission = DecodeAdmission(
+                probe = DecodeProbe(
                     self.config, client,
-                    probe=[int(t) for t in PROBE_IDS if t < vocab], vocab_size=vocab,
-                    nonce=self.nonce, notifier=self.notifier, stop_requested=self.stop_requested,
+                    prompt=[int(t) for t in PROBE_IDS if t < vocab], vocab_size=vocab,
+                    nonce=self.nonce,
                 )  # fmt: skip
+                # The one examination of a server (run's): a new output pins nothing yet.
+                admission = self.admission = Admission(
+                    self.config, client, probe=probe, record=None, job=JobRecord(),
+                    final_states=None, notifier=self.notifier,
+                    stop_requested=self.stop_requested,
+                )  # fmt: skip
+                self.turns.arbiter = admission.arbitrate
                 runner = JobRunner(
                     lambda: self.config,
                     stopper=self.stopper,
