@@ -54,7 +54,8 @@ import structlog
 
 from hsx_async.config import Config
 from hsx_async.dataset.provenance import FinalStateGuard, parse_final_norm
-from hsx_async.errors import DatasetError, NoServerError
+from hsx_async.errors import ConfigError, DatasetError, NoServerError
+from hsx_async.protocol import DumpMeta
 from hsx_async.run.claims import Claim, job_fault, server_fault
 from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.faults import Fault
@@ -77,6 +78,20 @@ class _Examined:
     identity: Identity
     final_norm: dict[str, Any] | None
     rows: Any  # what its probe's rows are (the probe's kind: Probe.compare)
+    meta: DumpMeta | None = None  # its probe's dump's meta.json (a dump probe)
+
+
+@dataclass(frozen=True)
+class Examination:
+    """What one examination of a server found, acting on nothing (``hsx check``):
+    admitted as ``identity``, refused for ``fault`` (its cause and kind), or saying
+    ``claim`` against the config (judged with every server's: :meth:`Admission.config_fault`)."""
+
+    server: Server
+    identity: Identity | None = None
+    meta: DumpMeta | None = None  # the probe's dump's meta.json, when it passed
+    fault: Fault | None = None
+    claim: Claim | None = None
 
 
 _Result = _Examined | Refused | Claim  # a claim: it disagrees with the config
@@ -194,6 +209,39 @@ class Admission:
                 "output.dir, or (for another model) pass --allow-provenance-change if "
                 "this is intended"
             )
+
+    # -- hsx check ---------------------------------------------------------------------
+
+    async def check(self, server: Server) -> Examination:
+        """Examine ``server`` as a run would, acting on nothing but what is pinned: the
+        first server that passes pins the identity and the rows the others must match."""
+        result = await self._examine(server)
+        if not (isinstance(result, Refused) and not result.answered):
+            self._heard[server.display] = result if isinstance(result, Claim) else None
+        if isinstance(result, Claim):
+            return Examination(server, claim=result)
+        if isinstance(result, Refused):
+            return Examination(server, fault=result.fault)
+        differences, _ = self._differences(result.identity)
+        why = self._other_rows(server, result)
+        if differences:
+            why = f"{server.display} is not this job's server: " + "; ".join(differences)
+        if why is not None:
+            fault = Fault("server", "identity", why)
+            return Examination(server, identity=result.identity, fault=fault)
+        self._pinned = self._pinned or (result.rows, server.display)
+        self.job = self.job or result.identity
+        return Examination(server, identity=result.identity, meta=result.meta)
+
+    def config_fault(self) -> tuple[ConfigError | None, list[str]]:
+        """Once every server was checked: the config's fault, when every server heard
+        from says the same against it (the rule of a run), else each disagreeing
+        server's fault, in words (:mod:`hsx_async.run.claims`)."""
+        servers = [s.display for s in self.pool.servers if not s.retired]
+        error = job_fault(self._heard, servers)
+        if error is not None:
+            return error, []
+        return None, [server_fault(c, self._heard) for c in self._heard.values() if c is not None]
 
     async def _conclude(self, server: Server, result: _Result) -> tuple[bool, str]:
         """Act on one examination: (now in rotation, why it is refused when that is
@@ -378,7 +426,7 @@ class Admission:
                 f"{identity.model or identity.served_as!r}; set [model].name to the model "
                 "this job is for, or point [server].urls at servers of it",
             )
-        return _Examined(identity, parse_final_norm(info.get("final_norm")), shown.rows)
+        return _Examined(identity, parse_final_norm(info.get("final_norm")), shown.rows, meta)
 
 
 def _unreachable(server: Server, error: str) -> Refused:

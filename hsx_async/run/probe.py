@@ -233,7 +233,8 @@ class DumpProbe:
         if isinstance(exc, DumpMissingError):
             return self._dump_missing(server, info)
         reason = str(exc) if str(exc).startswith(server.display) else f"{server.display}: {exc}"
-        return Refused(Fault(fault.cause, fault.kind, reason, fault.evict, fault.reached), True)
+        # The probe is a known-good request: whatever refuses it is the server's fault.
+        return Refused(Fault("server", fault.kind, reason, fault.evict, fault.reached), True)
 
     def _dump_missing(self, server: Server, info: dict[str, Any]) -> Refused | Claim:
         root = self.config.dump.root

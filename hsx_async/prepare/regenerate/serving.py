@@ -108,7 +108,9 @@ class DecodeProbe:
             if fault.kind == "not_found":
                 path = server.engine.decode_path
                 claim = await wrong_engine(self.client, server, "answers 404 at", path)
-            raise Verdict(claim or Refused(fault, True)) from None
+            # The probe is a known-good request: whatever refuses it is the server's fault.
+            refused = Refused(Fault("server", fault.kind, fault.reason, fault.evict), True)
+            raise Verdict(claim or refused) from None
         return Shown(None, tuple(int(t) for t in answer.output_ids))
 
     def compare(self, pinned: Tokens, rows: Tokens) -> str | None:
