@@ -59,11 +59,12 @@ class Engine:
     decode_path: str
     decode_body: Callable[[str, Sequence[int], Decoding], dict[str, Any]]
     parse_decode: Callable[[object, str, int], Decoded]
-    # True: an answer to a marked prefill means the hsx hook took it (vLLM's connector
-    # refuses a request it cannot dump), so a dump that never appears under dump.root was
-    # written under another root; False: an answer proves nothing (SGLang answers a marked
-    # request without the hook too).
-    answer_means_hooked: bool = False
+    # A dump that did not appear although the request was answered: ``acks_mark`` says
+    # the answer itself proves the hook took the request (vLLM's connector echoes the rid),
+    # so the dump went elsewhere (dump.root); else the hook may not be loaded, and
+    # ``deploy`` is where its launch is described.
+    acks_mark: bool
+    deploy: str
 
 
 def is_count(value: object) -> bool:

@@ -75,4 +75,6 @@ ENGINE = Engine(
     decode_path="/generate",
     decode_body=decode_body,
     parse_decode=parse_decode,
+    acks_mark=False,
+    deploy="deploy/sglang",
 )

@@ -131,5 +131,6 @@ ENGINE = Engine(
     decode_path="/v1/completions",
     decode_body=decode_body,
     parse_decode=parse_decode,
-    answer_means_hooked=True,
+    acks_mark=True,
+    deploy="deploy/vllm",
 )

@@ -14,11 +14,9 @@ a private exception, filtered with ``except*``:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -27,14 +25,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
-import uvloop
 
-from hsx_async.config import Config, load_config
+from hsx_async.config import Config
 from hsx_async.dataset.manifest import AppendLog
 from hsx_async.dataset.provenance import record_server, shard_lock
 from hsx_async.dataset.running import announce, withdraw
-from hsx_async.errors import ConfigError, HsxError
-from hsx_async.logs import configure_logging
+from hsx_async.errors import ConfigError
 from hsx_async.run.admission import Admission
 from hsx_async.run.autotune import ConcurrencyController, Reading, TuneSettings, shm_ceiling
 from hsx_async.run.client import Server, ServerPool, SGLangClient
@@ -50,7 +46,7 @@ from hsx_async.run.pool import Pipeline
 from hsx_async.run.preflight import operator_problem
 from hsx_async.run.probe import DumpProbe
 from hsx_async.run.reload import reload_config
-from hsx_async.run.report import RunRecorder, Tick, write_report
+from hsx_async.run.report import RunRecorder, Tick
 from hsx_async.run.signals import Stopper
 from hsx_async.run.spool import Spool, wants_spool
 from hsx_async.run.startup import job_record, prepare_output
@@ -511,35 +507,3 @@ class _Extraction:
             "seconds": round(metrics.elapsed(), 3),
             "cpu_s": round(metrics.cpu(), 3),
         }
-
-
-# -- CLI -----------------------------------------------------------------------------------
-
-
-def run_command(args: argparse.Namespace) -> int:
-    config = load_config(Path(args.config))
-    configure_logging(config.daemon.log_format, config.daemon.log_level)
-    daemon = Daemon(config, allow_provenance_change=args.allow_provenance_change)
-    # What start-up made (modules, the config) stays alive for the whole run: out of the
-    # collector's sight, every collection of the run no longer walks it again.
-    gc.freeze()
-    summary = uvloop.run(daemon.run())
-    print(summary.line())
-    step = summary.next_step(config.path)
-    if step:
-        print(f"hsx: {step}")
-    if not args.no_report:
-        _print_report(config.output.dir)
-    if summary.unfinished and not summary.stopped:
-        return 1
-    return 0
-
-
-def _print_report(out: Path) -> None:
-    """The job report after each run; a failure to draw it never fails the run."""
-    try:
-        json_path, png_path, hint = write_report(out)
-    except (HsxError, OSError, ValueError) as exc:
-        print(f"hsx: no job report: {exc}")
-        return
-    print(f"report: {png_path or json_path}" + (f" ({hint})" if hint else ""))

@@ -13,7 +13,6 @@ per token, ``row_bytes``).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import errno
@@ -28,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from hsx_async.config import Config, load_config
+from hsx_async.config import Config
 from hsx_async.dataset.manifest import load_done
 from hsx_async.dataset.target import read_config
 from hsx_async.errors import DatasetError, DumpError, HsxError, InputError, RequestError
@@ -623,10 +622,3 @@ def run_checks(config: Config, spool: SpoolRates | None = None) -> Report:
                             measured=measured, rates=spool or SpoolRates()):  # fmt: skip
         report.add(*line)
     return report
-
-
-def check_command(args: argparse.Namespace) -> int:
-    rates = SpoolRates(args.consumer_rate, args.ack_interval, args.extraction_rate)
-    report = run_checks(load_config(Path(args.config)), rates)
-    print(report.format())
-    return 1 if report.failed else 0

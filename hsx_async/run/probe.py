@@ -248,7 +248,7 @@ class DumpProbe:
                 "its info endpoint) and nothing appeared here: set dump.root to the "
                 "servers' HSX_DUMP_ROOT",
             )
-        if server.engine.answer_means_hooked:
+        if server.engine.acks_mark:
             return Claim(
                 server.display,
                 "dump.root",
@@ -261,7 +261,7 @@ class DumpProbe:
         reason = (
             f"{server.display} took the request but no meta.json appeared under dump.root "
             f"({root}) within dump.timeout ({self.config.dump.timeout:g} s): is the hsx hook "
-            "loaded (deploy/sglang), and HSX_DUMP_ROOT the same path?"
+            f"loaded ({server.engine.deploy}), and HSX_DUMP_ROOT the same path?"
         )
         return Refused(Fault("server", "dump_missing", reason, reached=True), True)
 

@@ -1,14 +1,13 @@
 """One ``hsx regenerate`` from start to end: the output lock and resume, the servers and
 their admission, one task group for the reader, the workers, the group commit, the events
-log and the signals, and the summary at the end. The CLI's handler."""
+log and the signals, and the summary at the end (the CLI's handler is
+:mod:`hsx_async.cli.handlers.regenerate`)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import secrets
 import signal
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,14 +15,12 @@ from typing import Any
 
 import orjson
 import structlog
-import uvloop
 import xxhash
 
-from hsx_async.config import Config, load_config
+from hsx_async.config import Config
 from hsx_async.dataset.durable import write_atomic
 from hsx_async.dataset.manifest import AppendLog
-from hsx_async.errors import ArgumentError, ConfigError
-from hsx_async.logs import configure_logging
+from hsx_async.errors import ConfigError
 from hsx_async.prepare.regenerate.files import (
     RegenPaths,
     check_meta,
@@ -293,25 +290,3 @@ async def regenerate(
         config, encoder, RegenPaths.beside(out), input_path, model, tokenizer_dir=tok_dir
     )
     return await regen.run(handle_signals=handle_signals)
-
-
-def regenerate_command(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    configure_logging(config.daemon.log_format, config.daemon.log_level)
-    if not args.input.is_file():
-        raise ArgumentError("INPUT", f"{args.input} is not a file")
-    summary = uvloop.run(
-        regenerate(
-            config,
-            args.input,
-            args.out,
-            tokenizer=args.tokenizer,
-            chat_template=args.chat_template,
-            handle_signals=True,
-        )
-    )
-    if args.json:
-        sys.stdout.write(orjson.dumps(summary.to_json()).decode() + "\n")
-    else:
-        print("\n".join(summary.lines()))
-    return 0

@@ -46,6 +46,4 @@ async def test_a_refused_server_ends_the_run_whatever_the_input(
             async with asyncio.timeout(DEADLINE_S):
                 await regenerate(config, src, tmp_path / "regen.jsonl")
     # Every request it got was an admission probe (one token): no turn was sent.
-    assert bad.requests and all(
-        r["sampling_params"]["max_new_tokens"] == 1 for r in bad.requests
-    )
+    assert bad.requests and all(r["sampling_params"]["max_new_tokens"] == 1 for r in bad.requests)

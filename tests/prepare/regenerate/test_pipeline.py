@@ -367,10 +367,7 @@ async def test_two_servers_two_models_are_never_mixed(
             _config(tmp_path, [a.url, b.url], tiny_model_dir), src, tmp_path / "both.jsonl"
         )
     [spell] = summary.servers_out
-    assert (
-        spell["kind"] == "identity"
-        and "is not this job's server: model is" in spell["reason"]
-    )
+    assert spell["kind"] == "identity" and "is not this job's server: model is" in spell["reason"]
     admitted = a.url if spell["server"] == b.url else b.url
     assert _by_id(tmp_path / "both.jsonl") == _by_id(alone[admitted])
     assert summary.servers[spell["server"]] == 0  # not one turn went to the other model
