@@ -1,15 +1,19 @@
 """Lifecycle of ``hsx run``: resume, start, serve, reload, drain, stop.
 
-One :class:`asyncio.TaskGroup` owns every long-lived task. The run ends by a task raising
-a private exception, filtered with ``except*``:
+The run is one kind of job of the job runner (:mod:`hsx_async.run.job`: one task group,
+the admission, the signals and the endings, shared with ``hsx regenerate``); this module
+holds what is ``hsx run``'s own:
 
 - end of input: the feeder sends EOF, workers finish, writers empty their queue, the
-  committer makes the last lines durable, then :class:`_Finished`.
+  committer makes the last lines durable, then the runner's end.
 - SIGTERM/SIGINT: stop intake, let in-flight samples finish within
-  ``daemon.drain_timeout``, then the same path; past the deadline :class:`DrainExpired`
-  cancels the rest (their samples are redone on resume). A second signal raises
-  :class:`ForcedExit` at once.
+  ``daemon.drain_timeout``, then the same path; past the deadline
+  :class:`~hsx_async.run.signals.DrainExpired` cancels the rest (their samples are redone
+  on resume). A second signal raises :class:`~hsx_async.errors.ForcedExit` at once.
 - SIGHUP: re-read the config file and apply what may change live (see :mod:`config`).
+- the servers: admitted by :class:`~hsx_async.run.admission.Admission` with the dump
+  probe (:class:`~hsx_async.run.probe.DumpProbe`); each admitted server's identity is
+  recorded in ``provenance.json``.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from hsx_async.prepare.template import ChatEncoder, load_tokenizer, read_templat
 from hsx_async.run.admission import Admission
 from hsx_async.run.client import ServerPool
 from hsx_async.run.commit import Committer
-from hsx_async.run.identity import JobRecord
+from hsx_async.run.identity import Identity, JobRecord
 from hsx_async.run.job import JobRunner, connected, server_pool
 from hsx_async.run.notify import Notifier
 from hsx_async.run.probe import PROBE_IDS
@@ -155,7 +155,14 @@ class Regenerator:
                 "summary": str(p.summary),
             },
             next_step=f"hsx prepare {p.out} --tokenizer {self.tokenizer_dir} --out samples.jsonl",
+            identity=self.identity.to_record() if self.identity is not None else None,
         )
+
+    @property
+    def identity(self) -> Identity | None:
+        """The job's server identity (engine, model, revision, version): pinned by the
+        first server admitted, and every other server must match it."""
+        return None if self.admission is None else self.admission.job
 
     def unfinished(self) -> int:
         s = self.stats

@@ -91,3 +91,6 @@ async def test_other_weights_under_one_model_name_are_refused(
         map(orjson.dumps, _lines(alone[admitted]))
     )
     assert summary.servers[spell["server"]] == 0  # not one turn went to the other weights
+    # The job's identity is pinned as an Identity (not a model string) and reported.
+    assert summary.identity is not None
+    assert (summary.identity["engine"], summary.identity["model"]) == ("vllm", "tiny")
