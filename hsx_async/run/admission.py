@@ -61,12 +61,11 @@ from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.faults import Fault
 from hsx_async.run.identity import Identity, JobRecord
 from hsx_async.run.notify import Notifier
-from hsx_async.run.probe import Probe, Refused, Shown, Verdict, server_info
+from hsx_async.run.probe import InFlight, Probe, Refused, Shown, Verdict, server_info
 
 log = structlog.get_logger("hsx.admission")
 
 WAIT_NOTICE_S = 30.0  # at most this long between two "waiting_for_server" lines
-PROBE_SETTLE_S = 10.0  # how long the end of a run waits for an arbitration still at a server
 
 # (server, its identity, its final norm, a new dataset's final-state kind): provenance.json.
 # The write is under way when it returns, and no sample is committed before it is done.
@@ -125,7 +124,7 @@ class Admission:
         self.notifier = notifier
         self.stop_requested = stop_requested
         self.ever_admitted = False
-        self._in_flight: set[asyncio.Future[Any]] = set()  # arbitrations
+        self._in_flight = InFlight()  # arbitrations
         self._contacted: set[str] = set()  # the servers examined before (their URLs)
         # Each server heard from: its latest answer's claim against the config (None: none).
         self._heard: dict[str, Claim | None] = {}
@@ -156,19 +155,9 @@ class Admission:
             # what a killed run left, when this one asked no server anything).
             await self._settle_probes()
 
-    def _track(self, request: asyncio.Future[Any]) -> None:
-        self._in_flight.add(request)
-        request.add_done_callback(self._forget)
-
-    def _forget(self, request: asyncio.Future[Any]) -> None:
-        self._in_flight.discard(request)
-        if not request.cancelled():
-            request.exception()  # retrieved: a probe abandoned at the run's end may fail
-
     async def _settle_probes(self) -> None:
         """At the end of the run, let a probe still at a server finish (bounded)."""
-        if self._in_flight:
-            await asyncio.wait(self._in_flight, timeout=PROBE_SETTLE_S)
+        await self._in_flight.settle()
         await self.probe.settle()
 
     async def _pause(self) -> None:
@@ -297,7 +286,7 @@ class Admission:
         held = self._arbitrations.get(server.url)
         if held is None or held[0] < sent:  # none yet, or sent before this request was
             verdict = asyncio.ensure_future(self._arbitration(server))
-            self._track(verdict)
+            self._in_flight.track(verdict)
             held = self._arbitrations[server.url] = (server.requests, verdict)
         return await asyncio.shield(held[1])
 

@@ -63,6 +63,27 @@ class Refused:
     answered: bool  # the server answered (it is up, but not usable)
 
 
+class InFlight:
+    """Requests and clean-ups left running on their own (a probe at a server, the removal
+    of its dump, an arbitration), which the end of the job lets finish, bounded."""
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Future[Any]] = set()
+
+    def track(self, request: asyncio.Future[Any]) -> None:
+        self._running.add(request)
+        request.add_done_callback(self._forget)
+
+    def _forget(self, request: asyncio.Future[Any]) -> None:
+        self._running.discard(request)
+        if not request.cancelled():
+            request.exception()  # retrieved: a probe abandoned at the run's end may fail
+
+    async def settle(self, timeout: float = PROBE_SETTLE_S) -> None:
+        if self._running:
+            await asyncio.wait(self._running, timeout=timeout)
+
+
 class Verdict(Exception):
     """A probe that ended in a verdict other than a server shown."""
 
@@ -105,8 +126,7 @@ class DumpProbe:
         self.namespace = namespace
         self._probes = 0
         self._ns_dir: Path | None = None
-        # Probe requests at a server, the removal of a probe's dump.
-        self._in_flight: set[asyncio.Future[Any]] = set()
+        self.in_flight = InFlight()  # probe requests at a server, removals of their dumps
 
     async def open(self) -> None:
         # The probes' own directory is ready before the first sample needs a server (local,
@@ -126,21 +146,11 @@ class DumpProbe:
             return None
         return f"by {distance:.3g} (relative L2; tolerance {TOLERANCE:g})"
 
-    def track(self, request: asyncio.Future[Any]) -> None:
-        self._in_flight.add(request)
-        request.add_done_callback(self._forget)
-
-    def _forget(self, request: asyncio.Future[Any]) -> None:
-        self._in_flight.discard(request)
-        if not request.cancelled():
-            request.exception()  # retrieved: a probe abandoned at the run's end may fail
-
     async def settle(self) -> None:
         """Let a probe still at a server finish (bounded), so its dump is written before
         the namespace goes, not after it (a server writes a dump before it answers). What
         a hung server writes later is debris for the next run."""
-        if self._in_flight:
-            await asyncio.wait(self._in_flight, timeout=PROBE_SETTLE_S)
+        await self.in_flight.settle()
 
     async def show(self, server: Server, info: Awaitable[dict[str, Any]]) -> Shown[Fingerprint]:
         """One tiny request through the dump path (twice after a prefix-cache hit: the
@@ -170,7 +180,7 @@ class DumpProbe:
                 storage=cfg.storage,
             )
         )
-        self.track(request)
+        self.in_flight.track(request)
         try:
             # Shielded: a run that ends meanwhile waits for the answer (settle).
             await asyncio.shield(request)
@@ -189,14 +199,16 @@ class DumpProbe:
             said = await info
             if isinstance(exc, DumpMissingError):  # dumped where the server says, maybe
                 stray = (said.get("dump_root"), cfg.dump.root, self.namespace, rid)
-                self.track(asyncio.ensure_future(asyncio.to_thread(remove_stray_dump, *stray)))
+                self.in_flight.track(
+                    asyncio.ensure_future(asyncio.to_thread(remove_stray_dump, *stray))
+                )
             raise Verdict(await self._failed_probe(server, said, exc)) from None
         else:
             return Shown(meta, rows)
         finally:
             # Not awaited: the next probe has a rid of its own, and the end of the run
             # waits for this (settle) before the namespace goes.
-            self.track(asyncio.ensure_future(asyncio.to_thread(remove_tree, rid_dir)))
+            self.in_flight.track(asyncio.ensure_future(asyncio.to_thread(remove_tree, rid_dir)))
 
     async def _shape_mismatch(
         self, server: Server, info: Awaitable[dict[str, Any]], exc: IdentityError, again: bool

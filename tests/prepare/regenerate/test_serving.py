@@ -12,30 +12,18 @@ from typing import Any
 import orjson
 import pytest
 
-from hsx_async.config import Config, config_from_dict
+from hsx_async.config import Config
 from hsx_async.errors import NoServerError
 from hsx_async.prepare.regenerate import RegenPaths, regenerate
 from hsx_async.server.reference.server import ReferenceOptions, running_reference_server
-from tests.e2e import config_raw
 from tests.prepare.conftest import WriteLines, tiny_conversation
 from tests.prepare.regenerate.decode_servers import vllm_front
+from tests.prepare.regenerate.test_pipeline import _config as vllm_config
+from tests.prepare.regenerate.test_pipeline import _lines
 
 
 def _config(tmp: Path, urls: list[str], model_dir: Path, **server: Any) -> Config:
-    raw = config_raw(
-        tmp,
-        tmp / "conversations.jsonl",
-        urls,
-        tmp / "unused-dump-root",
-        regenerate={"tokenizer": str(model_dir), "max_new_tokens": 4},
-        workers={"concurrency": 3, "max_attempts": 3, "backoff_base": 0.001, "backoff_max": 0.01},
-    )
-    raw["server"].update(engine="vllm", **server)
-    return config_from_dict(raw, base=tmp)
-
-
-def _lines(path: Path) -> list[dict[str, Any]]:
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()] if path.exists() else []
+    return vllm_config(tmp, urls, model_dir, engine="vllm", **server)
 
 
 async def test_a_storm_of_refusals_is_arbitrated_by_the_probe(
