@@ -268,6 +268,9 @@ def test_a_check_creates_nothing_and_says_what_is_missing(
     assert main(["check", "--config", str(path)]) == 1  # the server is down: FAIL
     assert _tree(tmp_path) == before
     text = capsys.readouterr().out
+    # The server as a run's examination classifies it: the fault's cause and kind.
+    [down] = [line for line in text.splitlines() if "http://127.0.0.1:9" in line]
+    assert down.startswith("FAIL") and down.endswith("[server fault: unreachable]")
     [output] = [line for line in text.splitlines() if line.split()[1:2] == ["output"]]
     assert (
         output.startswith("WARN") and f"{out} does not exist: hsx run will create it in " in output

@@ -49,6 +49,27 @@ async def test_a_storm_of_refusals_is_arbitrated_by_the_probe(
     assert _lines(out) == []
 
 
+async def test_a_storm_beside_a_healthy_server_costs_no_conversation(
+    tmp_path: Path, shm_root: Path, tiny_model_dir: Path, write_jsonl: WriteLines
+) -> None:
+    """The storm server beside a healthy one: it leaves rotation with its probe's refusal,
+    and every conversation is written, none quarantined, each from the healthy server."""
+    src = write_jsonl(tmp_path / "conversations.jsonl", [tiny_conversation(i) for i in range(10)])
+    async with (
+        running_reference_server(ReferenceOptions(dump_root=shm_root)) as ref,
+        vllm_front(ref.url) as healthy,
+        vllm_front(ref.url, refuse_after=1) as storm,
+    ):
+        config = _config(tmp_path, [storm.url, healthy.url], tiny_model_dir)
+        summary = await regenerate(config, src, tmp_path / "regen.jsonl")
+    assert (summary.done, summary.quarantined) == (10, 0)
+    assert summary.servers_out and all(
+        s["server"] == storm.url and "its probe was refused too" not in s["reason"]
+        for s in summary.servers_out
+    )
+    assert _lines(RegenPaths.beside(tmp_path / "regen.jsonl").quarantine) == []
+
+
 async def test_other_weights_under_one_model_name_are_refused(
     tmp_path: Path, shm_root: Path, tiny_model_dir: Path, write_jsonl: WriteLines
 ) -> None:
