@@ -405,8 +405,10 @@ class Admission:
         engine = server.engine_name
         meta = shown.meta
         identity = Identity.said(engine, info) if meta is None else Identity.of(engine, meta, info)
-        name = self.config.model.name
-        if name and name not in (identity.model, identity.served_as):
+        name, said = self.config.model.name, identity.model or identity.served_as
+        # A server that names no model (a decode probe of a server without an info
+        # endpoint) is not held against [model].name: it said nothing to disagree with.
+        if name and said and name not in (identity.model, identity.served_as):
             return Claim(
                 server.display,
                 "model.name",
