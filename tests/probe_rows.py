@@ -1,5 +1,5 @@
 """How much an engine's probe rows vary between batches (issue 38): the admission's probe
-(:data:`~hsx_async.run.admission.PROBE_IDS`) sent alone, then again while other prompts
+(:data:`~hsx_async.run.probe.PROBE_IDS`) sent alone, then again while other prompts
 are in flight (so it is prefilled in other batches), each dump read back as the admission
 reads it (:func:`~hsx_async.run.fingerprint.fingerprint`) and compared with the first.
 Used by the real-engine tiers (tests/real_sglang, tests/real_vllm)."""
@@ -16,10 +16,10 @@ import numpy as np
 
 from hsx_async.engines import EngineName
 from hsx_async.protocol import Storage
-from hsx_async.run.admission import PROBE_IDS
 from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.dump import prepare_namespace, remove_tree, validate_dump, wait_for_meta
 from hsx_async.run.fingerprint import Fingerprint, fingerprint
+from hsx_async.run.probe import PROBE_IDS
 from hsx_async.run.writer import check_sections
 
 ROUNDS = 3

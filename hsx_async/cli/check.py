@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="TOKENS/S",
         help="use this extraction rate for the spool estimate instead of the measured one",
     )
-    p.set_defaults(handler="hsx_async.run.preflight:check_command")
+    p.set_defaults(handler="hsx_async.cli.handlers.check:check_command")
 
 
 def _rate(text: str) -> float:

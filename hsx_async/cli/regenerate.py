@@ -23,4 +23,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--json", action="store_true", help="print the summary as one JSON object instead"
     )
-    p.set_defaults(handler="hsx_async.prepare.regenerate:regenerate_command")
+    p.set_defaults(handler="hsx_async.cli.handlers.regenerate:regenerate_command")

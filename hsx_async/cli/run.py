@@ -18,4 +18,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="store_true",
         help="do not write OUT/report.png and report.json at the end (see `hsx report`)",
     )
-    p.set_defaults(handler="hsx_async.run.daemon:run_command")
+    p.set_defaults(handler="hsx_async.cli.handlers.run:run_command")

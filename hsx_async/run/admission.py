@@ -45,51 +45,27 @@ what it waits for (each server's reason) and how long it has left; after
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import aiohttp
-import numpy as np
 import structlog
 
 from hsx_async.config import Config
 from hsx_async.dataset.provenance import FinalStateGuard, parse_final_norm
-from hsx_async.engines import ENGINES, EngineName
-from hsx_async.errors import (
-    DatasetError,
-    DumpError,
-    DumpMissingError,
-    HsxError,
-    IdentityError,
-    NoServerError,
-    RequestError,
-)
-from hsx_async.protocol import DumpMeta, parse_meta
-from hsx_async.run.claims import Claim, info_claim, job_fault, server_fault
+from hsx_async.errors import ConfigError, DatasetError, NoServerError
+from hsx_async.protocol import DumpMeta
+from hsx_async.run.claims import Claim, job_fault, server_fault
 from hsx_async.run.client import Server, ServerPool, SGLangClient
-from hsx_async.run.dump import (
-    Dump,
-    prepare_namespace,
-    remove_stray_dump,
-    remove_tree,
-    validate_dump,
-    wait_for_meta,
-)
-from hsx_async.run.faults import Fault, fault_of
-from hsx_async.run.fingerprint import TOLERANCE, Fingerprint, fingerprint
+from hsx_async.run.faults import Fault
 from hsx_async.run.identity import Identity, JobRecord
 from hsx_async.run.notify import Notifier
-from hsx_async.run.writer import check_sections
+from hsx_async.run.probe import InFlight, Probe, Refused, Shown, Verdict, server_info
 
 log = structlog.get_logger("hsx.admission")
 
-PROBE_IDS = np.array([1, 2, 3, 4], dtype=np.int64)  # in every vocabulary
 WAIT_NOTICE_S = 30.0  # at most this long between two "waiting_for_server" lines
-PROBE_SETTLE_S = 10.0  # how long the end of a run waits for a probe still at a server
 
 # (server, its identity, its final norm, a new dataset's final-state kind): provenance.json.
 # The write is under way when it returns, and no sample is committed before it is done.
@@ -100,16 +76,24 @@ Record = Callable[[Server, Identity, dict[str, Any] | None, str | None], asyncio
 class _Examined:
     identity: Identity
     final_norm: dict[str, Any] | None
-    rows: Fingerprint  # what its probe's rows are
+    rows: Any  # what its probe's rows are (the probe's kind: Probe.compare)
+    meta: DumpMeta | None = None  # its probe's dump's meta.json (a dump probe)
 
 
 @dataclass(frozen=True)
-class _Refused:
-    fault: Fault
-    answered: bool  # the server answered (it is up, but not usable)
+class Examination:
+    """What one examination of a server found, acting on nothing (``hsx check``):
+    admitted as ``identity``, refused for ``fault`` (its cause and kind), or saying
+    ``claim`` against the config (judged with every server's: :meth:`Admission.config_fault`)."""
+
+    server: Server
+    identity: Identity | None = None
+    meta: DumpMeta | None = None  # the probe's dump's meta.json, when it passed
+    fault: Fault | None = None
+    claim: Claim | None = None
 
 
-_Result = _Examined | _Refused | Claim  # a claim: it disagrees with the config
+_Result = _Examined | Refused | Claim  # a claim: it disagrees with the config
 
 
 class Admission:
@@ -120,11 +104,10 @@ class Admission:
         config: Config,
         client: SGLangClient,
         *,
-        nonce: str,
-        namespace: str,
-        record: Record,
+        probe: Probe[Any],
+        record: Record | None,
         job: JobRecord,
-        final_states: FinalStateGuard,
+        final_states: FinalStateGuard | None,
         notifier: Notifier,
         stop_requested: asyncio.Event,
         allow_provenance_change: bool = False,
@@ -132,8 +115,7 @@ class Admission:
         self.config = config
         self.client = client
         self.pool: ServerPool = client.pool
-        self.nonce = nonce
-        self.namespace = namespace
+        self.probe = probe
         self._record = record
         self.dataset = job
         self.job: Identity | None = None if allow_provenance_change else job.identity
@@ -142,32 +124,26 @@ class Admission:
         self.notifier = notifier
         self.stop_requested = stop_requested
         self.ever_admitted = False
-        self._probes = 0
-        # Probe requests at a server, the removal of a probe's dump, arbitrations.
-        self._in_flight: set[asyncio.Future[Any]] = set()
-        self._ns_dir: Path | None = None
+        self._in_flight = InFlight()  # arbitrations
         self._contacted: set[str] = set()  # the servers examined before (their URLs)
         # Each server heard from: its latest answer's claim against the config (None: none).
         self._heard: dict[str, Claim | None] = {}
         # The rows of the first admitted server's probe, and that server (issue 38).
-        self._pinned: tuple[Fingerprint, str] | None = None
+        self._pinned: tuple[Any, str] | None = None
         # A refusal's arbitration by probe, per server: (requests sent before it, verdict).
         self._arbitrations: dict[str, tuple[int, asyncio.Future[bool]]] = {}
 
     def apply(self, config: Config) -> None:
         """A reloaded config (timeouts, intervals; the shape cannot change live)."""
-        self.config = config
+        self.config = self.probe.config = config
 
     # -- the task ---------------------------------------------------------------------
 
     async def run(self) -> None:
         try:
             # Nothing is asked of a server before a sample needs one: a run with nothing
-            # left to send (a finished dataset) never contacts any. The probes' own
-            # directory is ready before then (local, and off the first sample's path).
-            self._ns_dir = await asyncio.to_thread(
-                prepare_namespace, self.config.dump.root, self.namespace
-            )
+            # left to send (a finished dataset) never contacts any.
+            await self.probe.open()
             await self.pool.wanted.wait()
             wait = ServerWait(self.pool, self.notifier, self.stop_requested)
             while True:
@@ -179,21 +155,10 @@ class Admission:
             # what a killed run left, when this one asked no server anything).
             await self._settle_probes()
 
-    def _track(self, request: asyncio.Future[Any]) -> None:
-        self._in_flight.add(request)
-        request.add_done_callback(self._forget)
-
-    def _forget(self, request: asyncio.Future[Any]) -> None:
-        self._in_flight.discard(request)
-        if not request.cancelled():
-            request.exception()  # retrieved: a probe abandoned at the run's end may fail
-
     async def _settle_probes(self) -> None:
-        """At the end of the run, let a probe still at a server finish (bounded), so its
-        dump is written before the namespace goes, not after it (a server writes a dump
-        before it answers). What a hung server writes later is debris for the next run."""
-        if self._in_flight:
-            await asyncio.wait(self._in_flight, timeout=PROBE_SETTLE_S)
+        """At the end of the run, let a probe still at a server finish (bounded)."""
+        await self._in_flight.settle()
+        await self.probe.settle()
 
     async def _pause(self) -> None:
         await asyncio.sleep(self.config.server.health_interval)
@@ -205,7 +170,7 @@ class Admission:
             return
         results = await asyncio.gather(*(self._examine(s) for s in out))
         for server, result in zip(out, results, strict=True):
-            if not (isinstance(result, _Refused) and not result.answered):
+            if not (isinstance(result, Refused) and not result.answered):
                 self._heard[server.display] = result if isinstance(result, Claim) else None
         with_dataset: list[str] = []  # serve another model than the dataset's
         answered = 0
@@ -214,7 +179,7 @@ class Admission:
             settle_eviction(server, admitted)
             if other_model:
                 with_dataset.append(other_model)
-            answered += not (isinstance(result, _Refused) and not result.answered)
+            answered += not (isinstance(result, Refused) and not result.answered)
         if self.ever_admitted or not answered:
             return
         if not self.dataset.has_samples:
@@ -234,6 +199,39 @@ class Admission:
                 "this is intended"
             )
 
+    # -- hsx check ---------------------------------------------------------------------
+
+    async def check(self, server: Server) -> Examination:
+        """Examine ``server`` as a run would, acting on nothing but what is pinned: the
+        first server that passes pins the identity and the rows the others must match."""
+        result = await self._examine(server)
+        if not (isinstance(result, Refused) and not result.answered):
+            self._heard[server.display] = result if isinstance(result, Claim) else None
+        if isinstance(result, Claim):
+            return Examination(server, claim=result)
+        if isinstance(result, Refused):
+            return Examination(server, fault=result.fault)
+        differences, _ = self._differences(result.identity)
+        why = self._other_rows(server, result)
+        if differences:
+            why = f"{server.display} is not this job's server: " + "; ".join(differences)
+        if why is not None:
+            fault = Fault("server", "identity", why)
+            return Examination(server, identity=result.identity, fault=fault)
+        self._pinned = self._pinned or (result.rows, server.display)
+        self.job = self.job or result.identity
+        return Examination(server, identity=result.identity, meta=result.meta)
+
+    def config_fault(self) -> tuple[ConfigError | None, list[str]]:
+        """Once every server was checked: the config's fault, when every server heard
+        from says the same against it (the rule of a run), else each disagreeing
+        server's fault, in words (:mod:`hsx_async.run.claims`)."""
+        servers = [s.display for s in self.pool.servers if not s.retired]
+        error = job_fault(self._heard, servers)
+        if error is not None:
+            return error, []
+        return None, [server_fault(c, self._heard) for c in self._heard.values() if c is not None]
+
     async def _conclude(self, server: Server, result: _Result) -> tuple[bool, str]:
         """Act on one examination: (now in rotation, why it is refused when that is
         because it is not the dataset's model)."""
@@ -252,9 +250,9 @@ class Admission:
         await self._admit(server, result)
         return True, ""
 
-    def _refusal(self, result: _Refused | Claim) -> tuple[str, str]:
+    def _refusal(self, result: Refused | Claim) -> tuple[str, str]:
         """Why a server is refused, and the fault kind, when it did not pass."""
-        if isinstance(result, _Refused):
+        if isinstance(result, Refused):
             return result.fault.reason, result.fault.kind
         return server_fault(result, self._heard), "identity"
 
@@ -264,14 +262,14 @@ class Admission:
         if self._pinned is None:
             return None
         pinned, by = self._pinned
-        distance = pinned.differs(examined.rows, TOLERANCE)
-        if distance is None:
+        how = self.probe.compare(pinned, examined.rows)
+        if how is None:
             return None
         model = examined.identity.model or examined.identity.served_as
         return (
             f"{server.display} serves {model!r} with other weights than {by} (the job's): "
-            f"its probe's rows differ from the pinned ones by {distance:.3g} (relative L2; "
-            f"tolerance {TOLERANCE:g}); it stays out until it serves the job's weights"
+            f"its probe's rows differ from the pinned ones {how}; it stays out until it "
+            "serves the job's weights"
         )
 
     # -- arbitration -----------------------------------------------------------------
@@ -288,7 +286,7 @@ class Admission:
         held = self._arbitrations.get(server.url)
         if held is None or held[0] < sent:  # none yet, or sent before this request was
             verdict = asyncio.ensure_future(self._arbitration(server))
-            self._track(verdict)
+            self._in_flight.track(verdict)
             held = self._arbitrations[server.url] = (server.requests, verdict)
         return await asyncio.shield(held[1])
 
@@ -322,7 +320,7 @@ class Admission:
             found.append(
                 f"model is {identity.model!r}, not {self._dataset_model!r} (provenance.json)"
             )
-        kind = self.final_states.kind
+        kind = None if self.final_states is None else self.final_states.kind
         if kind is not None and identity.final_state != kind and self.dataset.has_samples:
             found.append(
                 f"final state is {identity.final_state}, not {kind} (provenance.json): "
@@ -334,9 +332,10 @@ class Admission:
         identity = examined.identity
         # A new dataset's kind is recorded with the server (one durable write); a known
         # one is checked now.
-        new_kind = identity.final_state if self.final_states.kind is None else None
-        if new_kind is None:
-            self.final_states.accept(identity.final_state)
+        guard = self.final_states
+        new_kind = identity.final_state if guard is not None and guard.kind is None else None
+        if guard is not None and new_kind is None:
+            guard.accept(identity.final_state)
         server.identity = identity
         if self._pinned is None:
             self._pinned = (examined.rows, server.display)
@@ -348,9 +347,11 @@ class Admission:
         # record is durable (Record), and a new dataset's kind counts as recorded from now
         # on (one durable write, not two). Before, the write stood between the probe and
         # the first sample (bench/README.md, issue 27, sixth round).
-        record = self._record(server, identity, examined.final_norm, new_kind)
-        if new_kind is not None:
-            self.final_states.accept(new_kind, recorded=True)
+        record = None
+        if self._record is not None:
+            record = self._record(server, identity, examined.final_norm, new_kind)
+        if guard is not None and new_kind is not None:
+            guard.accept(new_kind, recorded=True)
         await self.pool.restore(server)
         log.info(
             "server_admitted",
@@ -358,7 +359,8 @@ class Admission:
             model=identity.model or identity.served_as,
             engine=identity.engine,
         )
-        await record
+        if record is not None:
+            await record
 
     # -- the wait ----------------------------------------------------------------------
 
@@ -378,26 +380,35 @@ class Admission:
                 return _unreachable(server, error)
             self._contacted.add(server.url)
             info = asyncio.ensure_future(server_info(self.client, server))
-            probe = asyncio.ensure_future(self._probe(server, info))
+            probe = asyncio.ensure_future(self.probe.show(server, info))
             tasks += [info, probe]
             if error := await health:
                 return _unreachable(server, error)
-            claim = self._claims(server, await info)
+            claim = self.probe.claims(server, await info)
             if claim is not None:
-                return claim  # the probe is not waited for: its dump goes (_probe_once)
+                return claim  # the probe is not waited for (its own cleanup follows it)
             try:
-                meta, rows = await probe
-            except _Outcome as outcome:
-                return outcome.result
+                shown = await probe
+            except Verdict as verdict:
+                return verdict.result
         finally:
             for task in tasks:
                 if not task.done():
                     task.cancel()
                 elif not task.cancelled():
                     task.exception()  # retrieved: a verdict was reached without it
-        identity = Identity.of(server.engine_name, meta, info.result())
-        name = self.config.model.name
-        if name and name not in (identity.model, identity.served_as):
+        return self._shown(server, shown, info.result())
+
+    def _shown(self, server: Server, shown: Shown[Any], info: dict[str, Any]) -> _Result:
+        """A probe that passed: the server's identity, unless it is another model than
+        ``[model].name`` says."""
+        engine = server.engine_name
+        meta = shown.meta
+        identity = Identity.said(engine, info) if meta is None else Identity.of(engine, meta, info)
+        name, said = self.config.model.name, identity.model or identity.served_as
+        # A server that names no model (a decode probe of a server without an info
+        # endpoint) is not held against [model].name: it said nothing to disagree with.
+        if name and said and name not in (identity.model, identity.served_as):
             return Claim(
                 server.display,
                 "model.name",
@@ -406,155 +417,11 @@ class Admission:
                 f"{identity.model or identity.served_as!r}; set [model].name to the model "
                 "this job is for, or point [server].urls at servers of it",
             )
-        return _Examined(identity, parse_final_norm(info.result().get("final_norm")), rows)
-
-    def _claims(self, server: Server, info: dict[str, Any]) -> Claim | None:
-        """What the server reports about its shape, against the config (conclusive: it
-        is the server's own word)."""
-        return info_claim(self.config, server.display, info)
-
-    async def _probe(
-        self, server: Server, info: Awaitable[dict[str, Any]]
-    ) -> tuple[DumpMeta, Fingerprint]:
-        """One tiny request through the dump path (twice after a prefix-cache hit: the
-        second must not hit the cache either); its meta.json, or :class:`_Outcome`."""
-        meta = await self._probe_once(server, info)
-        if server.out_kind == "cache_hit":
-            meta = await self._probe_once(server, info)
-        return meta
-
-    async def _probe_once(
-        self, server: Server, info: Awaitable[dict[str, Any]], again: bool = True
-    ) -> tuple[DumpMeta, Fingerprint]:
-        """``info``: what :func:`server_info` found, read only when the probe fails (it runs
-        side by side with the probe)."""
-        assert self._ns_dir is not None, "run() first"
-        cfg = self.config
-        self._probes += 1
-        rid = f"{self.nonce}-probe-{self._probes}"
-        rid_dir = self._ns_dir / rid
-        request = asyncio.ensure_future(
-            self.client.generate(
-                server,
-                rid=rid,
-                ns=self.namespace,
-                input_ids=PROBE_IDS,
-                timeout=cfg.server.request_timeout,
-                storage=cfg.storage,
-            )
-        )
-        self._track(request)
-        try:
-            # Shielded: a run that ends meanwhile waits for the answer (_settle_probes).
-            await asyncio.shield(request)
-            raw = await wait_for_meta(rid_dir, cfg.dump.timeout)
-            meta = parse_meta(raw)
-            dump = validate_dump(
-                rid_dir, raw, rid=rid, num_tokens=len(PROBE_IDS),
-                hidden_size=cfg.model.hidden_size, aux_layers=cfg.model.aux_layers,
-                storage=cfg.storage,
-            )  # fmt: skip
-            # The checks the copy runs on every dump, and what the rows are (issue 38).
-            rows = await asyncio.to_thread(_examine_rows, dump)
-        except IdentityError as exc:
-            raise _Outcome(await self._shape_mismatch(server, info, exc, again)) from None
-        except (RequestError, DumpError) as exc:
-            said = await info
-            if isinstance(exc, DumpMissingError):  # dumped where the server says, maybe
-                stray = (said.get("dump_root"), cfg.dump.root, self.namespace, rid)
-                self._track(asyncio.ensure_future(asyncio.to_thread(remove_stray_dump, *stray)))
-            raise _Outcome(await self._failed_probe(server, said, exc)) from None
-        else:
-            return meta, rows
-        finally:
-            # Not awaited: the next probe has a rid of its own, and the end of the run
-            # waits for this (_settle_probes) before the namespace goes.
-            self._track(asyncio.ensure_future(asyncio.to_thread(remove_tree, rid_dir)))
-
-    async def _shape_mismatch(
-        self, server: Server, info: Awaitable[dict[str, Any]], exc: IdentityError, again: bool
-    ) -> _Result:
-        """The probe's dump has another shape than the config: the server's own report
-        decides whether that is the server (a broken dump) or the config; without one,
-        a second probe must agree."""
-        said = await info
-        claimed = (
-            said.get("aux_layers") if exc.key == "model.aux_layers" else said.get("hidden_size")
-        )
-        if claimed is not None:
-            return _Refused(fault_of(DumpError(f"{server.display}: {exc}")), True)
-        if again:
-            try:
-                await self._probe_once(server, info, again=False)
-            except _Outcome as outcome:
-                return outcome.result
-            return _Refused(fault_of(DumpError(f"{server.display}: {exc} (once)")), True)
-        return Claim(server.display, exc.key, str(exc), f"{server.display}'s dump says: {exc}")
-
-    async def _failed_probe(
-        self, server: Server, info: dict[str, Any], exc: RequestError | DumpError
-    ) -> _Result:
-        fault = fault_of(exc)
-        # A 404 at the engine's path, or an answer no hsx hook took (an SGLang server also
-        # serves /v1/completions): if the other engine's info endpoint answers, the config
-        # names the wrong engine.
-        if fault.kind in ("not_found", "no_hook"):
-            other = await other_engine(self.client, server)
-            if other:
-                what = "answers 404 at" if fault.kind == "not_found" else "takes no hsx mark at"
-                return Claim(
-                    server.display,
-                    "server.engine",
-                    other,
-                    f"says {server.engine_name!r} for {server.display}, but it {what} "
-                    f"{server.engine.generate_path} and serves {other}'s "
-                    f"{ENGINES[other].model_info_path}: set [server].engine (or engines) "
-                    f"to {other!r}",
-                )
-        if isinstance(exc, DumpMissingError):
-            return self._dump_missing(server, info, exc)
-        reason = str(exc) if str(exc).startswith(server.display) else f"{server.display}: {exc}"
-        return _Refused(Fault(fault.cause, fault.kind, reason, fault.evict, fault.reached), True)
-
-    def _dump_missing(self, server: Server, info: dict[str, Any], exc: DumpError) -> _Result:
-        root = self.config.dump.root
-        theirs = info.get("dump_root")
-        if theirs and Path(str(theirs)) != root:
-            return Claim(
-                server.display,
-                "dump.root",
-                str(theirs),
-                f"is {root}, but {server.display} dumps under {theirs} (HSX_DUMP_ROOT, "
-                "its info endpoint) and nothing appeared here: set dump.root to the "
-                "servers' HSX_DUMP_ROOT",
-            )
-        if server.engine.acks_mark:
-            return Claim(
-                server.display,
-                "dump.root",
-                "(none here)",
-                f"is {root}, but no dump of {server.display} appeared there although its "
-                "hsx connector took the request: set dump.root to the server's "
-                "HSX_DUMP_ROOT",
-            )
-        del exc  # its rid and path change with every probe: the reason says it plainly
-        reason = (
-            f"{server.display} took the request but no meta.json appeared under dump.root "
-            f"({root}) within dump.timeout ({self.config.dump.timeout:g} s): is the hsx hook "
-            f"loaded ({server.engine.deploy}), and HSX_DUMP_ROOT the same path?"
-        )
-        return _Refused(Fault("server", "dump_missing", reason, reached=True), True)
+        return _Examined(identity, parse_final_norm(info.get("final_norm")), shown.rows, meta)
 
 
-def _examine_rows(dump: Dump) -> Fingerprint:
-    """The checks the copy runs on a dump's bytes (a probe that the copy would refuse does
-    not pass), then what its rows are."""
-    check_sections(dump)
-    return fingerprint(dump)
-
-
-def _unreachable(server: Server, error: str) -> _Refused:
-    return _Refused(Fault("server", "unreachable", f"{server.display}: {error}"), False)
+def _unreachable(server: Server, error: str) -> Refused:
+    return Refused(Fault("server", "unreachable", f"{server.display}: {error}"), False)
 
 
 def settle_eviction(server: Server, admitted: bool) -> None:
@@ -563,46 +430,6 @@ def settle_eviction(server: Server, admitted: bool) -> None:
     samples'; refused, it was broken, and they are forgiven."""
     if server.evictions and server.evictions[-1].verdict is None:
         server.evictions[-1].verdict = admitted
-
-
-async def server_info(client: SGLangClient, server: Server) -> dict[str, Any]:
-    """What the server says about itself; whatever it does not say stays out."""
-    found: dict[str, Any] = {}
-    engine = server.engine
-    raw = await info_of(client, server, engine.model_info_path)
-    if isinstance(raw, Mapping):
-        found["model"] = engine.model_of(raw)
-        for key, ours in (("hidden_size", "hidden_size"), ("hsx_aux_layers", "aux_layers"),
-                          ("hsx_final_norm", "final_norm"), ("weight_version", "revision"),
-                          ("hsx_dump_root", "dump_root")):  # fmt: skip
-            if key in raw:
-                found[ours] = raw[key]
-    raw = await info_of(client, server, engine.version_path)
-    if isinstance(raw, Mapping):
-        found["version"] = str(raw.get("version", ""))
-        for key, ours in (("revision", "revision"), ("hsx_dump_root", "dump_root")):
-            if raw.get(key):
-                found[ours] = raw[key]
-    found = {k: v for k, v in found.items() if v not in ("", None)}
-    if "revision" in found:
-        found["revision"] = str(found["revision"])
-    return found
-
-
-async def info_of(client: SGLangClient, server: Server, path: str) -> object:
-    """One of the server's info endpoints as JSON; None when it does not answer one."""
-    with contextlib.suppress(HsxError, aiohttp.ClientError, TimeoutError, ValueError):
-        return await client.get_json(server.url, path)
-    return None
-
-
-async def other_engine(client: SGLangClient, server: Server) -> EngineName | None:
-    """The engine whose info endpoint ``server`` answers, when it is not its configured
-    one (a 404 at the configured engine's endpoint: ``[server].engine`` is wrong)."""
-    for name, engine in ENGINES.items():
-        if name != server.engine_name and await info_of(client, server, engine.model_info_path):
-            return name
-    return None
 
 
 class ServerWait:
@@ -652,11 +479,3 @@ class ServerWait:
         self.notifier.status(
             f"waiting for a server ({waited:.0f} s; exit 3 in {left:.0f} s): " + "; ".join(said)
         )
-
-
-class _Outcome(Exception):
-    """A probe that ended in a verdict other than a valid dump."""
-
-    def __init__(self, result: _Result) -> None:
-        self.result = result
-        super().__init__(repr(result))

@@ -1,24 +1,26 @@
 """Lifecycle of ``hsx run``: resume, start, serve, reload, drain, stop.
 
-One :class:`asyncio.TaskGroup` owns every long-lived task. The run ends by a task raising
-a private exception, filtered with ``except*``:
+The run is one kind of job of the job runner (:mod:`hsx_async.run.job`: one task group,
+the admission, the signals and the endings, shared with ``hsx regenerate``); this module
+holds what is ``hsx run``'s own:
 
 - end of input: the feeder sends EOF, workers finish, writers empty their queue, the
-  committer makes the last lines durable, then :class:`_Finished`.
+  committer makes the last lines durable, then the runner's end.
 - SIGTERM/SIGINT: stop intake, let in-flight samples finish within
-  ``daemon.drain_timeout``, then the same path; past the deadline :class:`DrainExpired`
-  cancels the rest (their samples are redone on resume). A second signal raises
-  :class:`ForcedExit` at once.
+  ``daemon.drain_timeout``, then the same path; past the deadline
+  :class:`~hsx_async.run.signals.DrainExpired` cancels the rest (their samples are redone
+  on resume). A second signal raises :class:`~hsx_async.errors.ForcedExit` at once.
 - SIGHUP: re-read the config file and apply what may change live (see :mod:`config`).
+- the servers: admitted by :class:`~hsx_async.run.admission.Admission` with the dump
+  probe (:class:`~hsx_async.run.probe.DumpProbe`); each admitted server's identity is
+  recorded in ``provenance.json``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -26,16 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-import aiohttp
 import structlog
-import uvloop
 
-from hsx_async.config import Config, load_config
+from hsx_async.config import Config
 from hsx_async.dataset.manifest import AppendLog
 from hsx_async.dataset.provenance import record_server, shard_lock
 from hsx_async.dataset.running import announce, withdraw
-from hsx_async.errors import ConfigError, HsxError, first_error
-from hsx_async.logs import configure_logging
+from hsx_async.errors import ConfigError
 from hsx_async.run.admission import Admission
 from hsx_async.run.autotune import ConcurrencyController, Reading, TuneSettings, shm_ceiling
 from hsx_async.run.client import Server, ServerPool, SGLangClient
@@ -43,14 +42,16 @@ from hsx_async.run.dump import namespace_lock
 from hsx_async.run.feed import Feeder
 from hsx_async.run.guard import DiskGuard, FreeFn, free_bytes
 from hsx_async.run.identity import Identity, JobRecord
+from hsx_async.run.job import JobRunner, connected, server_pool
 from hsx_async.run.metrics import Metrics
 from hsx_async.run.notify import Notifier, watchdog_loop
 from hsx_async.run.observe import progress_line, progress_loop, serve_http
 from hsx_async.run.pool import Pipeline
 from hsx_async.run.preflight import operator_problem
+from hsx_async.run.probe import DumpProbe
 from hsx_async.run.reload import reload_config
-from hsx_async.run.report import RunRecorder, Tick, write_report
-from hsx_async.run.signals import DrainExpired, Stopper
+from hsx_async.run.report import RunRecorder, Tick
+from hsx_async.run.signals import Stopper
 from hsx_async.run.spool import Spool, wants_spool
 from hsx_async.run.startup import job_record, prepare_output
 from hsx_async.run.status import RunStatus, StatusCollector, take_status
@@ -60,10 +61,6 @@ from hsx_async.units import human_bytes
 log = structlog.get_logger("hsx.daemon")
 
 AUTOTUNE_TICK_S = 0.5  # how often concurrency = "auto" looks at the counters
-
-
-class _Finished(Exception):
-    """Every sample of the input is in the manifest or the quarantine."""
 
 
 @dataclass(frozen=True)
@@ -194,17 +191,9 @@ class Daemon:
         self, feeder: Feeder, manifest: AppendLog, quarantine: AppendLog, job: JobRecord
     ) -> None:
         cfg = self.config
-        pool = self.servers = ServerPool(
-            cfg.server.urls,
-            health_interval=cfg.server.health_interval,
-            unreachable_timeout=cfg.server.unreachable_timeout,
-            engines=[cfg.server.engine_of(u) for u in cfg.server.urls],
-            admission=True,  # no server takes a sample before it is admitted
-        )
+        pool = self.servers = server_pool(cfg)  # no server takes a sample before admission
         pool.on_change.append(self._server_changed)
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-        async with aiohttp.ClientSession(connector=connector) as session:
-            client = SGLangClient(session, pool)
+        async with connected(pool) as client:
             pipeline = Pipeline(
                 cfg,
                 client=client,
@@ -222,8 +211,9 @@ class Daemon:
             self.admission = Admission(
                 cfg,
                 client,
-                nonce=pipeline.workers.nonce,
-                namespace=probe_namespace(cfg),
+                probe=DumpProbe(
+                    cfg, client, nonce=pipeline.workers.nonce, namespace=probe_namespace(cfg)
+                ),
                 record=self._record_server,
                 job=job,
                 final_states=pipeline.workers.final_states,
@@ -246,55 +236,33 @@ class Daemon:
     # -- the task group -----------------------------------------------------------------
 
     async def _serve(self, pipeline: Pipeline, client: SGLangClient, feeder: Feeder) -> None:
-        cfg = self.config
+        assert self.admission is not None
+        runner = JobRunner(
+            lambda: self.config,
+            stopper=self.stopper,
+            notifier=self.notifier,
+            recorder=self.recorder,
+        )
+        work = _Extraction(self, pipeline, feeder)
         try:
-            async with asyncio.TaskGroup() as tg:
-                self.stopper.install(self.request_reload)
-                tg.create_task(feeder.run(pipeline), name="hsx-feeder")
-                pipeline.start(tg)
-                tg.create_task(self._finish(pipeline), name="hsx-finish")
-                tg.create_task(self.stopper.watch(pipeline), name="hsx-signals")
-                self._start_services(tg, client, feeder)
-                self.notifier.ready()
-                self.metrics.run_starts()
-                log.info(
-                    "run_started",
-                    workers=cfg.workers.start_concurrency,
-                    concurrency=cfg.workers.concurrency,
-                    servers=len(cfg.server.urls),
-                    already_done=len(feeder.done.ids),
-                    shard=f"{cfg.shard.index}/{cfg.shard.count}",
-                )
-        except* _Finished:
-            log.info(
-                "run_finished",
-                **self.metrics.totals.counters(),
-                seconds=round(self.metrics.elapsed(), 3),
-                cpu_s=round(self.metrics.cpu(), 3),
+            await runner.serve(
+                work,
+                self.admission,
+                on_reload=self.request_reload,
+                services=lambda tg: self._start_services(tg, client, feeder),
             )
-        except* DrainExpired:
-            log.warning(
-                "drain_deadline_passed",
-                deadline_s=self.config.daemon.drain_timeout,
-                in_flight=pipeline.in_flight,
-            )
-        except* HsxError as group:
-            raise first_error(group) from None
         finally:
             self.settled = pipeline.settled
-            self.stopper.remove()
 
     def _start_services(self, tg: asyncio.TaskGroup, client: SGLangClient, feeder: Feeder) -> None:
         """The long-lived helpers: none of them ends the run by returning."""
         cfg = self.config
-        if self.admission is not None:
-            tg.create_task(self.admission.run(), name="hsx-admission")
+        self.metrics.run_starts()
         tg.create_task(self.guard.run(), name="hsx-disk-guard")
         if self.spool is not None:
             tg.create_task(self.spool.run(self.guard), name="hsx-spool")
         tg.create_task(feeder.count(self.guard), name="hsx-count")
         tg.create_task(self._reload_loop(), name="hsx-reload")
-        tg.create_task(self.recorder.run(), name="hsx-events")
         if self.pipeline is not None:
             tg.create_task(self._autotune_loop(self.pipeline.workers), name="hsx-autotune")
         tg.create_task(
@@ -367,10 +335,6 @@ class Daemon:
     def _intake_changed(self, open_: bool) -> None:
         """The disk guard paused or resumed intake: systemd's status line says so."""
         self.notifier.status("intake resumed" if open_ else f"intake paused: {self.guard.reason}")
-
-    async def _finish(self, pipeline: Pipeline) -> None:
-        await pipeline.drained()
-        raise _Finished
 
     # -- concurrency = "auto" -----------------------------------------------------------
 
@@ -506,33 +470,44 @@ class Daemon:
         self.stopper.on_signal(signal.SIGTERM)
 
 
-# -- CLI -----------------------------------------------------------------------------------
+class _Extraction:
+    """``hsx run``'s kind of job for the runner: the feeder and the pipeline."""
 
+    name = "run"
 
-def run_command(args: argparse.Namespace) -> int:
-    config = load_config(Path(args.config))
-    configure_logging(config.daemon.log_format, config.daemon.log_level)
-    daemon = Daemon(config, allow_provenance_change=args.allow_provenance_change)
-    # What start-up made (modules, the config) stays alive for the whole run: out of the
-    # collector's sight, every collection of the run no longer walks it again.
-    gc.freeze()
-    summary = uvloop.run(daemon.run())
-    print(summary.line())
-    step = summary.next_step(config.path)
-    if step:
-        print(f"hsx: {step}")
-    if not args.no_report:
-        _print_report(config.output.dir)
-    if summary.unfinished and not summary.stopped:
-        return 1
-    return 0
+    def __init__(self, daemon: Daemon, pipeline: Pipeline, feeder: Feeder) -> None:
+        self.daemon = daemon
+        self.pipeline = pipeline
+        self.feeder = feeder
 
+    def start(self, tg: asyncio.TaskGroup) -> None:
+        tg.create_task(self.feeder.run(self.pipeline), name="hsx-feeder")
+        self.pipeline.start(tg)
 
-def _print_report(out: Path) -> None:
-    """The job report after each run; a failure to draw it never fails the run."""
-    try:
-        json_path, png_path, hint = write_report(out)
-    except (HsxError, OSError, ValueError) as exc:
-        print(f"hsx: no job report: {exc}")
-        return
-    print(f"report: {png_path or json_path}" + (f" ({hint})" if hint else ""))
+    async def drained(self) -> None:
+        await self.pipeline.drained()
+
+    async def stop(self) -> None:
+        await self.pipeline.stop()
+
+    @property
+    def in_flight(self) -> int:
+        return self.pipeline.in_flight
+
+    def started(self) -> dict[str, Any]:
+        cfg = self.daemon.config
+        return {
+            "workers": cfg.workers.start_concurrency,
+            "concurrency": cfg.workers.concurrency,
+            "servers": len(cfg.server.urls),
+            "already_done": len(self.feeder.done.ids),
+            "shard": f"{cfg.shard.index}/{cfg.shard.count}",
+        }
+
+    def finished(self) -> dict[str, Any]:
+        metrics = self.daemon.metrics
+        return {
+            **metrics.totals.counters(),
+            "seconds": round(metrics.elapsed(), 3),
+            "cpu_s": round(metrics.cpu(), 3),
+        }

@@ -30,6 +30,7 @@ retry bookkeeping of :mod:`hsx_async.run.retry` on the worker side.
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -45,6 +46,51 @@ class EndOfInput:
 
 
 EOF = EndOfInput()
+
+T = TypeVar("T")
+
+
+class Conveyor(Generic[T]):
+    """A bounded queue from one reader to many workers whose end is said without waiting
+    (:meth:`close`): a reader cut off while the queue is full (the run is ending, its
+    workers are gone) never waits for room to say so (issue 38: ``hsx regenerate`` with
+    more conversations than workers hung there after a ``NoServerError``)."""
+
+    def __init__(self, maxsize: int) -> None:
+        self._items: collections.deque[T] = collections.deque()
+        self._maxsize = max(1, maxsize)
+        self._room = asyncio.Event()
+        self._ready = asyncio.Event()
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    async def put(self, item: T) -> None:
+        """Queue ``item``, waiting while the queue is full (dropped once closed)."""
+        while len(self._items) >= self._maxsize and not self.closed:
+            self._room.clear()
+            await self._room.wait()
+        if not self.closed:
+            self._items.append(item)
+            self._ready.set()
+
+    def close(self) -> None:
+        """No more items: workers take what is queued, then :data:`EOF`. Never waits."""
+        self.closed = True
+        self._ready.set()
+        self._room.set()
+
+    async def get(self) -> T | EndOfInput:
+        """The next item, or :data:`EOF` once the queue is closed and empty."""
+        while not self._items:
+            if self.closed:
+                return EOF
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        self._room.set()
+        return item
 
 
 @dataclass(frozen=True, slots=True)

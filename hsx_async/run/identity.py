@@ -65,6 +65,22 @@ class Identity:
             version=info.get("version", ""),
         )
 
+    @classmethod
+    def said(cls, engine: str, info: Mapping[str, str]) -> Identity:
+        """From what the info endpoints said alone (a probe that dumps nothing: ``hsx
+        regenerate``'s decode); the dump's fields stay empty and compare equal."""
+        return cls(
+            engine=engine,
+            model=info.get("model", ""),
+            served_as="",
+            hidden_size=0,
+            aux_layers=(),
+            final_state="",
+            hook=0,
+            revision=info.get("revision", ""),
+            version=info.get("version", ""),
+        )
+
     def to_record(self) -> dict[str, Any]:
         raw = asdict(self)
         raw["aux_layers"] = list(self.aux_layers)

@@ -13,7 +13,6 @@ per token, ``row_bytes``).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import errno
@@ -24,25 +23,26 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from hsx_async.config import Config, load_config
+from hsx_async.config import Config
 from hsx_async.dataset.manifest import load_done
 from hsx_async.dataset.target import read_config
 from hsx_async.errors import DatasetError, DumpError, HsxError, InputError, RequestError
 from hsx_async.layer_ids import architecture_of, draft_ids, num_layers_of
 from hsx_async.net import listen_problem
 from hsx_async.protocol import Storage
-from hsx_async.run.admission import PROBE_IDS, server_info
-from hsx_async.run.claims import Claim, info_claim, job_fault, server_fault
-from hsx_async.run.client import Server, ServerPool, SGLangClient
+from hsx_async.run.admission import Admission, Examination
+from hsx_async.run.client import Server, SGLangClient
 from hsx_async.run.dump import Dump, prepare_namespace, remove_tree, validate_dump, wait_for_meta
-from hsx_async.run.fingerprint import TOLERANCE, Fingerprint, fingerprint
 from hsx_async.run.guard import free_bytes
+from hsx_async.run.identity import Identity, JobRecord
+from hsx_async.run.job import connected, server_pool
 from hsx_async.run.mounts import fs_type, huge_always, mount_of
+from hsx_async.run.notify import Notifier
+from hsx_async.run.probe import DumpProbe
 from hsx_async.run.source import BadLine, SampleReader, open_input, require_samples
 from hsx_async.run.spool_estimate import SpoolRates, spool_lines
 from hsx_async.run.writer import check_sections
@@ -369,20 +369,6 @@ async def _dump_once(
     return dump
 
 
-async def _tiny_request(
-    client: SGLangClient, server: Server, config: Config
-) -> tuple[str, tuple[Storage, Fingerprint] | None]:
-    """The admission's probe through the dump path, with the copy's checks: ('', the
-    dump's storage and what its rows are) on success, else (the problem, None)."""
-    async with scratch_namespace(config) as ns_dir:
-        try:
-            dump = await _dump_once(client, server, config, ns_dir, PROBE_IDS)
-            rows = await asyncio.to_thread(fingerprint, dump)
-        except (RequestError, DumpError) as exc:
-            return str(exc), None
-    return "", (dump.meta.storage, rows)
-
-
 @contextlib.asynccontextmanager
 async def scratch_namespace(config: Config) -> AsyncIterator[Path]:
     """The check's own namespace in ``dump.root``, removed afterwards with every directory
@@ -462,75 +448,70 @@ def check_dump_read(root: Path) -> float:
 async def check_servers(
     config: Config, report: Report, probe: list[npt.NDArray[np.int64]] | None = None
 ) -> float:
-    """Check every server; returns their summed prefill rate in tokens/s (0: not measured)."""
-    pool = ServerPool(
-        config.server.urls,
-        health_interval=1.0,
-        unreachable_timeout=1.0,
-        engines=[config.server.engine_of(u) for u in config.server.urls],
-    )
+    """Check every server through the examination a run admits it by (one after
+    another: the first that passes pins the identity and rows the others must match);
+    returns their summed prefill rate in tokens/s (0: not measured)."""
+    pool = server_pool(config, admission=False)
     total = 0.0
-    # What each server heard from says against the config (hsx_async.run.claims), and the
-    # first passing server's probe rows, which the others' must match (issue 38).
-    heard: dict[str, Claim | None] = {}
-    pinned: tuple[Fingerprint, str] | None = None
-    async with aiohttp.ClientSession() as session:
-        client = SGLangClient(session, pool)
+    async with connected(pool) as client, scratch_namespace(config) as ns_dir:
+        examination = Admission(
+            config, client,
+            probe=DumpProbe(config, client, nonce=f"check-{secrets.token_hex(4)}",
+                            namespace=ns_dir.name),
+            record=None, job=JobRecord(), final_states=None, notifier=Notifier(None),
+            stop_requested=asyncio.Event(),
+        )  # fmt: skip
+        await examination.probe.open()
         for server in pool.servers:
-            error = await client.health(server.url)
-            if error:
-                report.add("FAIL", "server", f"{server.display}: {error}")
+            found = await examination.check(server)
+            if found.identity is None or found.fault is not None:
+                _report_refusal(report, found)
                 continue
-            info = await server_info(client, server)
-            if "model" not in info:
-                path = server.engine.model_info_path
-                report.add("WARN", "server", f"{server.display}: {path} did not answer")
-            claim = heard[server.display] = info_claim(config, server.display, info)
-            if claim is not None:
-                continue  # judged once every server was heard from (below)
-            problem, dumped = await _tiny_request(client, server, config)
-            if problem or dumped is None:
-                report.add("FAIL", "dump path", f"{server.display}: {problem}")
-                continue
-            storage, rows = dumped
-            if pinned is not None and (distance := pinned[0].differs(rows)) is not None:
-                report.add("FAIL", "identity", _other_weights(server, pinned[1], distance))
-                continue
-            pinned = pinned or (rows, server.display)
-            if config.storage.is_fp8:
-                report.add(*_storage_line(server, config, storage))
-            model_path = str(info.get("model", ""))
+            if config.storage.is_fp8 and found.meta is not None:
+                report.add(*_storage_line(server, config, found.meta.storage))
+            report.add("OK", "server", _admitted_line(found.identity, server, config))
             report.add(
-                "OK",
-                "server",
-                f"{server.display}: healthy ({server.engine_name}), model {model_path or '?'}, "
-                f"dump path OK (hidden {config.model.hidden_size}, layers "
-                f"{list(config.model.aux_layers)})",
+                *draft_ids_line({"model_path": found.identity.model}, config.model.aux_layers)
             )
-            report.add(*draft_ids_line({"model_path": model_path}, config.model.aux_layers))
             total += await _server_rate(client, server, config, probe or [], report)
-    _report_claims(report, heard, [s.display for s in pool.servers])
+        await examination.probe.settle()
+    _report_claims(report, examination)
     return total
 
 
-def _other_weights(server: Server, pinned_by: str, distance: float) -> str:
+def _admitted_line(identity: Identity, server: Server, config: Config) -> str:
+    said = ", ".join(
+        f"{what} {value}"
+        for what, value in (("revision", identity.revision), ("version", identity.version))
+        if value
+    )
     return (
-        f"{server.display}: its probe's rows differ from {pinned_by}'s by {distance:.3g} "
-        f"(relative L2; tolerance {TOLERANCE:g}): other weights than {pinned_by} (hsx run "
-        "would refuse it)"
+        f"{server.display}: healthy ({identity.engine}), model {identity.model or '?'}"
+        f"{f' ({said})' if said else ''}, dump path OK (hidden {config.model.hidden_size}, "
+        f"layers {list(config.model.aux_layers)}); admitted as {identity.served_as!r}, "
+        f"hook protocol {identity.hook}, final state {identity.final_state}"
     )
 
 
-def _report_claims(report: Report, heard: dict[str, Claim | None], servers: list[str]) -> None:
+def _report_refusal(report: Report, found: Examination) -> None:
+    """A server a run would refuse: the check it failed, its words, and the fault's
+    cause and kind (what a run would do with it: :mod:`hsx_async.run.faults`)."""
+    if found.claim is not None:
+        return  # judged once every server was heard from (_report_claims)
+    fault = found.fault
+    assert fault is not None
+    check = {"unreachable": "server", "identity": "identity"}.get(fault.kind, "dump path")
+    report.add("FAIL", check, f"{fault.reason} [{fault.cause} fault: {fault.kind}]")
+
+
+def _report_claims(report: Report, examination: Admission) -> None:
     """The servers that disagree with the config: the config's fault when every server was
     heard from and they all say the same, else theirs (the rule of ``hsx run``)."""
-    error = job_fault(heard, servers)
+    error, faults = examination.config_fault()
     if error is not None:
         report.add("FAIL", "config", str(error))
-        return
-    for claim in heard.values():
-        if claim is not None:
-            report.add("FAIL", "server", server_fault(claim, heard))
+    for text in faults:
+        report.add("FAIL", "server", text)
 
 
 def draft_ids_line(info: object, aux_layers: tuple[int, ...]) -> tuple[str, str, str]:
@@ -641,10 +622,3 @@ def run_checks(config: Config, spool: SpoolRates | None = None) -> Report:
                             measured=measured, rates=spool or SpoolRates()):  # fmt: skip
         report.add(*line)
     return report
-
-
-def check_command(args: argparse.Namespace) -> int:
-    rates = SpoolRates(args.consumer_rate, args.ack_interval, args.extraction_rate)
-    report = run_checks(load_config(Path(args.config)), rates)
-    print(report.format())
-    return 1 if report.failed else 0

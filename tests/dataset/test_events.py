@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from hsx_async.cli import main
+from hsx_async.cli.handlers.run import print_report
 from hsx_async.dataset.events import input_lines, read_events, shape_problem
-from hsx_async.run.daemon import _print_report
 from hsx_async.run.report import build_report, write_report
 
 GOOD: list[dict[str, Any]] = [
@@ -79,7 +79,7 @@ def test_a_line_of_another_shape_is_skipped_with_a_warning(
     # every reader: hsx report (and the report hsx run writes when it ends), hsx status
     assert main(["report", str(tmp_path / "out"), "--no-png"]) == 0
     assert "events_lines_skipped" in capsys.readouterr().err
-    _print_report(tmp_path / "out")  # hsx run's end: a KeyError here exited 1
+    print_report(tmp_path / "out")  # hsx run's end: a KeyError here exited 1
     assert "report: " in capsys.readouterr().out
     assert input_lines(tmp_path / "out") == {"0/1": 3}
 

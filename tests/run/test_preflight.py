@@ -11,6 +11,7 @@ import pytest
 
 from hsx_async.cli import main
 from hsx_async.dataset.manifest import QuarantineEntry
+from hsx_async.protocol import PROTOCOL_VERSION
 from hsx_async.run import preflight
 from hsx_async.run.mounts import fs_type, mount_of
 from hsx_async.run.preflight import (
@@ -241,6 +242,11 @@ async def test_servers_pass_through_the_whole_dump_path(tmp_path: Path, shm_root
     # then what hsx check adds for a healthy server: the drafter-config ids line
     assert [line[1] for line in extra] == ["draft ids"]
     assert down[0] == "FAIL" and down[2].startswith("http://127.0.0.1:1: ")
+    # Classified as a run classifies it (issue 38): the fault's cause and kind.
+    assert down[2].endswith("[server fault: unreachable]")
+    # The identity a run would admit it as: what it says and what its dump says.
+    assert f"model {fake.options.model}" in ok[2] and "version fake-" in ok[2]
+    assert f"hook protocol {PROTOCOL_VERSION}, final state" in ok[2]
     assert shm_leftovers(shm_root) == [], "the check request leaves nothing in /dev/shm"
 
 
@@ -262,6 +268,9 @@ def test_a_check_creates_nothing_and_says_what_is_missing(
     assert main(["check", "--config", str(path)]) == 1  # the server is down: FAIL
     assert _tree(tmp_path) == before
     text = capsys.readouterr().out
+    # The server as a run's examination classifies it: the fault's cause and kind.
+    [down] = [line for line in text.splitlines() if "http://127.0.0.1:9" in line]
+    assert down.startswith("FAIL") and down.endswith("[server fault: unreachable]")
     [output] = [line for line in text.splitlines() if line.split()[1:2] == ["output"]]
     assert (
         output.startswith("WARN") and f"{out} does not exist: hsx run will create it in " in output
@@ -352,6 +361,7 @@ async def test_a_server_whose_dumps_the_copy_refuses_fails_the_check(
     ((level, what, detail),) = [line for line in report.lines if line[0] != "WARN"]
     assert (level, what) == ("FAIL", "dump path")
     assert "outlier channels are past the hidden size 64" in detail
+    assert detail.endswith("[server fault: bad_dump]")
     assert shm_leftovers(shm_root) == []
 
 
@@ -369,8 +379,9 @@ async def test_two_servers_of_one_model_path_with_other_weights_fail_the_check(
     levels = {(line[0], line[1]) for line in report.lines}
     assert ("OK", "server") in levels
     (fail,) = [line for line in report.lines if line[0] == "FAIL"]
-    assert fail[1] == "identity" and fail[2].startswith(f"{two.url}: its probe's rows differ")
-    assert f"other weights than {one.url}" in fail[2]
+    assert fail[1] == "identity" and fail[2].startswith(f"{two.url} serves '/m' with other")
+    assert f"other weights than {one.url}" in fail[2] and "its probe's rows differ" in fail[2]
+    assert fail[2].endswith("[server fault: identity]")  # the run's words, cause and kind
 
 
 @pytest.mark.parametrize("both_wrong", [False, True])

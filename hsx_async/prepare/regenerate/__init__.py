@@ -30,7 +30,7 @@ Output (OpenAI ``messages`` form, the record's id kept or derived as ``hsx prepa
 answer cut by ``max_new_tokens`` carries ``"hsx_length_capped": true`` in its message.
 Beside it the files of :mod:`.files`; logs say ``input_line``, 1-based, as ``hsx run``'s.
 
-Modules: :mod:`.run` (the life cycle and the CLI handler), :mod:`.turns` (the reader, the
+Modules: :mod:`.run` (the life cycle), :mod:`.turns` (the reader, the
 workers, one turn's attempts), :mod:`.answer` (a turn's answer, checked), :mod:`.serving`
 (which servers take turns), :mod:`.files`, :mod:`.summary`.
 """
@@ -38,7 +38,7 @@ workers, one turn's attempts), :mod:`.answer` (a turn's answer, checked), :mod:`
 from __future__ import annotations
 
 from hsx_async.prepare.regenerate.files import RegenPaths
-from hsx_async.prepare.regenerate.run import Regenerator, regenerate, regenerate_command
+from hsx_async.prepare.regenerate.run import Regenerator, regenerate
 from hsx_async.prepare.regenerate.summary import RegenSummary
 
-__all__ = ["RegenPaths", "RegenSummary", "Regenerator", "regenerate", "regenerate_command"]
+__all__ = ["RegenPaths", "RegenSummary", "Regenerator", "regenerate"]

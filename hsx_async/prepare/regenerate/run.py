@@ -1,29 +1,26 @@
 """One ``hsx regenerate`` from start to end: the output lock and resume, the servers and
 their admission, one task group for the reader, the workers, the group commit, the events
-log and the signals, and the summary at the end. The CLI's handler."""
+log and the signals, and the summary at the end (the CLI's handler is
+:mod:`hsx_async.cli.handlers.regenerate`)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import secrets
 import signal
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-import aiohttp
 import orjson
 import structlog
-import uvloop
 import xxhash
 
-from hsx_async.config import Config, load_config
+from hsx_async.config import Config
 from hsx_async.dataset.durable import write_atomic
 from hsx_async.dataset.manifest import AppendLog
-from hsx_async.errors import ArgumentError, ConfigError, HsxError, first_error
-from hsx_async.logs import configure_logging
+from hsx_async.errors import ConfigError
 from hsx_async.prepare.regenerate.files import (
     RegenPaths,
     check_meta,
@@ -31,22 +28,21 @@ from hsx_async.prepare.regenerate.files import (
     quarantined,
     written_ids,
 )
-from hsx_async.prepare.regenerate.serving import DecodeAdmission
+from hsx_async.prepare.regenerate.serving import DecodeProbe
 from hsx_async.prepare.regenerate.summary import RegenStats, RegenSummary
 from hsx_async.prepare.regenerate.turns import Done, Logs, Turns
 from hsx_async.prepare.template import ChatEncoder, load_tokenizer, read_template
-from hsx_async.run.admission import PROBE_IDS
-from hsx_async.run.client import ServerPool, SGLangClient
+from hsx_async.run.admission import Admission
+from hsx_async.run.client import ServerPool
 from hsx_async.run.commit import Committer
+from hsx_async.run.identity import Identity, JobRecord
+from hsx_async.run.job import JobRunner, connected, server_pool
 from hsx_async.run.notify import Notifier
+from hsx_async.run.probe import PROBE_IDS
 from hsx_async.run.report import RunRecorder, Tick
-from hsx_async.run.signals import DrainExpired, Stopper
+from hsx_async.run.signals import Stopper
 
 log = structlog.get_logger("hsx.regenerate")
-
-
-class _Finished(Exception):
-    """Every conversation of the input is written, quarantined or left for a resume."""
 
 
 class Regenerator:
@@ -87,6 +83,7 @@ class Regenerator:
         self.recorder = RunRecorder.at(paths.events, self._tick)  # <stem>.events.jsonl
         self.pool: ServerPool | None = None
         self.turns: Turns | None = None
+        self.admission: Admission | None = None
         self._started = time.monotonic()
 
     @property
@@ -127,7 +124,7 @@ class Regenerator:
 
     async def _finish(self, recorder: RunRecorder) -> RegenSummary:
         stopped = self.stop_requested.is_set()
-        await asyncio.to_thread(recorder.finish, stopped=stopped, unfinished=self._unfinished())
+        await asyncio.to_thread(recorder.finish, stopped=stopped, unfinished=self.unfinished())
         summary = self.summary()
         data = orjson.dumps(summary.to_json(), option=orjson.OPT_INDENT_2) + b"\n"
         await asyncio.to_thread(write_atomic, self.paths.summary, data)
@@ -144,7 +141,7 @@ class Regenerator:
             tokens=s.tokens,
             seconds=time.monotonic() - self._started,
             stopped=self.stop_requested.is_set(),
-            unfinished=self._unfinished(),
+            unfinished=self.unfinished(),
             input_done=self.turns is not None and self.turns.input_done,
             quarantine_reasons=dict(s.reasons.most_common()),
             failed_attempts=dict(s.failed.most_common()),
@@ -158,9 +155,16 @@ class Regenerator:
                 "summary": str(p.summary),
             },
             next_step=f"hsx prepare {p.out} --tokenizer {self.tokenizer_dir} --out samples.jsonl",
+            identity=self.identity.to_record() if self.identity is not None else None,
         )
 
-    def _unfinished(self) -> int:
+    @property
+    def identity(self) -> Identity | None:
+        """The job's server identity (engine, model, revision, version): pinned by the
+        first server admitted, and every other server must match it."""
+        return None if self.admission is None else self.admission.job
+
+    def unfinished(self) -> int:
         s = self.stats
         return s.read - s.done - s.quarantined - s.skipped
 
@@ -173,18 +177,6 @@ class Regenerator:
 
     # -- the servers and the task group ---------------------------------------------------
 
-    def _pool(self, recorder: RunRecorder) -> ServerPool:
-        cfg = self.config.server
-        pool = ServerPool(
-            cfg.urls,
-            health_interval=cfg.health_interval,
-            unreachable_timeout=cfg.unreachable_timeout,
-            engines=[cfg.engine_of(u) for u in cfg.urls],
-            admission=True,  # no server takes a turn before a decode probe passed
-        )
-        pool.on_change.append(recorder.server_changed)  # the summary's spells too
-        return pool
-
     async def _connect_and_serve(
         self,
         done: Done,
@@ -193,12 +185,11 @@ class Regenerator:
         recorder: RunRecorder,
         signals: bool,
     ) -> None:
-        self.pool = self._pool(recorder)
+        self.pool = server_pool(self.config)  # no server takes a turn before admission
+        self.pool.on_change.append(recorder.server_changed)  # the summary's spells too
         executor = ThreadPoolExecutor(2, thread_name_prefix="hsx-regen-io")
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         try:
-            async with aiohttp.ClientSession(connector=connector) as session:
-                client = SGLangClient(session, self.pool)
+            async with connected(self.pool) as client:
                 logs = Logs(out, quarantine, Committer(out, quarantine, executor, _no_files))
                 self.turns = Turns(
                     self.config, self.encoder, client, logs,
@@ -206,53 +197,62 @@ class Regenerator:
                     nonce=self.nonce, stats=self.stats,
                 )  # fmt: skip
                 vocab = len(self.encoder.tokenizer)
-                admission = DecodeAdmission(
+                probe = DecodeProbe(
                     self.config, client,
-                    probe=[int(t) for t in PROBE_IDS if t < vocab], vocab_size=vocab,
-                    nonce=self.nonce, notifier=self.notifier, stop_requested=self.stop_requested,
+                    prompt=[int(t) for t in PROBE_IDS if t < vocab], vocab_size=vocab,
+                    nonce=self.nonce,
                 )  # fmt: skip
-                await self._serve(self.turns, logs.committer, admission, recorder, signals)
+                # The one examination of a server (run's): a new output pins nothing yet.
+                admission = self.admission = Admission(
+                    self.config, client, probe=probe, record=None, job=JobRecord(),
+                    final_states=None, notifier=self.notifier,
+                    stop_requested=self.stop_requested,
+                )  # fmt: skip
+                self.turns.arbiter = admission.arbitrate
+                runner = JobRunner(
+                    lambda: self.config,
+                    stopper=self.stopper,
+                    notifier=self.notifier,
+                    recorder=recorder,
+                )
+                work = _Regeneration(self, self.turns, logs.committer)
+                await runner.serve(work, admission, on_reload=_no_reload if signals else None)
         finally:
             executor.shutdown(wait=True)  # no commit thread writes once the logs close
             self.notifier.close()
 
-    async def _serve(
-        self,
-        turns: Turns,
-        committer: Committer,
-        admission: DecodeAdmission,
-        recorder: RunRecorder,
-        signals: bool,
-    ) -> None:
-        try:
-            async with asyncio.TaskGroup() as tg:
-                if signals:
-                    self.stopper.install(_no_reload)
-                tg.create_task(committer.run(), name="hsx-committer")
-                tg.create_task(admission.run(), name="hsx-admission")
-                tg.create_task(recorder.run(), name="hsx-events")
-                turns.start(tg)
-                tg.create_task(self._drained(turns), name="hsx-finish")
-                tg.create_task(self.stopper.watch(self), name="hsx-signals")
-                self.notifier.ready()
-                log.info(
-                    "regenerate_started",
-                    workers=self.config.workers.start_concurrency,
-                    servers=len(self.config.server.urls),
-                )
-        except* _Finished:
-            log.info("regenerate_finished", **self.summary().to_json())
-        except* DrainExpired:
-            log.warning("drain_deadline_passed", deadline_s=self.config.daemon.drain_timeout)
-        except* HsxError as group:
-            raise first_error(group) from None
-        finally:
-            if signals:
-                self.stopper.remove()
 
-    async def _drained(self, turns: Turns) -> None:
-        await turns.workers_done.wait()
-        raise _Finished
+class _Regeneration:
+    """``hsx regenerate``'s kind of job for the runner: the reader, the workers and the
+    group commit."""
+
+    name = "regenerate"
+
+    def __init__(self, regen: Regenerator, turns: Turns, committer: Committer) -> None:
+        self.regen = regen
+        self.turns = turns
+        self.committer = committer
+
+    def start(self, tg: asyncio.TaskGroup) -> None:
+        tg.create_task(self.committer.run(), name="hsx-committer")
+        self.turns.start(tg)
+
+    async def drained(self) -> None:
+        await self.turns.workers_done.wait()
+
+    async def stop(self) -> None:
+        await self.regen.stop()
+
+    @property
+    def in_flight(self) -> int:
+        return self.regen.unfinished()
+
+    def started(self) -> dict[str, Any]:
+        cfg = self.regen.config
+        return {"workers": cfg.workers.start_concurrency, "servers": len(cfg.server.urls)}
+
+    def finished(self) -> dict[str, Any]:
+        return self.regen.summary().to_json()
 
 
 def _no_files(staged: object) -> None:
@@ -297,25 +297,3 @@ async def regenerate(
         config, encoder, RegenPaths.beside(out), input_path, model, tokenizer_dir=tok_dir
     )
     return await regen.run(handle_signals=handle_signals)
-
-
-def regenerate_command(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    configure_logging(config.daemon.log_format, config.daemon.log_level)
-    if not args.input.is_file():
-        raise ArgumentError("INPUT", f"{args.input} is not a file")
-    summary = uvloop.run(
-        regenerate(
-            config,
-            args.input,
-            args.out,
-            tokenizer=args.tokenizer,
-            chat_template=args.chat_template,
-            handle_signals=True,
-        )
-    )
-    if args.json:
-        sys.stdout.write(orjson.dumps(summary.to_json()).decode() + "\n")
-    else:
-        print("\n".join(summary.lines()))
-    return 0

@@ -48,6 +48,8 @@ class RegenSummary:
     servers_out: list[dict[str, Any]]  # each time a server left rotation, and why
     files: dict[str, str]
     next_step: str = ""  # the command that follows (hsx prepare)
+    # The job's server identity, pinned by the first server admitted (None: none was).
+    identity: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,6 +68,7 @@ class RegenSummary:
             "servers": self.servers,
             "servers_out": self.servers_out,
             "files": self.files,
+            "identity": self.identity,
         }
 
     def lines(self) -> list[str]:

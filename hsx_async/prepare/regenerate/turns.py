@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,15 +35,15 @@ from hsx_async.prepare.template import ChatEncoder, RecordError
 from hsx_async.run.client import PoolStopped, Server, SGLangClient
 from hsx_async.run.commit import Committer
 from hsx_async.run.failpoints import failpoint
-from hsx_async.run.faults import fault_of
-from hsx_async.run.handoff import EOF, EndOfInput
+from hsx_async.run.faults import Fault, fault_of
+from hsx_async.run.handoff import Conveyor, EndOfInput
 from hsx_async.run.retry import Attempts, RetryPolicy
 from hsx_async.run.source import TOO_LONG, SampleReader
 
 log = structlog.get_logger("hsx.regenerate")
 _READ_BATCH = 256
 
-Intake = asyncio.Queue[Conversation | EndOfInput]
+Intake = Conveyor[Conversation]
 
 
 class _Abandoned(Exception):
@@ -57,6 +57,15 @@ class Done:
 
     ids: set[str]
     lines: set[int]
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A failed attempt: its error, and the server (and lease number) that it went to."""
+
+    error: RequestError | DumpError
+    server: Server
+    lease: int
 
 
 @dataclass(frozen=True)
@@ -102,10 +111,13 @@ class Turns:
         self.input_done = False  # the reader reached the end of the input
         self.workers_done = asyncio.Event()
         self._running = 0
+        # Settles a server's refusal of a turn (its lease number): True, the conversation's
+        # (Admission.arbitrate: a storm of refusals is arbitrated by the probe).
+        self.arbiter: Callable[[Server, int], Awaitable[bool]] | None = None
 
     def start(self, tg: asyncio.TaskGroup) -> None:
         concurrency = self.config.workers.start_concurrency
-        intake: Intake = asyncio.Queue(2 * concurrency)  # backpressure on the reader
+        intake: Intake = Conveyor(2 * concurrency)  # backpressure on the reader
         tg.create_task(self._read(intake), name="hsx-reader")
         self._running = concurrency
         for index in range(concurrency):
@@ -129,7 +141,7 @@ class Turns:
                     if conv is not None:
                         await intake.put(conv)  # blocks while the workers are busy
         finally:
-            await intake.put(EOF)
+            intake.close()  # never waits: a reader cut off on a full queue ends too
 
     async def _admit(self, line: int, raw: bytes) -> Conversation | None:
         """The conversation to regenerate, or None (done before, or quarantined now)."""
@@ -166,7 +178,6 @@ class Turns:
                 except _Abandoned:
                     self.stats.abandoned += 1
                     log.info("conversation_abandoned", id=conv.id, input_line=conv.line + 1)
-            intake.put_nowait(EOF)  # for the next worker
         finally:
             self._running -= 1
             if self._running == 0:
@@ -259,12 +270,10 @@ class Turns:
                 got = await self._attempt(rid, prompt, decoding)
                 if isinstance(got, Answer):
                     return got
-                if await self._failed(conv, index, attempts, *got):
+                if await self._failed(conv, index, attempts, got):
                     return None
 
-    async def _attempt(
-        self, rid: str, prompt: list[int], decoding: Decoding
-    ) -> Answer | tuple[RequestError | DumpError, Server]:
+    async def _attempt(self, rid: str, prompt: list[int], decoding: Decoding) -> Answer | _Failure:
         try:
             # No deadline here: the admission task owns the wait for a server (exit 3).
             async with self.pool.lease(timeout=None) as server:
@@ -275,7 +284,7 @@ class Turns:
                         vocab_size=self.vocab_size, timeout=self.config.server.request_timeout,
                     )  # fmt: skip
                 except (RequestError, DumpError) as exc:
-                    return exc, server
+                    return _Failure(exc, server, lease)
         except PoolStopped:
             raise _Abandoned from None
         self.pool.served(server, lease)
@@ -286,12 +295,12 @@ class Turns:
         conv: Conversation,
         index: int,
         attempts: Attempts,
-        error: RequestError | DumpError,
-        server: Server,
+        failure: _Failure,
     ) -> bool:
         """Attribute a failed attempt and back off; True once the conversation is
         quarantined for it."""
-        fault = fault_of(error)
+        server = failure.server
+        fault = await self._arbitrated(fault_of(failure.error), server, failure.lease)
         log.info("attempt_failed", cause=fault.cause, kind=fault.kind, error=fault.reason)
         self.stats.failed[fault.kind] += 1
         attempts.record(fault, server)  # before the server's record changes for it
@@ -304,6 +313,15 @@ class Turns:
             return False  # the server is out of rotation: the next lease waits for one
         await asyncio.sleep(self.retry.delay(attempts.failed))
         return False
+
+    async def _arbitrated(self, fault: Fault, server: Server, lease: int) -> Fault:
+        """A refusal of the conversation's content (a 4xx) is the conversation's only once
+        its server is shown to work for a request sent at or after it; refused by a server
+        that fails its probe too, it is that server's, and the conversation goes on
+        uncharged (as ``hsx run``'s workers do)."""
+        if fault.cause != "sample" or self.arbiter is None or await self.arbiter(server, lease):
+            return fault
+        return Fault("server", fault.kind, f"{fault.reason} (its probe was refused too)")
 
     async def _exhausted(self, conv: Conversation, index: int, attempts: Attempts) -> None:
         why = attempts.quarantine_reason()

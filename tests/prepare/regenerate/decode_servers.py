@@ -78,16 +78,24 @@ async def _ok(request: web.Request) -> web.Response:
 
 @contextlib.asynccontextmanager
 async def vllm_front(
-    reference_url: str, model: str = "tiny", *, hold_turns: bool = False
+    reference_url: str,
+    model: str = "tiny",
+    *,
+    hold_turns: bool = False,
+    refuse_after: int | None = None,
 ) -> AsyncIterator[Running]:
     """vLLM's completions wire in front of the reference server at ``reference_url``;
-    ``hold_turns``: every turn waits at :attr:`Running.gate` until released."""
+    ``hold_turns``: every turn waits at :attr:`Running.gate` until released;
+    ``refuse_after``: every request after that many is answered 400 (an engine that turns
+    to refusing whatever it is sent: a storm)."""
     running = Running("", gate=asyncio.Event() if hold_turns else None)
     session = aiohttp.ClientSession()
 
     async def completions(request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
         running.requests.append(body)
+        if refuse_after is not None and len(running.requests) > refuse_after:
+            return _json({"error": "refused (set by the test)"}, 400)
         if body.get("kv_transfer_params") is not None:
             return _json({"error": "this stand-in decodes only"}, 400)
         await running.pass_gate(body)
