@@ -15,9 +15,6 @@ PACKAGE = Path(__file__).resolve().parents[2] / "hsx_async"
 HANDLERS = "hsx_async.cli.handlers."
 # command → its domain module, which still holds its handler.
 _NOT_YET = {
-    "run": "run/daemon.py",
-    "check": "run/preflight.py",
-    "regenerate": "prepare/regenerate/run.py",
     "front": "front/speculators.py",
 }
 
