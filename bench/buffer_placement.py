@@ -1,5 +1,5 @@
 """Where the copy's buffer lies: O_DIRECT writes from a buffer on a huge-page boundary
-(hsx's :class:`~hsx_async.run.writer.HugePageBuffer`) against one where the kernel placed
+(hsx's :class:`~hsx_async.run.dumps.writer.HugePageBuffer`) against one where the kernel placed
 the mapping (the writer before issue 27's fifth round), in one run, rounds alternating.
 
     python bench/buffer_placement.py             # 10 rounds of 0.5 GB each way
@@ -25,7 +25,7 @@ from typing import Any
 
 from common import RESULTS_DIR, machine_info, print_table, save_results
 
-from hsx_async.run.writer import CHUNK, HUGE_PAGE, SUB, HugePageBuffer, address
+from hsx_async.run.dumps.writer import CHUNK, HUGE_PAGE, SUB, HugePageBuffer, address
 
 SIZE = 2 * CHUNK + SUB  # one copy's buffer
 

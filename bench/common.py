@@ -36,7 +36,7 @@ import orjson
 import tomli_w
 
 from hsx_async.protocol import row_bytes
-from hsx_async.run.mounts import mount_of
+from hsx_async.run.dumps.mounts import mount_of
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"
@@ -407,7 +407,7 @@ def drain_server(
     import aiohttp
 
     from hsx_async.protocol import generate_body
-    from hsx_async.run.dump import prepare_namespace, remove_tree, wait_for_meta
+    from hsx_async.run.dumps.dump import prepare_namespace, remove_tree, wait_for_meta
 
     todo = list(enumerate(lengths))
     rng = np.random.default_rng(1)

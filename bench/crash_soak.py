@@ -46,7 +46,7 @@ from typing import Any
 import orjson
 
 from hsx_async.logs import configure_logging
-from hsx_async.run.failpoints import POINTS
+from hsx_async.run.dumps.failpoints import POINTS
 from hsx_async.server.fake.server import ALL_FAULTS, running_fake_server
 from tests.crash_driver import (
     ChildRun,

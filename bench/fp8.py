@@ -106,10 +106,10 @@ from hsx_async.protocol import (
     storage_from_metadata,
 )
 from hsx_async.quantize import assemble, dequantize, encode_rows, rounding_error
-from hsx_async.run import writer as writer_module
-from hsx_async.run.dump import Dump, prepare_namespace, remove_tree, wait_for_meta
+from hsx_async.run.dumps import writer as writer_module
+from hsx_async.run.dumps.dump import Dump, prepare_namespace, remove_tree, wait_for_meta
+from hsx_async.run.dumps.writer import FileWriter, WriteJob
 from hsx_async.run.source import Sample
-from hsx_async.run.writer import FileWriter, WriteJob
 
 STORAGES = ("bf16", "fp8-all", "fp8-aux")  # FP8: the default layout (outliers16)
 # The writer phase also measures version 3's layout (one scale per vector alone).

@@ -40,8 +40,8 @@ from hsx_async.protocol import (
     part_name,
 )
 from hsx_async.quantize import encode_rows
-from hsx_async.run import writer
-from hsx_async.run.dump import Dump
+from hsx_async.run.dumps import writer
+from hsx_async.run.dumps.dump import Dump
 from hsx_async.run.source import Sample
 
 AUX = (2, 30, 58)

@@ -27,7 +27,7 @@ log), the extraction rate and its ratio to R0 of the same run, and how long the 
 still needed after extraction ended (the drain). A ratio near 1 with a fast consumer is
 the online mode's cost; with a slow one and a limit, extraction is throttled to the
 consumer (ratio ≈ S) and the peak spool stays at or under the limit. Each consumer
-phase also gets what ``hsx check``'s spool model (:mod:`hsx_async.run.spool_estimate`)
+phase also gets what ``hsx check``'s spool model (:mod:`hsx_async.run.check.spool_estimate`)
 predicts from R0, the consumer's rate and its ack interval: its rate ÷ the measured one.
 """
 
@@ -66,8 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hsx_async.config import config_from_dict, spool_bytes_bound
 from hsx_async.dataset.live.dataset import LiveDataset
 from hsx_async.dataset.live.ledger import ConsumerLog
-from hsx_async.run.spool_estimate import spool_need
-from tests.run.test_spool import data_bytes
+from hsx_async.run.check.spool_estimate import spool_need
+from tests.run.daemon.test_spool import data_bytes
 
 CONSUMER = "trainer"
 

@@ -18,7 +18,7 @@ ceiling"). Each point is a fresh server and a fresh ``hsx run``; its rate is the
 rate between 10% and 90% of the tokens (from the server's counters), next to the whole
 run's rate.
 
-A last point runs ``workers.concurrency = "auto"`` (``run/autotune.py``) for
+A last point runs ``workers.concurrency = "auto"`` (``run/pipeline/autotune.py``) for
 ``--auto-seconds`` against the same server: it starts at 4 and must find the rate of the
 best fixed concurrency by itself; its row shows the rate over the second half of its
 tokens, and its ``concurrency_changed`` events are kept in the JSON.

@@ -135,7 +135,7 @@ class ModelConfig:
     hidden_size: int
     aux_layers: tuple[int, ...]
     # The model every server must serve: its reported model path, or the model its dumps
-    # name. "" : the first server admitted pins it (run/admission.py).
+    # name. "" : the first server admitted pins it (run/servers/admission.py).
     name: str = ""
 
     @property
@@ -145,7 +145,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class WorkersConfig:
-    # "auto": tuned at run time (run/autotune.py), from AUTO_START up to max_concurrency.
+    # "auto": tuned at run time (run/pipeline/autotune.py), from AUTO_START up to max_concurrency.
     concurrency: int | Literal["auto"] = 8
     max_concurrency: int = 64
     max_attempts: int = 5

@@ -20,7 +20,7 @@ from typing import Any
 from hsx_async.config import Config, config_from_dict
 from hsx_async.dataset.inspection import verify_dataset
 from hsx_async.protocol import DEFAULT_DUMP_ROOT
-from hsx_async.run.daemon import Daemon, RunSummary
+from hsx_async.run.daemon.daemon import Daemon, RunSummary
 from hsx_async.units import human_bytes
 
 

@@ -51,7 +51,7 @@ class InputError(HsxError):
 
 class DumpError(HsxError):
     """A response or dump violates the protocol; the attempt fails (whose fault it is:
-    :mod:`hsx_async.run.faults`)."""
+    :mod:`hsx_async.run.servers.faults`)."""
 
 
 class ResponseError(DumpError):

@@ -28,8 +28,8 @@ import tomli_w
 
 from hsx_async.dataset.layout import DATA_DIR
 from hsx_async.dataset.manifest import read_manifest
-from hsx_async.run.daemon import Daemon
-from hsx_async.run.failpoints import POINTS
+from hsx_async.run.daemon.daemon import Daemon
+from hsx_async.run.dumps.failpoints import POINTS
 from hsx_async.server.fake.server import (
     FakeOptions,
     FakeServerHandle,

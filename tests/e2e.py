@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from hsx_async.config import Config, config_from_dict
 from hsx_async.dataset.layout import canonical_id, data_relpath, sample_key
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
-from hsx_async.run.daemon import Daemon
-from hsx_async.run.metrics import Totals
+from hsx_async.run.daemon.daemon import Daemon
+from hsx_async.run.pipeline.metrics import Totals
 from hsx_async.server.fake.server import expected_hidden_states
 
 BAD_LINES = (

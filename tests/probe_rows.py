@@ -1,5 +1,5 @@
 """How much an engine's probe rows vary between batches (issue 38): the admission's probe
-(:data:`~hsx_async.run.probe.PROBE_IDS`) sent alone, then again while other prompts
+(:data:`~hsx_async.run.servers.probe.PROBE_IDS`) sent alone, then again while other prompts
 are in flight (so it is prefilled in other batches), each dump read back as the admission
 reads it (:func:`~hsx_async.run.fingerprint.fingerprint`) and compared with the first.
 Used by the real-engine tiers (tests/real_sglang, tests/real_vllm)."""
@@ -16,11 +16,12 @@ import numpy as np
 
 from hsx_async.engines import EngineName
 from hsx_async.protocol import Storage
-from hsx_async.run.client import Server, ServerPool, SGLangClient
-from hsx_async.run.dump import prepare_namespace, remove_tree, validate_dump, wait_for_meta
-from hsx_async.run.fingerprint import Fingerprint, fingerprint
-from hsx_async.run.probe import PROBE_IDS
-from hsx_async.run.writer import check_sections
+from hsx_async.run.dumps.dump import prepare_namespace, remove_tree, validate_dump, wait_for_meta
+from hsx_async.run.dumps.writer import check_sections
+from hsx_async.run.servers.client import EngineClient
+from hsx_async.run.servers.fingerprint import Fingerprint, fingerprint
+from hsx_async.run.servers.pool import Server, ServerPool
+from hsx_async.run.servers.probe import PROBE_IDS
 
 ROUNDS = 3
 BESIDE = 6  # prompts in flight beside each batched probe
@@ -66,7 +67,7 @@ async def probe_spread(
     rng = np.random.default_rng(0)
     try:
         async with aiohttp.ClientSession() as session:
-            client = SGLangClient(session, pool)
+            client = EngineClient(session, pool)
             server = pool.servers[0]
             first = await _probe(client, server, target, ns_dir, PROBE_IDS)
             alone = [first.distance(await _probe(client, server, target, ns_dir, PROBE_IDS))
@@ -88,7 +89,7 @@ async def probe_spread(
 
 
 async def _probe(
-    client: SGLangClient, server: Server, target: _Target, ns_dir: Path, ids: np.ndarray
+    client: EngineClient, server: Server, target: _Target, ns_dir: Path, ids: np.ndarray
 ) -> Fingerprint:
     rid = f"tol-{secrets.token_hex(6)}"
     await client.generate(server, rid=rid, ns=ns_dir.name, input_ids=ids, timeout=TIMEOUT,

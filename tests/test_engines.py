@@ -12,7 +12,7 @@ import pytest
 from hsx_async.config import config_from_dict
 from hsx_async.engines import ENGINES, Decoded, Decoding, check_vllm_response, vllm_body
 from hsx_async.errors import AnswerError, ConfigError, DumpError
-from hsx_async.run.faults import fault_of
+from hsx_async.run.servers.faults import fault_of
 
 
 def reply(**over: Any) -> dict[str, Any]:

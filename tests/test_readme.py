@@ -310,7 +310,7 @@ def test_the_aux_layer_table_is_sglangs_default_and_its_draft_ids() -> None:
 
 def test_the_configuration_says_what_the_direct_copy_does() -> None:
     """Issue 39: "direct (O_DIRECT from mmap)" contradicted "no part is ever mapped"; the
-    writer reads each part into a buffer and writes it with O_DIRECT (run/writer.py)."""
+    writer reads each part into a buffer and writes it with O_DIRECT (run/dumps/writer.py)."""
     text = README.read_text()
     assert "from mmap" not in text
     assert "direct (read into a buffer, written O_DIRECT)" in text

@@ -42,10 +42,10 @@ from hsx_async.protocol import (
     valid_ns,
     valid_rid,
 )
-from hsx_async.run.daemon import Daemon
-from hsx_async.run.dump import Dump, prepare_namespace, sweep_namespace, validate_dump
+from hsx_async.run.daemon.daemon import Daemon
+from hsx_async.run.dumps.dump import Dump, prepare_namespace, sweep_namespace, validate_dump
+from hsx_async.run.dumps.writer import FileWriter, WriteJob
 from hsx_async.run.source import Sample
-from hsx_async.run.writer import FileWriter, WriteJob
 from hsx_async.server.dumper import PrefillDumper
 from hsx_async.server.dumpwrite import request_dir_fd, write_meta, write_part
 from hsx_async.server.fake.server import running_fake_server
@@ -53,7 +53,7 @@ from hsx_async.server.hook_core import HookConfig, ReqView
 from hsx_async.server.rows import BatchHidden
 from tests.crash_driver import AUX, H, fake_options
 from tests.e2e import make_config, shm_leftovers, write_samples
-from tests.run.test_writer import write_one
+from tests.run.dumps.test_writer import write_one
 
 RB = row_bytes(H, AUX)
 # Names a hostile client might send as hsx_ns or rid: every one must be refused.

@@ -6,7 +6,7 @@ merge. Nothing here imports :mod:`hsx_async.run`.
 :mod:`hsx_async.dataset.reader`'s ``__all__`` (and ``LiveDataset`` for those of
 :mod:`hsx_async.dataset.live.dataset`'s), loaded on first use: ``hsx run`` imports
 this package's file modules (``manifest``, ``durable``, ``provenance``), and a bf16 run
-never imports torch, which the reader needs (``tests/run/test_writer.py``).
+never imports torch, which the reader needs (``tests/run/dumps/test_writer.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The per-shard events log of ``hsx run`` (``events.jsonl``,
 ``events.shard-IIIII-of-NNNNN.jsonl``), as the offline tools read it.
 
-``hsx run`` appends (:class:`hsx_async.run.report.RunRecorder`): ``start``, ``tick`` and
+``hsx run`` appends (:class:`hsx_async.run.report.numbers.RunRecorder`): ``start``, ``tick`` and
 ``end`` lines with the run's cumulative counts, and an ``input`` line once the feeder has
 read the whole input, with the number of input lines that belong to the shard. Every line
 of the input ends in the manifest or the quarantine, so ``hsx status`` knows what remains
@@ -37,7 +37,7 @@ def event_files(out_dir: Path) -> list[Path]:
 
 def read_events(path: Path) -> list[dict[str, Any]]:
     """The complete lines of one events log (a torn last line is left out), each of the
-    shape :class:`~hsx_async.run.report.RunRecorder` writes. A line of any other shape
+    shape :class:`~hsx_async.run.report.numbers.RunRecorder` writes. A line of any other shape
     (the log is advice, not data: a hand edit, another version) is skipped with a
     warning, so every reader can index what it reads."""
     events, skipped = [], []

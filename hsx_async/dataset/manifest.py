@@ -31,7 +31,7 @@ QUARANTINE = "quarantine"
 _SHARD_FILE = re.compile(r"(manifest|quarantine)(?:\.shard-([0-9]{5})-of-([0-9]{5}))?\.jsonl")
 _XXH = re.compile(r"[0-9a-f]{16}")
 
-# Whose fault a failure is (:mod:`hsx_async.run.faults`), as a quarantine line records it.
+# Whose fault a failure is (:mod:`hsx_async.run.servers.faults`), as a quarantine line records it.
 Cause = Literal["sample", "server", "job"]
 CAUSES: tuple[Cause, ...] = ("sample", "server", "job")
 
@@ -94,7 +94,7 @@ class Reason:
     """Why a line is quarantined (PROTOCOL §4): ``text``, the prose for people, and for
     programs ``cause`` (whose fault the failure was: the sample's, a server's, the job's;
     None on a line written before the field, issue 38), ``kind`` (a word of a fixed
-    vocabulary: a fault kind, :data:`hsx_async.run.faults.KINDS`, or an input kind,
+    vocabulary: a fault kind, :data:`hsx_async.run.servers.faults.KINDS`, or an input kind,
     :data:`hsx_async.dataset.quarantine.INPUT_KINDS`) and ``retriable`` (the sample was
     sent and failed, so a rerun may pass once the cause is fixed; not an input line's own
     fault, which a rerun quarantines again)."""

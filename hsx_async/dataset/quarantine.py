@@ -4,7 +4,7 @@
 sample, with its reason: the prose for people and, since issue 38, the structured record
 programs read (:class:`~hsx_async.dataset.manifest.Reason`: ``cause``, ``kind``,
 ``retriable``), written by whoever quarantines (the pipeline's
-:class:`~hsx_async.run.retry.Attempts` from the fault it charged last, the intake for input
+:class:`~hsx_async.run.servers.retry.Attempts` from the fault it charged last, the intake for input
 lines: :func:`input_reason`). Every reader — ``hsx quarantine``, its ``--retry``, the job
 report, ``hsx status`` — takes a line's reason from :func:`reason_of`, which reads a line
 written before the fields from its prose (the prefixes below and :func:`reason_kind`): the

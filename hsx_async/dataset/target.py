@@ -148,7 +148,7 @@ def norm_gain(weight: torch.Tensor, kind: str) -> torch.Tensor:
 def pre_from_post(post: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
     """``post / g`` in float32, 0 where ``g == 0``; bfloat16 out (see the module text)."""
     # torch here only: `hsx check`/`hsx run` read the model's config through this module
-    # (read_config), and a bf16 run never imports torch (tests/run/test_writer.py).
+    # (read_config), and a bf16 run never imports torch (tests/run/dumps/test_writer.py).
     import torch  # noqa: PLC0415
 
     out = post.float() / gain

@@ -1,6 +1,6 @@
 """One trainer's prompt through hsx's extraction path, to tensors in speculators' layout.
 
-The request and the dump are ``hsx run``'s own (:meth:`SGLangClient.generate`,
+The request and the dump are ``hsx run``'s own (:meth:`EngineClient.generate`,
 :func:`collect_dump`: the same body, answer checks and dump validation), read back with the
 copy's own section reader (:func:`read_sections`); the final state is converted to the
 pre-norm one speculators reads with the export's conversion (:class:`FinalConversion`).
@@ -31,12 +31,13 @@ from hsx_async.dataset.export.plan import FinalConversion
 from hsx_async.dataset.provenance import FinalStateGuard
 from hsx_async.errors import ConfigError, DatasetError, DumpError, HsxError, RequestError
 from hsx_async.protocol import BF16, HIDDEN, num_layers
-from hsx_async.run.client import Server, ServerPool, SGLangClient
-from hsx_async.run.dump import Dump, namespace_lock, on_tmpfs, prepare_namespace, remove_tree
-from hsx_async.run.faults import fault_of
+from hsx_async.run.dumps.dump import Dump, namespace_lock, on_tmpfs, prepare_namespace, remove_tree
+from hsx_async.run.dumps.writer import read_sections
+from hsx_async.run.pipeline.workers import collect_dump
+from hsx_async.run.servers.client import EngineClient
+from hsx_async.run.servers.faults import fault_of
+from hsx_async.run.servers.pool import Server, ServerPool
 from hsx_async.run.source import Sample
-from hsx_async.run.workers import collect_dump
-from hsx_async.run.writer import read_sections
 
 FRONT_NAMESPACE = "front"
 
@@ -144,7 +145,7 @@ class Extractor:
         rid_dir = self.ns_dir / rid
         cfg = self.config
         try:
-            await SGLangClient(self._session, self.pool).generate(
+            await EngineClient(self._session, self.pool).generate(
                 server,
                 rid=rid,
                 ns=self.ns,

@@ -116,7 +116,7 @@ def load_tokenizer(path: Path) -> Any:
     """A local Hugging Face tokenizer directory (fast tokenizer: offsets are needed)."""
     # Not at module level: `hsx prepare`'s fork server preloads this module and forks
     # every worker from it, and AutoTokenizer imports torch, which must not be loaded in
-    # a process that forks (its workers then die: tests/prepare/test_command.py).
+    # a process that forks (its workers then die: tests/prepare/test_pipeline.py).
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     if not path.is_dir():

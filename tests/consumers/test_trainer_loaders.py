@@ -39,7 +39,7 @@ from hsx_async.dataset.export import DRAFT_CONFIG, EXPORT_INFO, export_dataset
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.dataset.provenance import read_provenance
 from hsx_async.protocol import FP8, PER_TOKEN_SLOT, PER_TOKEN_SLOT_OUTLIERS16
-from hsx_async.run.daemon import Daemon
+from hsx_async.run.daemon.daemon import Daemon
 from hsx_async.server.reference.model import save_default_model
 from hsx_async.server.reference.server import ReferenceOptions, running_reference_server
 from tests.dataset_factory import fp8_storage, write_sample, write_storage_provenance

@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 from hsx_async.cli import main
 from hsx_async.cli.handlers.run import print_report
 from hsx_async.dataset.events import input_lines, read_events, shape_problem
-from hsx_async.run.report import build_report, write_report
+from hsx_async.run.report.numbers import build_report, write_report
 
 GOOD: list[dict[str, Any]] = [
     {"event": "start", "time": 100.0, "shard": "0/1", "samples": 0, "tokens": 0, "bytes": 0,

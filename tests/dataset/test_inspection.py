@@ -9,7 +9,7 @@ import pytest
 from hsx_async.cli import main
 from hsx_async.dataset.inspection import dataset_status, verify_dataset
 from hsx_async.dataset.manifest import read_manifest
-from hsx_async.run.daemon import Daemon
+from hsx_async.run.daemon.daemon import Daemon
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
 from tests.e2e import check_dataset, config_raw, make_config, write_config, write_samples
 

@@ -25,7 +25,7 @@ from hsx_async.dataset.reader import (
     split_of,
 )
 from hsx_async.errors import DatasetError
-from hsx_async.run.daemon import Daemon
+from hsx_async.run.daemon.daemon import Daemon
 from tests.dataset_factory import (
     WrittenSample,
     pipeline_dataset,

@@ -15,7 +15,7 @@ from hsx_async.dataset.inspection import Status, dataset_status
 from hsx_async.dataset.manifest import QUARANTINE, read_manifest, read_quarantine
 from hsx_async.dataset.merge import merge
 from hsx_async.dataset.running import announce
-from hsx_async.run.daemon import Daemon
+from hsx_async.run.daemon.daemon import Daemon
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
 from tests.dataset_factory import write_dataset
 from tests.e2e import make_config, write_samples

@@ -29,9 +29,9 @@ import pytest
 import yaml
 from prometheus_client.core import Metric
 
-from hsx_async.run.faults import KINDS
-from hsx_async.run.metrics import Metrics
-from hsx_async.run.status import RunStatus, StatusCollector
+from hsx_async.run.daemon.status import RunStatus, StatusCollector
+from hsx_async.run.pipeline.metrics import Metrics
+from hsx_async.run.servers.faults import KINDS
 from tests.deploy.realenv import http_get, process, require_tools, stop, wait_for
 from tests.e2e import config_raw, free_port, write_config, write_samples
 

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hsx_async.cli import main
-from hsx_async.run.daemon import Daemon
+from hsx_async.run.daemon.daemon import Daemon
 from hsx_async.server.fake.options import FakeOptions
 from hsx_async.server.fake.server import running_fake_server
 from tests.dataset.test_export import model_dir

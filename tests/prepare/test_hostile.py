@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hsx_async.prepare.command import PreparePaths, run_prepare
 from hsx_async.prepare.encode import EncodeOptions, RecordEncoder
+from hsx_async.prepare.pipeline import PreparePaths, run_prepare
 
 ROLES = ["user", "assistant", "system", "human", "gpt", "tool", "", "USER", None, 3]
 TEXT = st.one_of(

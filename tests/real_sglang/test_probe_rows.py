@@ -1,5 +1,5 @@
 """The admission's probe rows on real SGLang (issue 38): one server's probe, alone and in
-other batches, stays within :data:`~hsx_async.run.fingerprint.TOLERANCE` of itself, in
+other batches, stays within :data:`~hsx_async.run.servers.fingerprint.TOLERANCE` of itself, in
 bfloat16 and FP8 storage; a server of other weights is far beyond it. The distances are
 printed (``-s``): they are the measured batch-to-batch tolerance the note reports."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hsx_async.protocol import BF16_STORAGE, FP8, PER_TOKEN_SLOT_OUTLIERS16, Storage
-from hsx_async.run.fingerprint import TOLERANCE
+from hsx_async.run.servers.fingerprint import TOLERANCE
 from hsx_async.server.reference.model import TINY_HIDDEN, save_default_model
 from tests.probe_rows import Spread, probe_spread
 from tests.real_sglang.conftest import (

@@ -42,7 +42,7 @@ from hsx_async.dataset.manifest import read_manifest
 from hsx_async.dataset.provenance import read_provenance
 from hsx_async.layer_ids import draft_ids
 from hsx_async.protocol import BF16_STORAGE, META_NAME, check_response, generate_body, parse_meta
-from hsx_async.run.dump import wait_for_meta
+from hsx_async.run.dumps.dump import wait_for_meta
 from hsx_async.server.reference.model import TINY_VOCAB, bf16_mismatch, reference_hidden_states
 from tests.e2e import config_raw, write_config
 from tests.real_sglang.conftest import (

@@ -44,7 +44,7 @@ from hsx_async.protocol import (
     generate_body,
 )
 from hsx_async.quantize import assemble
-from hsx_async.run.dump import wait_for_meta
+from hsx_async.run.dumps.dump import wait_for_meta
 from hsx_async.server.reference.model import TINY_HIDDEN, bf16_mismatch, reference_hidden_states
 from tests.e2e import config_raw, write_config
 from tests.real_sglang.conftest import (

@@ -1,5 +1,5 @@
 """The admission's probe rows on real vLLM (issue 38): one server's probe, alone and in
-other batches, stays within :data:`~hsx_async.run.fingerprint.TOLERANCE` of itself, in
+other batches, stays within :data:`~hsx_async.run.servers.fingerprint.TOLERANCE` of itself, in
 bfloat16 and FP8 storage. The distances are printed (``-s``): the measured batch-to-batch
 tolerance the note reports."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hsx_async.protocol import BF16_STORAGE, FP8, PER_TOKEN_SLOT_OUTLIERS16, Storage
-from hsx_async.run.fingerprint import TOLERANCE
+from hsx_async.run.servers.fingerprint import TOLERANCE
 from hsx_async.server.reference.model import TINY_AUX_LAYERS, TINY_HIDDEN
 from tests.e2e import free_port
 from tests.probe_rows import Spread, probe_spread

@@ -26,7 +26,7 @@ from hsx_async.dataset import HiddenStateDataset
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
 from hsx_async.protocol import FP8, PER_TOKEN_SLOT_OUTLIERS16, Storage, storage_params
-from hsx_async.run.dump import validate_dump
+from hsx_async.run.dumps.dump import validate_dump
 from hsx_async.server.reference.model import (
     TINY_AUX_LAYERS,
     TINY_HIDDEN,
@@ -227,7 +227,7 @@ def test_fp8_run_is_quantized_by_the_connector_within_fp8_of_the_forward(
 def _wait_meta(rid_dir: Path) -> dict[str, Any]:
     import asyncio
 
-    from hsx_async.run.dump import wait_for_meta
+    from hsx_async.run.dumps.dump import wait_for_meta
 
     meta: dict[str, Any] = json.loads(asyncio.run(wait_for_meta(rid_dir, 30.0)))
     return meta

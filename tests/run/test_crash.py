@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx_async.run.failpoints import POINTS
+from hsx_async.run.dumps.failpoints import POINTS
 from hsx_async.server.fake.server import running_fake_server
 from tests.conftest import SHM
 from tests.crash_driver import (

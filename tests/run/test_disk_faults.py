@@ -24,7 +24,7 @@ import xxhash
 from hsx_async.config import Config
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.errors import HsxError, WriteError
-from hsx_async.run.daemon import Daemon
+from hsx_async.run.daemon.daemon import Daemon
 from hsx_async.server.fake.server import running_fake_server
 from tests.crash_driver import L, fake_options
 from tests.e2e import SampleSet, check_dataset, make_config, shm_leftovers, write_samples

@@ -25,10 +25,10 @@ from hsx_async.config import Config, load_config
 from hsx_async.dataset.manifest import AppendLog, read_manifest, read_quarantine
 from hsx_async.dataset.provenance import read_provenance
 from hsx_async.errors import ConfigError, NoServerError
-from hsx_async.run.client import Server
-from hsx_async.run.daemon import Daemon
+from hsx_async.run.daemon.daemon import Daemon
 from hsx_async.run.notify import Notifier
-from hsx_async.run.report import build_report
+from hsx_async.run.report.numbers import build_report
+from hsx_async.run.servers.pool import Server
 from hsx_async.server.fake import app as fake_app
 from hsx_async.server.fake import options as fake_options_module
 from hsx_async.server.fake.server import FakeServerHandle, running_fake_server

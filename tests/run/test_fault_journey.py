@@ -14,8 +14,8 @@ from typing import Any
 from hsx_async.config import load_config
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
 from hsx_async.dataset.provenance import read_provenance
-from hsx_async.run.client import Server
-from hsx_async.run.daemon import Daemon
+from hsx_async.run.daemon.daemon import Daemon
+from hsx_async.run.servers.pool import Server
 from hsx_async.server.fake.server import FakeOptions, FakeServerHandle, running_fake_server
 from tests.crash_driver import AUX, H, L, fake_options
 from tests.e2e import (

@@ -11,7 +11,7 @@ from hsx_async.dataset.manifest import read_manifest, read_quarantine
 from hsx_async.dataset.provenance import PROVENANCE, read_provenance
 from hsx_async.dataset.reader import read_header
 from hsx_async.errors import DatasetError
-from hsx_async.run.daemon import Daemon
+from hsx_async.run.daemon.daemon import Daemon
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
 from tests.e2e import make_config, write_samples
 

@@ -35,7 +35,7 @@ from hsx_async.protocol import (
     Storage,
 )
 from hsx_async.quantize import assemble, encode_rows
-from hsx_async.run.daemon import Daemon
+from hsx_async.run.daemon.daemon import Daemon
 from hsx_async.server.fake.server import FakeOptions, expected_hidden_states, running_fake_server
 from tests.e2e import SampleSet, check_dataset, make_config, shm_leftovers, write_samples
 

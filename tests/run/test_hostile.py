@@ -27,13 +27,14 @@ from hsx_async.config import Config
 from hsx_async.dataset.manifest import read_manifest, read_quarantine
 from hsx_async.errors import ConfigError, DatasetError, DumpError, NoServerError
 from hsx_async.protocol import check_response
-from hsx_async.run import writer as writer_module
-from hsx_async.run.client import MAX_BODY, ServerPool, SGLangClient
-from hsx_async.run.daemon import Daemon, RunSummary
-from hsx_async.run.writer import FileWriter
+from hsx_async.run.daemon.daemon import Daemon, RunSummary
+from hsx_async.run.dumps import writer as writer_module
+from hsx_async.run.dumps.writer import FileWriter
+from hsx_async.run.servers.client import MAX_BODY, EngineClient
+from hsx_async.run.servers.pool import ServerPool
 from tests.e2e import SampleSet, make_config, shm_leftovers, write_samples
+from tests.run.dumps.test_writer import ALIGNED, BIG_PARTS, assert_nothing_written, make_case
 from tests.run.hostile import AUX, H, Hostile, hostile_server, mounted_tmpfs
-from tests.run.test_writer import ALIGNED, BIG_PARTS, assert_nothing_written, make_case
 
 RUN_LIMIT = 30.0  # seconds any one daemon run here may take
 
@@ -190,8 +191,8 @@ _TRUNCATE_RACE = """
 import os, sys, threading
 from pathlib import Path
 from hsx_async.errors import DumpError
-from hsx_async.run.writer import FileWriter
-from tests.run.test_writer import ALIGNED, BIG_PARTS, make_case
+from hsx_async.run.dumps.writer import FileWriter
+from tests.run.dumps.test_writer import ALIGNED, BIG_PARTS, make_case
 root, out = Path(sys.argv[1]), Path(sys.argv[2])
 outcomes = {"ok": 0, "dump_error": 0}
 for i in range(12):
@@ -252,7 +253,7 @@ async def test_a_health_answer_past_the_bound_is_not_healthy(shm_root: Path) -> 
         hostile_server(Hostile(shm_root, health_mode="gzip_bomb")) as h,
         aiohttp.ClientSession() as session,
     ):
-        client = SGLangClient(
+        client = EngineClient(
             session, ServerPool([h.url], health_interval=1, unreachable_timeout=1)
         )
         tracemalloc.start()
@@ -539,7 +540,7 @@ def test_namespace_lock_names_never_collide_across_prefixes() -> None:
     """A lock per base covers every namespace of a run: bases end in '-w', workers are
     digits, so two different bases never make the same namespace."""
     from hsx_async.config import ShardConfig
-    from hsx_async.run.workers import namespace_base
+    from hsx_async.run.pipeline.workers import namespace_base
 
     def base(prefix: str, index: int, count: int) -> str:
         cfg: Any = type("C", (), {})()

@@ -34,7 +34,7 @@ from hsx_async.dataset.live.ledger import ConsumerLog
 from hsx_async.dataset.manifest import read_manifest
 from tests.dataset.live.procs import Child, server_faults, start_consumer, start_server
 from tests.e2e import config_raw, free_port, shm_leftovers, write_config
-from tests.run.test_spool import DiskWatch, data_bytes
+from tests.run.daemon.test_spool import DiskWatch, data_bytes
 
 pytestmark = pytest.mark.timeout(300)
 SAMPLES = 36

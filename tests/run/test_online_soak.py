@@ -37,8 +37,8 @@ from hsx_async.dataset.reader import read_sample
 from tests.dataset.live.consumer_driver import _digest
 from tests.dataset.live.procs import Child, start_consumer, start_server
 from tests.e2e import free_port, shm_leftovers
+from tests.run.daemon.test_spool import DiskWatch
 from tests.run.test_online import STEP_S, Online, _job
-from tests.run.test_spool import DiskWatch
 
 pytestmark = pytest.mark.timeout(600)
 ACTIONS = 10

@@ -15,10 +15,10 @@ import pytest
 
 from hsx_async.demo import demo_samples, hsx_invocation, run_demo
 from hsx_async.logs import configure_logging
-from hsx_async.run.daemon import Daemon, RunSummary
-from hsx_async.run.metrics import Metrics, Totals
+from hsx_async.run.daemon.daemon import Daemon, RunSummary
+from hsx_async.run.daemon.observe import progress_line, progress_loop
 from hsx_async.run.notify import Notifier
-from hsx_async.run.observe import progress_line, progress_loop
+from hsx_async.run.pipeline.metrics import Metrics, Totals
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
 from hsx_async.units import human_bytes
 from tests.e2e import free_port, make_config, write_samples

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hsx_async.run.client import SGLangClient
-from hsx_async.run.daemon import Daemon
+from hsx_async.run.daemon.daemon import Daemon
+from hsx_async.run.servers.client import EngineClient
 from hsx_async.server.fake.server import FakeOptions, running_fake_server
 from tests.e2e import check_dataset, free_port, make_config, shm_leftovers, write_samples
 
@@ -22,9 +22,9 @@ async def test_run_waits_for_a_server_that_starts_late(
     config = make_config(tmp_path, samples.path, [f"http://127.0.0.1:{port}"], shm_root)
     refused = asyncio.Event()
     probes_failed = 0
-    health = SGLangClient.health
+    health = EngineClient.health
 
-    async def counting_health(self: SGLangClient, url: str, timeout: float = 5.0) -> str:
+    async def counting_health(self: EngineClient, url: str, timeout: float = 5.0) -> str:
         nonlocal probes_failed
         error = await health(self, url, timeout)
         if error:
@@ -33,7 +33,7 @@ async def test_run_waits_for_a_server_that_starts_late(
                 refused.set()
         return error
 
-    monkeypatch.setattr(SGLangClient, "health", counting_health)
+    monkeypatch.setattr(EngineClient, "health", counting_health)
     run = asyncio.create_task(Daemon(config).run())
     await asyncio.wait_for(refused.wait(), 15)
     assert not run.done()

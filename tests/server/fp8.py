@@ -1,6 +1,6 @@
 """Checks every server's FP8 tests share: a committed FP8 dump holds, part by part, exactly
 :func:`hsx_async.quantize.encode_rows` of the bfloat16 rows the same server dumps for the
-same input, and the client's own :func:`~hsx_async.run.dump.validate_dump` accepts it."""
+same input, and the client's own :func:`~hsx_async.run.dumps.dump.validate_dump` accepts it."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from hsx_async.protocol import (
     parse_meta,
 )
 from hsx_async.quantize import encode_rows
-from hsx_async.run.dump import validate_dump
+from hsx_async.run.dumps.dump import validate_dump
 
 # Every slot quantized, and the aux layers only (the final state kept), for L = 3, in the
 # default layout (version 4: the outliers one); and every slot in version 3's layout.

@@ -25,7 +25,7 @@ import torch
 from hsx_async import protocol
 from hsx_async.engines import ENGINE_NAMES
 from hsx_async.protocol import FINAL_STATES
-from hsx_async.run.dump import validate_dump
+from hsx_async.run.dumps.dump import validate_dump
 from hsx_async.server import hook_core
 from hsx_async.server.dumper import BatchReport, PrefillDumper
 from hsx_async.server.hooks import HOOKS

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from hsx_async.config import load_config
-from hsx_async.run.preflight import run_checks
-from hsx_async.run.spool_estimate import SpoolRates
+from hsx_async.run.check.preflight import run_checks
+from hsx_async.run.check.spool_estimate import SpoolRates
 
 
 def check_command(args: argparse.Namespace) -> int:

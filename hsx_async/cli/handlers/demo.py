@@ -11,7 +11,7 @@ import uvloop
 from hsx_async.dataset.inspection import verify_dataset
 from hsx_async.demo import demo_samples, describe, run_demo
 from hsx_async.logs import configure_logging
-from hsx_async.run.report import write_report
+from hsx_async.run.report.numbers import write_report
 
 
 def _say(text: str) -> None:

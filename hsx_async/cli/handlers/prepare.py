@@ -1,4 +1,4 @@
-"""``hsx prepare``: the options checked, :func:`hsx_async.prepare.command.run_prepare`, and
+"""``hsx prepare``: the options checked, :func:`hsx_async.prepare.pipeline.run_prepare`, and
 its summary printed (for a person, or as one JSON line)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 import orjson
 
 from hsx_async.errors import ArgumentError
-from hsx_async.prepare.command import PreparePaths, estimate_from_config, run_prepare
 from hsx_async.prepare.encode import EncodeOptions
+from hsx_async.prepare.pipeline import PreparePaths, estimate_from_config, run_prepare
 from hsx_async.prepare.summary import describe
 
 

@@ -1,4 +1,4 @@
-"""``hsx report``: :func:`hsx_async.run.report.write_report`, and where it wrote."""
+"""``hsx report``: :func:`hsx_async.run.report.numbers.write_report`, and where it wrote."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from hsx_async.logs import configure_logging
-from hsx_async.run.report import write_report
+from hsx_async.run.report.numbers import write_report
 
 
 def report_command(args: argparse.Namespace) -> int:

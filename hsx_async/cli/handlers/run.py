@@ -1,4 +1,4 @@
-"""``hsx run``'s handler: the config, the logging, one :class:`~hsx_async.run.daemon.Daemon`
+"""``hsx run``'s handler: the config, the logging, one :class:`~hsx_async.run.daemon.daemon.Daemon`
 run, its summary and the job report printed, the exit code."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import uvloop
 from hsx_async.config import load_config
 from hsx_async.errors import HsxError
 from hsx_async.logs import configure_logging
-from hsx_async.run.daemon import Daemon
-from hsx_async.run.report import write_report
+from hsx_async.run.daemon.daemon import Daemon
+from hsx_async.run.report.numbers import write_report
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -7,23 +7,23 @@ SGLang's ``/generate``, vLLM's ``/v1/completions``), seeded per conversation and
 
 It is a client of the run pipeline's parts, not a second pipeline:
 
-- the servers: :class:`~hsx_async.run.client.ServerPool` (least loaded server in rotation;
+- the servers: :class:`~hsx_async.run.servers.client.ServerPool` (least loaded server in rotation;
   out of rotation with its reason) and :mod:`.serving` (admitted only
   after a decode probe passes; a wrong ``[server].engine`` stops the run, exit 2; no server
   for ``server.unreachable_timeout``, exit 3);
-- every failed attempt gets its cause (:mod:`hsx_async.run.faults`), and the attempts of a
-  turn are kept by :class:`~hsx_async.run.retry.Attempts`: only the conversation's own
+- every failed attempt gets its cause (:mod:`hsx_async.run.servers.faults`), and the attempts of a
+  turn are kept by :class:`~hsx_async.run.servers.retry.Attempts`: only the conversation's own
   faults charge ``workers.max_attempts`` and quarantine it; a server's never do;
 - every answer is checked against the tokenizer and the request
   (:mod:`.answer`) before a word of it is kept;
 - the output and the quarantine are made durable by the run's group commit
-  (:class:`~hsx_async.run.commit.Committer`): one fsynced line per finished conversation,
+  (:class:`~hsx_async.run.pipeline.writers.Committer`): one fsynced line per finished conversation,
   so a run killed at any instant and started again skips the conversations written and
   ends with each exactly once; one regenerate per output at a time (a lock beside it);
-- signals as in ``hsx run`` (:class:`~hsx_async.run.signals.Stopper`): the first stops
+- signals as in ``hsx run`` (:class:`~hsx_async.run.daemon.signals.Stopper`): the first stops
   intake and lets the conversations in flight finish within ``daemon.drain_timeout``, a
   second exits at once; the events log and the summary as ``hsx run``'s
-  (:class:`~hsx_async.run.report.RunRecorder`).
+  (:class:`~hsx_async.run.report.numbers.RunRecorder`).
 
 Output (OpenAI ``messages`` form, the record's id kept or derived as ``hsx prepare`` does):
 ``{"id", "messages", "hsx_regenerate": {"turns": [...], "length_capped": bool}}``; an

@@ -32,15 +32,16 @@ from hsx_async.prepare.regenerate.serving import DecodeProbe
 from hsx_async.prepare.regenerate.summary import RegenStats, RegenSummary
 from hsx_async.prepare.regenerate.turns import Done, Logs, Turns
 from hsx_async.prepare.template import ChatEncoder, load_tokenizer, read_template
-from hsx_async.run.admission import Admission
-from hsx_async.run.client import ServerPool
-from hsx_async.run.commit import Committer
-from hsx_async.run.identity import Identity, JobRecord
-from hsx_async.run.job import JobRunner, connected, server_pool
+from hsx_async.run.daemon.job import JobRunner
+from hsx_async.run.daemon.signals import Stopper
 from hsx_async.run.notify import Notifier
-from hsx_async.run.probe import PROBE_IDS
-from hsx_async.run.report import RunRecorder, Tick
-from hsx_async.run.signals import Stopper
+from hsx_async.run.pipeline.writers import Committer
+from hsx_async.run.report.numbers import RunRecorder, Tick
+from hsx_async.run.servers.admission import Admission
+from hsx_async.run.servers.client import connected
+from hsx_async.run.servers.identity import Identity, JobRecord
+from hsx_async.run.servers.pool import ServerPool, server_pool
+from hsx_async.run.servers.probe import PROBE_IDS
 
 log = structlog.get_logger("hsx.regenerate")
 

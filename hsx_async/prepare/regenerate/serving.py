@@ -1,21 +1,21 @@
 """How ``hsx regenerate`` examines a server: the decode :class:`DecodeProbe` plugged into
-the one examination of a server, :class:`~hsx_async.run.admission.Admission` (``hsx run``
+the one examination of a server, :class:`~hsx_async.run.servers.admission.Admission` (``hsx run``
 plugs in the dump probe; regenerate dumps nothing, so it asks what its turns ask).
 
 No server takes a turn before it is *admitted*: ``/health`` answers, and one tiny greedy
 decode request in the configured engine's wire form comes back as an answer that passes
 the checks every turn's answer passes (:mod:`hsx_async.prepare.regenerate.answer`). The
 rest is the admission's, as for ``hsx run``: the first admitted server pins the job's
-:class:`~hsx_async.run.identity.Identity` (what its info endpoints say: engine, model,
+:class:`~hsx_async.run.servers.identity.Identity` (what its info endpoints say: engine, model,
 revision) and its probe's answer (its identity by content: a greedy answer is the
 weights'); a server of another identity, or whose greedy answer to the probe differs
 (other weights under the same name), is refused, never mixed in. A storm of refusals from
 one server is arbitrated by this probe before the conversations pay
-(:meth:`~hsx_async.run.admission.Admission.arbitrate`). Every server that answers 404 at
+(:meth:`~hsx_async.run.servers.admission.Admission.arbitrate`). Every server that answers 404 at
 the engine's decode path and serves another engine's info endpoint: a **job** cause, the
 run stops before any conversation is sent (:class:`~hsx_async.errors.ConfigError`, exit
 2, naming ``[server].engine``). The wait while no server is in rotation is the job
-runner's (:mod:`hsx_async.run.job`: exit 3 after ``server.unreachable_timeout``).
+runner's (:mod:`hsx_async.run.daemon.job`: exit 3 after ``server.unreachable_timeout``).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from hsx_async.config import Config
 from hsx_async.engines import Decoding
 from hsx_async.errors import DumpError, RequestError
 from hsx_async.prepare.regenerate.answer import Answer, check_answer
-from hsx_async.run.claims import Claim
-from hsx_async.run.client import Server, SGLangClient
-from hsx_async.run.faults import Fault, fault_of
-from hsx_async.run.probe import Refused, Shown, Verdict, wrong_engine
+from hsx_async.run.servers.claims import Claim
+from hsx_async.run.servers.client import EngineClient
+from hsx_async.run.servers.faults import Fault, fault_of
+from hsx_async.run.servers.pool import Server
+from hsx_async.run.servers.probe import Refused, Shown, Verdict, wrong_engine
 
 log = structlog.get_logger("hsx.serving")
 
@@ -46,7 +47,7 @@ Tokens = tuple[int, ...]  # a decode probe's rows: its greedy answer
 
 
 async def decode(
-    client: SGLangClient,
+    client: EngineClient,
     server: Server,
     rid: str,
     prompt: Sequence[int],
@@ -64,12 +65,12 @@ async def decode(
 
 
 class DecodeProbe:
-    """``hsx regenerate``'s admission probe (a :class:`~hsx_async.run.probe.Probe`)."""
+    """``hsx regenerate``'s admission probe (a :class:`~hsx_async.run.servers.probe.Probe`)."""
 
     def __init__(
         self,
         config: Config,
-        client: SGLangClient,
+        client: EngineClient,
         *,
         prompt: Sequence[int],
         vocab_size: int,

@@ -1,6 +1,6 @@
 """What one ``hsx regenerate`` did: the counts as it goes, and the summary it prints (a
 person's, or ``--json``) and keeps in ``<stem>.summary.json``; its servers' spells out of
-rotation are the job report's (:class:`hsx_async.run.report.ServerSpells`, noted by the
+rotation are the job report's (:class:`hsx_async.run.report.numbers.ServerSpells`, noted by the
 run's recorder)."""
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 regenerated turn by turn by one of ``[workers].concurrency`` workers, and written or
 quarantined through the run's group commit.
 
-Each turn is one decode request and its attempts (:class:`~hsx_async.run.retry.Attempts`):
-a failed attempt gets its cause (:func:`~hsx_async.run.faults.fault_of`); the server's
-faults take it out of rotation (:meth:`~hsx_async.run.client.ServerPool.fault`) and cost the
+Each turn is one decode request and its attempts (:class:`~hsx_async.run.servers.retry.Attempts`):
+a failed attempt gets its cause (:func:`~hsx_async.run.servers.faults.fault_of`); the server's
+faults take it out of rotation (:meth:`~hsx_async.run.servers.client.ServerPool.fault`) and cost the
 conversation nothing, its own (a 4xx about its content, a suspicion shown to be its doing)
 count against ``workers.max_attempts``, and then the conversation is quarantined.
 """
@@ -32,12 +32,13 @@ from hsx_async.prepare.regenerate.answer import Answer, turn_seed
 from hsx_async.prepare.regenerate.serving import decode
 from hsx_async.prepare.regenerate.summary import RegenStats
 from hsx_async.prepare.template import ChatEncoder, RecordError
-from hsx_async.run.client import PoolStopped, Server, SGLangClient
-from hsx_async.run.commit import Committer
-from hsx_async.run.failpoints import failpoint
-from hsx_async.run.faults import Fault, fault_of
-from hsx_async.run.handoff import Conveyor, EndOfInput
-from hsx_async.run.retry import Attempts, RetryPolicy
+from hsx_async.run.dumps.failpoints import failpoint
+from hsx_async.run.pipeline.handoff import Conveyor, EndOfInput
+from hsx_async.run.pipeline.writers import Committer
+from hsx_async.run.servers.client import EngineClient
+from hsx_async.run.servers.faults import Fault, fault_of
+from hsx_async.run.servers.pool import PoolStopped, Server
+from hsx_async.run.servers.retry import Attempts, RetryPolicy
 from hsx_async.run.source import TOO_LONG, SampleReader
 
 log = structlog.get_logger("hsx.regenerate")
@@ -84,7 +85,7 @@ class Turns:
         self,
         config: Config,
         encoder: ChatEncoder,
-        client: SGLangClient,
+        client: EngineClient,
         logs: Logs,
         *,
         input_path: Path,

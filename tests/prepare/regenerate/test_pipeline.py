@@ -22,8 +22,8 @@ from hsx_async.dataset.events import read_events
 from hsx_async.dataset.manifest import AppendLog
 from hsx_async.errors import ConfigError, DatasetError, DiskFullError
 from hsx_async.prepare.regenerate import RegenPaths, regenerate
-from hsx_async.run.probe import PROBE_IDS
-from hsx_async.run.report import ServerSpells
+from hsx_async.run.report.numbers import ServerSpells
+from hsx_async.run.servers.probe import PROBE_IDS
 from hsx_async.server.reference.server import ReferenceOptions, running_reference_server
 from tests.e2e import config_raw
 from tests.prepare.conftest import WriteLines, tiny_conversation

@@ -1,5 +1,5 @@
 """``hsx regenerate``'s servers go through the one examination of a server
-(:class:`~hsx_async.run.admission.Admission` with the decode probe), so it decides what
+(:class:`~hsx_async.run.servers.admission.Admission` with the decode probe), so it decides what
 ``hsx run``'s does (issue 38): a storm of refusals from one server is arbitrated by the
 probe before the conversations pay, and a server with other weights under the same model
 name is refused by what its probe's answer is, not only by what it says."""

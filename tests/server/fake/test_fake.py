@@ -16,7 +16,7 @@ import pytest
 from hsx_async import __version__, protocol
 from hsx_async.cli import build_parser, main
 from hsx_async.errors import ConfigError, DumpError
-from hsx_async.run.dump import validate_dump
+from hsx_async.run.dumps.dump import validate_dump
 from hsx_async.server.fake.options import draw_fault, random_cuts
 from hsx_async.server.fake.server import (
     ALL_FAULTS,

@@ -1,6 +1,6 @@
 """The admission's probe rows on the reference server (issue 38): a torch model batching
 requests as an engine does. One probe, alone and in other batches, stays within
-:data:`~hsx_async.run.fingerprint.TOLERANCE` of itself (printed with ``-s``: the measured
+:data:`~hsx_async.run.servers.fingerprint.TOLERANCE` of itself (printed with ``-s``: the measured
 batch-to-batch spread the note reports)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hsx_async.protocol import BF16_STORAGE, FP8, PER_TOKEN_SLOT_OUTLIERS16, Storage
-from hsx_async.run.fingerprint import TOLERANCE
+from hsx_async.run.servers.fingerprint import TOLERANCE
 from hsx_async.server.reference.server import ReferenceOptions, running_reference_server
 from tests.probe_rows import probe_spread
 

@@ -14,7 +14,7 @@ from hsx_async.dataset.inspection import verify_dataset
 from hsx_async.dataset.layout import canonical_id
 from hsx_async.dataset.manifest import read_manifest
 from hsx_async.demo import demo_samples, run_demo
-from hsx_async.run.daemon import Daemon
+from hsx_async.run.daemon.daemon import Daemon
 from hsx_async.server.reference.model import bf16_mismatch
 from hsx_async.server.reference.server import (
     ReferenceOptions,

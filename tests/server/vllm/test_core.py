@@ -19,7 +19,7 @@ from hsx_async.protocol import (
     storage_params,
 )
 from hsx_async.quantize import encode_rows
-from hsx_async.run.dump import validate_dump
+from hsx_async.run.dumps.dump import validate_dump
 from hsx_async.server.hook_core import HookConfig
 from hsx_async.server.vllm.core import (
     LayerPlan,

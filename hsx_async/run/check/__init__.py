@@ -1,0 +1,1 @@
+"""``hsx check``: everything that can be checked before a long job starts."""

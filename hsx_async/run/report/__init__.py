@@ -1,0 +1,1 @@
+"""The job report: ``report.json`` and ``report.png`` of an output directory."""
