@@ -7,9 +7,16 @@ pre-norm one speculators reads with the export's conversion (:class:`FinalConver
 What goes wrong is attributed as ``hsx run`` attributes it (:func:`fault_of`): the
 sample's fault or the server's, in the reason the trainer reads.
 
-This round handles bfloat16 storage only ([output].dtype = "bfloat16"). The servers are
-taken in turn; a server's fault moves the prompt on to the next one (each server once, no
-eviction from rotation yet); the sample's fault is final.
+The servers are ``hsx run``'s too: none takes a prompt before ``hsx run``'s admission
+(:class:`~hsx_async.run.admission.Admission`) examined it (its info, one probe through the
+dump path, its identity against the config and against the first server admitted); a
+server's fault takes it out of rotation as in ``hsx run`` (:meth:`ServerPool.fault`) and
+moves the prompt on to the next server in rotation (each server once); the sample's fault
+is final; every dump is checked against its server's identity. While no server is in
+rotation a prompt waits at most ``server.unreachable_timeout``, then fails as the server's
+fault; the front keeps examining the servers (it does not stop as ``hsx run`` does).
+
+This round handles bfloat16 storage only ([output].dtype = "bfloat16").
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ import asyncio
 import contextlib
 import itertools
 import secrets
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -29,11 +38,22 @@ import torch
 from hsx_async.config import Config
 from hsx_async.dataset.export.plan import FinalConversion
 from hsx_async.dataset.provenance import FinalStateGuard
-from hsx_async.errors import ConfigError, DatasetError, DumpError, HsxError, RequestError
+from hsx_async.errors import (
+    ConfigError,
+    DatasetError,
+    DumpError,
+    HsxError,
+    NoServerError,
+    RequestError,
+    first_error,
+)
 from hsx_async.protocol import BF16, HIDDEN, num_layers
+from hsx_async.run.admission import Admission
 from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.dump import Dump, namespace_lock, on_tmpfs, prepare_namespace, remove_tree
 from hsx_async.run.faults import fault_of
+from hsx_async.run.identity import Identity, JobRecord, check_dump
+from hsx_async.run.notify import Notifier
 from hsx_async.run.source import Sample
 from hsx_async.run.workers import collect_dump
 from hsx_async.run.writer import read_sections
@@ -88,9 +108,10 @@ class Extractor:
             health_interval=config.server.health_interval,
             unreachable_timeout=config.server.unreachable_timeout,
             engines=[config.server.engine_of(u) for u in urls],
+            admission=True,  # no server takes a prompt before it is admitted
         )
-        self._turn = itertools.cycle(self.pool.servers)
         self._session: aiohttp.ClientSession | None = None
+        self._client: SGLangClient | None = None
 
     async def __aenter__(self) -> Extractor:
         """Holds the front's dump namespace (:class:`ConfigError` when another front with
@@ -105,6 +126,7 @@ class Extractor:
             self._held.close()
             raise
         self._session = aiohttp.ClientSession()
+        self._client = SGLangClient(self._session, self.pool)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -112,20 +134,55 @@ class Extractor:
             if self._session is not None:
                 await self._session.close()
             await asyncio.to_thread(remove_tree, self.ns_dir)
+            await asyncio.to_thread(remove_tree, self.config.dump.root / self.probe_ns)
         finally:
             self._held.close()
+
+    @property
+    def probe_ns(self) -> str:
+        """The admission's probes' namespace (under the front's namespace lock)."""
+        return f"{self.ns}-probe"
+
+    async def admit(self) -> None:
+        """``hsx run``'s admission of the servers, for as long as the front serves (a
+        long-lived task of its group). It stops ``hsx run`` when no server is in rotation
+        for ``server.unreachable_timeout``; the front says so and keeps examining them."""
+        assert self._client is not None, "use the extractor as an async context manager"
+        admission = Admission(
+            self.config,
+            self._client,
+            nonce=self.nonce,
+            namespace=self.probe_ns,
+            record=_no_record,
+            job=JobRecord(),
+            final_states=self.final_states,
+            notifier=Notifier(None),
+            stop_requested=asyncio.Event(),
+        )
+        while True:
+            try:
+                await admission.run()
+            except NoServerError as exc:
+                log.warning("no_server_in_rotation", reason=str(exc))
 
     def next_rid(self) -> str:
         return f"{self.nonce}-{next(self._count)}"
 
     async def extract(self, rid: str, input_ids: list[int]) -> Extracted:
-        """The prompt's rows, from the servers in turn: a server's fault moves on to the
-        next one (each server tried once); :class:`ExtractionFailed` naming whose fault it
-        was once the sample's fault stops it or every server failed it."""
+        """The prompt's rows, from the servers in rotation: a server's fault takes it out
+        and moves on to the next one (each server tried once); :class:`ExtractionFailed`
+        naming whose fault it was once the sample's fault stops it, every server in
+        rotation failed it, or none came into rotation within ``server.unreachable_timeout``."""
         failed: list[ExtractionFailed] = []
         for attempt in range(len(self.pool.servers)):
+            if failed and not self.pool.healthy():
+                break  # no other server in rotation now: the trainer is not kept waiting
             try:
-                return await self._attempt(f"{rid}-{attempt}", input_ids)
+                async with self.pool.lease() as server:
+                    return await self._attempt(server, f"{rid}-{attempt}", input_ids)
+            except NoServerError as exc:
+                failed.append(ExtractionFailed("server", "unreachable", str(exc)))
+                break
             except ExtractionFailed as exc:
                 if exc.cause != "server":
                     raise
@@ -136,15 +193,14 @@ class Extractor:
         reasons = "; ".join(str(f) for f in failed)
         raise ExtractionFailed("server", failed[-1].kind, f"every server failed it: {reasons}")
 
-    async def _attempt(self, rid: str, input_ids: list[int]) -> Extracted:
-        assert self._session is not None, "use the extractor as an async context manager"
-        server: Server = next(self._turn)
+    async def _attempt(self, server: Server, rid: str, input_ids: list[int]) -> Extracted:
+        assert self._client is not None, "use the extractor as an async context manager"
         ids = np.asarray(input_ids, dtype=np.int64)
         sample = Sample(id=rid, line=0, input_ids=ids, loss_mask=None)
         rid_dir = self.ns_dir / rid
         cfg = self.config
         try:
-            await SGLangClient(self._session, self.pool).generate(
+            await self._client.generate(
                 server,
                 rid=rid,
                 ns=self.ns,
@@ -161,14 +217,18 @@ class Extractor:
                 to_thread=asyncio.to_thread,
                 final_states=self.final_states,
             )
+            if server.identity is not None:  # every meta.json against its server's identity
+                check_dump(server.identity, dump.meta, server.display)
             hidden = await asyncio.to_thread(self._hidden, dump, len(input_ids))
         except (RequestError, DumpError) as exc:
             fault = fault_of(exc)
+            await self.pool.fault(server, fault)
             raise ExtractionFailed(fault.cause, fault.kind, fault.reason) from None
         except DatasetError as exc:  # a post-norm server and no --model to convert with
             raise ExtractionFailed("server", "final_state", f"{exc}: give --model") from None
         finally:
             await asyncio.to_thread(remove_tree, rid_dir)
+        self.pool.succeeded(server)
         return Extracted(hidden, torch.from_numpy(ids.copy()))
 
     def _hidden(self, dump: Dump, num_tokens: int) -> torch.Tensor:
@@ -187,3 +247,32 @@ class Extractor:
         if final.data_ptr() != hidden[:, -1].data_ptr():
             hidden[:, -1] = final
         return hidden
+
+
+@contextlib.asynccontextmanager
+async def extracting(
+    config: Config, conversion: FinalConversion, state_dir: Path
+) -> AsyncIterator[Extractor]:
+    """An :class:`Extractor` with its servers' admission running beside the caller's
+    work, in one task group; a job fault of the admission (the servers and the config
+    disagree) or the caller's own :class:`HsxError` comes out as itself."""
+    async with Extractor(config, conversion, state_dir) as extractor:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                admission = tg.create_task(extractor.admit(), name="hsx-front-admission")
+                try:
+                    yield extractor
+                finally:
+                    admission.cancel()
+        except* HsxError as group:
+            raise first_error(group) from None
+
+
+def _no_record(
+    server: Server, identity: Identity, final_norm: dict[str, Any] | None, kind: str | None
+) -> asyncio.Future[None]:
+    """The front keeps no dataset: an admitted server's identity goes to its log only."""
+    log.info("server_identity", server=server.display, identity=identity.to_record())
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    return done

@@ -26,12 +26,14 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hsx_async.config import Config, load_config
 from hsx_async.dataset.export.plan import FinalConversion
 from hsx_async.dataset.target import final_norm_weight, norm_gain, read_target
 from hsx_async.errors import ArgumentError
-from hsx_async.front.extract import ExtractionFailed, Extractor, check_config
+from hsx_async.front.extract import ExtractionFailed, Extractor, check_config, extracting
+from hsx_async.front.metrics import ERROR_MARKER, PUBLISHED, REFUSED, UNANSWERED, FrontMetrics
 from hsx_async.front.mooncake import MooncakeError, MooncakeOptions, Publisher, error_manifest, pack
 from hsx_async.logs import configure_logging
 from hsx_async.net import listen_address, listen_ok
@@ -48,14 +50,21 @@ class Front:
     extractor: Extractor
     publisher: Publisher
     model: str
+    metrics: FrontMetrics
 
     async def completion(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """The status and the answer to one ``/v1/completions`` body."""
         problem = self._refusal(body)
         if problem is not None:
             status, message = problem
+            self.metrics.answered(REFUSED)
             return status, _error(message, status)
-        ids: list[int] = body["prompt"]
+        with self.metrics.request_latency.time():
+            status, answer, outcome = await self._sample(body["prompt"])
+        self.metrics.answered(outcome)
+        return status, answer
+
+    async def _sample(self, ids: list[int]) -> tuple[int, dict[str, Any], str]:
         rid = self.extractor.next_rid()
         handle = HANDLE_PREFIX + rid
         try:
@@ -63,16 +72,25 @@ class Front:
             manifest, blob = pack(
                 handle, {"hidden_states": got.hidden_states, "token_ids": got.token_ids}
             )
-            await asyncio.to_thread(self.publisher.put_sample, handle, blob)
-        except (ExtractionFailed, MooncakeError) as exc:
+            await self._publish(self.publisher.put_sample, handle, blob)
+            self.metrics.bytes_published.inc(len(blob))
+            return 200, self._answer(rid, ids, manifest), PUBLISHED
+        except ExtractionFailed as exc:
+            self.metrics.failed(exc.cause, exc.kind)
             reason = str(exc)
-            log.info("sample_failed", handle=handle, reason=reason)
-            try:
-                await asyncio.to_thread(self.publisher.put_error, handle, reason)
-            except MooncakeError as marker:  # the trainer could not read a marker: say it here
-                return 503, _error(f"{reason}; and its error marker: {marker}", 503)
-            manifest = error_manifest(handle)
-        return 200, self._answer(rid, ids, manifest)
+        except MooncakeError as exc:
+            self.metrics.failed("mooncake", exc.kind)
+            reason = str(exc)
+        log.info("sample_failed", handle=handle, reason=reason)
+        try:
+            await self._publish(self.publisher.put_error, handle, reason)
+        except MooncakeError as marker:  # the trainer could not read a marker: say it here
+            return 503, _error(f"{reason}; and its error marker: {marker}", 503), UNANSWERED
+        return 200, self._answer(rid, ids, error_manifest(handle)), ERROR_MARKER
+
+    async def _publish(self, put: Callable[[str, Any], None], handle: str, what: Any) -> None:
+        with self.metrics.publish_latency.time():
+            await asyncio.to_thread(put, handle, what)
 
     def _refusal(self, body: dict[str, Any]) -> tuple[int, str] | None:
         if body.get("model") != self.model:
@@ -136,10 +154,16 @@ def build_app(front: Front) -> web.Application:
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def metrics(_: web.Request) -> web.Response:
+        await asyncio.to_thread(front.publisher.refresh_held)  # what the trainer removed
+        body = generate_latest(front.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app = web.Application(client_max_size=MAX_REQUEST)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     return app
 
 
@@ -170,8 +194,8 @@ async def serve(
     publisher = await asyncio.to_thread(Publisher, options)
     try:
         state = config.output.dir / "front"
-        async with Extractor(config, final, state) as extractor:
-            front = Front(extractor, publisher, model_name)
+        async with extracting(config, final, state) as extractor:
+            front = Front(extractor, publisher, model_name, FrontMetrics(publisher.held))
             await _listen(front, listen, on_bound, stop)
     finally:
         await asyncio.to_thread(publisher.close)

@@ -8,7 +8,6 @@ as hs-connectors' ``:error`` marker naming the sample's fault."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,7 +15,6 @@ import aiohttp
 import orjson
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hsx_async.cli import main
@@ -25,13 +23,13 @@ from hsx_async.server.fake.options import FakeOptions
 from hsx_async.server.fake.server import running_fake_server
 from tests.dataset.test_export import model_dir
 from tests.e2e import config_raw, free_port, make_config, write_config, write_samples
-from tests.front.conftest import REPO, mooncake_python, stop, wait_listening
+from tests.front.conftest import stop
+from tests.front.harness import read_through, start_front
 
 pytestmark = pytest.mark.mooncake
 
 HIDDEN = 64
 VOCAB = 50_000  # the fake server refuses an id at or past it (a 400: the sample's fault)
-READER = Path(__file__).with_name("speculators_reader.py")
 
 
 @pytest.fixture
@@ -78,60 +76,9 @@ async def _front(
 ) -> tuple[asyncio.subprocess.Process, str]:
     raw = config_raw(tmp / "front", samples, urls or [url], dump, hidden_size=HIDDEN)
     config = write_config(tmp, raw, "front.toml")
-    port = free_port()
-    log = (tmp / "front.log").open("wb")
-    proc = await asyncio.create_subprocess_exec(
-        mooncake_python(),
-        "-m",
-        "hsx_async",
-        "front",
-        "speculators",
-        "--config",
-        str(config),
-        "--model",
-        str(model),
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--served-model-name",
-        "tiny",
-        "--mooncake-master",
-        master,
-        "--mooncake-segment-mib",
-        str(segment_mib),
-        "--mooncake-buffer-mib",
-        str(buffer_mib),
-        stdout=log,
-        stderr=log,
-        cwd=REPO,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    return await start_front(
+        tmp, config, model=model, master=master, buffer_mib=buffer_mib, segment_mib=segment_mib
     )
-    log.close()
-    try:
-        await wait_listening(port, proc, "hsx front")
-    except BaseException:
-        await stop(proc)
-        print((tmp / "front.log").read_text())
-        raise
-    return proc, f"http://127.0.0.1:{port}"
-
-
-async def _read(url: str, master: str, tmp: Path) -> Path:
-    """speculators' own reader over ``tmp/requests.json``: the file it saved."""
-    out = tmp / "read.safetensors"
-    reader = await asyncio.create_subprocess_exec(
-        mooncake_python(),
-        str(READER),
-        url,
-        master,
-        str(tmp / "requests.json"),
-        str(out),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-    )
-    log, _ = await asyncio.wait_for(reader.communicate(), 90.0)
-    assert reader.returncode == 0, log.decode(errors="replace")[-3000:]
-    return out
 
 
 async def test_speculators_reads_what_hsx_run_writes(
@@ -142,18 +89,15 @@ async def test_speculators_reads_what_hsx_run_writes(
     dest = await _offline(tmp_path, sample_set.path, fake, shm_root, model)
     rows = [orjson.loads(line) for line in (dest / "samples.jsonl").read_bytes().splitlines()]
     prompts = [row["input_ids"] for row in rows] + [[1, VOCAB + 5, 2]]
-    (tmp_path / "requests.json").write_text(json.dumps(prompts))
 
     proc, url = await _front(
         tmp_path, sample_set.path, fake, shm_root, model=model, master=mooncake_master
     )
     try:
-        out = await _read(url, mooncake_master, tmp_path)
+        got = await read_through(url, mooncake_master, tmp_path, prompts)
     finally:
         await stop(proc)
-    read = load_file(out)
-    with safe_open(out, framework="pt") as fh:
-        notes = fh.metadata()
+    read, notes = got.tensors, got.notes
     for i, row in enumerate(rows):
         offline = load_file(dest / "hidden_states" / f"hs_{i}.safetensors")
         assert f"error_{i}" not in notes, notes
@@ -196,7 +140,6 @@ async def test_failures_reach_the_trainer_as_its_error_markers(
     big = [7] * 8200  # 8200 tokens x 4 slots x 64 x 2 bytes: over the 4 MiB buffer
     fill = [8] * 7000  # 3.4 MiB: five do not fit in the 16 MiB segment
     prompts = [big, [1, 2, 3], fill, [8, 9], [4, 5, 6]]
-    (tmp_path / "requests.json").write_text(json.dumps(prompts))
     try:
         async with aiohttp.ClientSession() as session:
             await _refusals(session, url)
@@ -204,12 +147,10 @@ async def test_failures_reach_the_trainer_as_its_error_markers(
                 body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
                 async with session.post(f"{url}/v1/completions", json=body) as resp:
                     assert resp.status == 200
-        out = await _read(url, mooncake_master, tmp_path)
+        got = await read_through(url, mooncake_master, tmp_path, prompts)
     finally:
         await stop(proc)
-    read = load_file(out)
-    with safe_open(out, framework="pt") as fh:
-        notes = fh.metadata()
+    read, notes = got.tensors, got.notes
     assert "over the Mooncake client's local buffer" in notes["error_0"], notes
     assert "--mooncake-buffer-mib" in notes["error_0"]
     assert "Mooncake is full" in notes["error_2"], notes
