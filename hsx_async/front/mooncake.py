@@ -36,12 +36,14 @@ MAX_REASON = 4096  # hs-connectors truncates its own reasons there
 # Mooncake's status codes met here (mooncake-transfer-engine 0.3.13).
 NO_SPACE = -200  # the segments cannot hold the object (pinned objects are never evicted)
 NO_BUFFER = -600  # the object is larger than the client's local buffer
+RPC_FAIL = -900  # the master did not answer (it is down, or unreachable from here)
 MIN_SEGMENT = 16 << 20  # Mooncake refuses a smaller segment ("Total size must be at least")
 
 
 # What a refusal was (the ``kind`` of the front's failure metrics).
 FULL = "mooncake_full"
 TOO_LARGE = "mooncake_too_large"
+UNREACHABLE = "mooncake_unreachable"
 PUT_FAILED = "mooncake_put"
 
 
@@ -201,6 +203,12 @@ class Publisher:
                 f"Mooncake is full (status {status}) for {key} ({len(blob)} bytes): the "
                 "trainer has not removed what it read, or --mooncake-segment-mib is too small",
                 FULL,
+            )
+        if status == RPC_FAIL:
+            raise MooncakeError(
+                f"Mooncake's master at {self.options.master} did not answer the put of {key} "
+                f"(status {status}): is mooncake_master running (--mooncake-master)?",
+                UNREACHABLE,
             )
         raise MooncakeError(f"Mooncake put of {key} ({len(blob)} bytes) failed: status {status}")
 

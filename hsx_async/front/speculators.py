@@ -145,8 +145,9 @@ def build_app(front: Front) -> web.Application:
         try:
             body = await request.json()
         except ValueError:
-            return web.json_response(_error("the body is not JSON", 400), status=400)
+            body = None
         if not isinstance(body, dict):
+            front.metrics.answered(REFUSED)
             return web.json_response(_error("the body is not a JSON object", 400), status=400)
         status, answer = await front.completion(body)
         return web.json_response(answer, status=status)

@@ -9,7 +9,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -99,3 +101,19 @@ async def read_through(url: str, master: str, tmp: Path, prompts: list[list[int]
     with safe_open(out, framework="pt") as fh:
         notes = dict(fh.metadata())
     return Read(load_file(out), notes)
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The front's ``/metrics``: each counter, gauge and histogram count by its series
+    (``name{label="value",...}``), buckets and sums left out."""
+    async with session.get(f"{url}/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_bucket", "_sum", "_created")):
+                continue
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out

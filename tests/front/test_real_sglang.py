@@ -27,13 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import torch
 
 from hsx_async.server.reference.model import TINY_VOCAB, bf16_mismatch, save_default_model
 from tests.e2e import config_raw, write_config
 from tests.front.conftest import mooncake_python, running_master, stop
-from tests.front.harness import Read, read_through, start_front
+from tests.front.harness import Read, read_through, scrape, start_front
 from tests.real_sglang.conftest import (
     CPU_GAPS,
     launch_command,
@@ -48,8 +49,6 @@ from tests.real_sglang.conftest import (
     stop as stop_server,
 )
 from tests.real_sglang.test_real_deepseek import (
-    MAX_RELATIVE_ERROR,
-    MIN_COSINE,
     MIN_WRONG_ERROR,
     relative_error,
 )
@@ -68,9 +67,20 @@ pytestmark = [pytest.mark.real_sglang, pytest.mark.mooncake, pytest.mark.timeout
 CHUNK = 64  # SGLang's chunked prefill: a long prompt's rows come in parts
 CONTEXT = 1024  # CPU_FLAGS' --context-length: a longer prompt is refused (a 400)
 # The teacher the trainer computes, lm_head(norm(last slot)), against the model's logits:
-# relative error per row (measured: <= 0.0043; the wrong final state gives >= 0.5).
+# relative error per row (measured: <= 0.0032), and top-1 agreement over every row of the
+# prompts (measured: 624 of 629; the misses are near-ties of this random model). The
+# unconverted post-norm dump, normed again by the trainer, is far off (measured: a median
+# error of 0.35 per prompt at best).
 MAX_LOGITS_ERROR = 0.01
 MIN_TOP1_AGREEMENT = 0.98
+WRONG_TEACHER_ERROR = 0.05
+# The last slot normed again, against the model's final state: the dump's bf16 rounding
+# and the conversion's (post / gain, rounded to bf16 again) — two roundings where the
+# dataset's final slot has one (MAX_RELATIVE_ERROR). Measured: <= 0.0040.
+MAX_NORMED_ERROR = 0.006
+# Its direction against the state entering model.norm (the norm drops its scale), after
+# the same two roundings. Measured: >= 0.9999952.
+MIN_PRE_COSINE = 0.99999
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -91,6 +101,7 @@ class FrontRun:
     too_long: int  # the index of the prompt SGLang refuses
     read: Read  # while SGLang served
     after_stop: Read  # one prompt once SGLang was gone
+    metrics: dict[str, float]  # the front's /metrics at the end
     front_log: str
 
 
@@ -143,9 +154,12 @@ async def _through_front(
             after = tmp / "after"
             after.mkdir()
             after_stop = await read_through(url, master, after, [sent[0]])
+            async with aiohttp.ClientSession() as session:
+                metrics = await scrape(session, url)
         finally:
             await stop(proc)
-    return FrontRun(sent, len(sent) - 1, read, after_stop, (tmp / "front.log").read_text())
+    log = (tmp / "front.log").read_text()
+    return FrontRun(sent, len(sent) - 1, read, after_stop, metrics, log)
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +189,8 @@ def test_speculators_reads_a_hugging_face_forward_in_its_layout(
         worst_error = max(worst_error, float(relative_error(normed, norm.post).max()))
         assert notes[f"gone_{i}"] == "0"  # the trainer's delete removed the pinned object
     print(f"front: worst cosine to the pre-norm state {worst_cosine:.7f}, normed {worst_error:.5f}")
-    assert worst_cosine >= MIN_COSINE
-    assert worst_error <= MAX_RELATIVE_ERROR
+    assert worst_cosine >= MIN_PRE_COSINE
+    assert worst_error <= MAX_NORMED_ERROR
 
 
 def test_the_last_slot_is_pre_norm_not_the_post_norm_dump(front_run: FrontRun, hf: Any) -> None:
@@ -192,15 +206,25 @@ def test_the_last_slot_is_pre_norm_not_the_post_norm_dump(front_run: FrontRun, h
 
 def test_the_trainers_teacher_logits_are_the_models(front_run: FrontRun, hf: Any) -> None:
     """speculators' teacher: ``lm_head(norm(last slot))`` with the verifier's weights."""
+    worst_error, best_wrong, agree, rows = 0.0, float("inf"), 0, 0
     for i, ids in enumerate(front_run.prompts[: front_run.too_long]):
         last = front_run.read.tensors[f"hidden_states_{i}"][:, -1].float()
+        twice = final_norm(hf, ids).twice  # what the post-norm dump would give the trainer
         with torch.inference_mode():
             teacher = hf.lm_head(_normed(hf, last))
+            wrong = hf.lm_head(twice)
             logits = hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
-        error = (teacher - logits).norm(dim=-1) / logits.norm(dim=-1)
-        agreement = float((teacher.argmax(-1) == logits.argmax(-1)).double().mean())
-        assert float(error.max()) <= MAX_LOGITS_ERROR, (i, float(error.max()))
-        assert agreement >= MIN_TOP1_AGREEMENT, (i, agreement)
+        worst_error = max(worst_error, float(_error(teacher, logits).max()))
+        best_wrong = min(best_wrong, float(_error(wrong, logits).median()))
+        agree += int((teacher.argmax(-1) == logits.argmax(-1)).sum())
+        rows += len(ids)
+    print(
+        f"front: teacher logits worst error {worst_error:.5f} (the post-norm dump's "
+        f"median at best {best_wrong:.3f}), top-1 {agree}/{rows}"
+    )
+    assert worst_error <= MAX_LOGITS_ERROR
+    assert best_wrong >= WRONG_TEACHER_ERROR
+    assert agree >= MIN_TOP1_AGREEMENT * rows
 
 
 def test_a_refused_prompt_and_a_server_gone_reach_the_trainer_as_error_markers(
@@ -222,3 +246,24 @@ def _normed(hf: Any, state: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         out: torch.Tensor = hf.model.norm(state[None])[0]
     return out
+
+
+def test_the_front_counts_what_it_did_and_holds_nothing_read(front_run: FrontRun) -> None:
+    """Its /metrics: each outcome and fault as the trainer saw it; what the trainer read
+    and removed is no longer held in Mooncake; SGLang was admitted by hsx run's admission
+    before any prompt (its identity in the front's log)."""
+    m = front_run.metrics
+    assert m['hsx_front_requests_total{outcome="published"}'] == front_run.too_long
+    assert m['hsx_front_requests_total{outcome="error_marker"}'] == 2
+    assert m['hsx_front_failures_total{cause="sample",kind="rejected"}'] == 1
+    assert m['hsx_front_failures_total{cause="server",kind="unreachable"}'] == 1
+    assert m["hsx_front_request_seconds_count"] == front_run.too_long + 2
+    assert (m["hsx_front_mooncake_objects_held"], m["hsx_front_mooncake_bytes_held"]) == (0, 0)
+    assert '"event":"server_admitted"' in front_run.front_log
+    assert '"final_state":"post_norm"' in front_run.front_log  # converted for the trainer
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Relative error per row."""
+    error: torch.Tensor = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    return error

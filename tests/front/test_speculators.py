@@ -8,6 +8,7 @@ as hs-connectors' ``:error`` marker naming the sample's fault."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,13 +19,14 @@ import torch
 from safetensors.torch import load_file
 
 from hsx_async.cli import main
+from hsx_async.front.mooncake import aligned
 from hsx_async.run.daemon import Daemon
 from hsx_async.server.fake.options import FakeOptions
 from hsx_async.server.fake.server import running_fake_server
 from tests.dataset.test_export import model_dir
 from tests.e2e import config_raw, free_port, make_config, write_config, write_samples
-from tests.front.conftest import stop
-from tests.front.harness import read_through, start_front
+from tests.front.conftest import running_master, stop
+from tests.front.harness import read_through, scrape, start_front
 
 pytestmark = pytest.mark.mooncake
 
@@ -148,6 +150,8 @@ async def test_failures_reach_the_trainer_as_its_error_markers(
                 async with session.post(f"{url}/v1/completions", json=body) as resp:
                     assert resp.status == 200
         got = await read_through(url, mooncake_master, tmp_path, prompts)
+        async with aiohttp.ClientSession() as session:
+            metrics = await scrape(session, url)
     finally:
         await stop(proc)
     read, notes = got.tensors, got.notes
@@ -159,6 +163,20 @@ async def test_failures_reach_the_trainer_as_its_error_markers(
         assert read[f"token_ids_{i}"].tolist() == prompts[i]
         assert read[f"hidden_states_{i}"].shape == (len(prompts[i]), 4, HIDDEN)
     assert [notes[f"gone_{i}"] for i in range(5)] == ["0"] * 5
+    assert metrics == {
+        'hsx_front_requests_total{outcome="refused"}': 6.0,
+        'hsx_front_requests_total{outcome="published"}': 11.0,
+        'hsx_front_requests_total{outcome="error_marker"}': 2.0,
+        'hsx_front_failures_total{cause="mooncake",kind="mooncake_too_large"}': 1.0,
+        'hsx_front_failures_total{cause="mooncake",kind="mooncake_full"}': 1.0,
+        "hsx_front_bytes_published_total": metrics["hsx_front_bytes_published_total"],
+        "hsx_front_request_seconds_count": 13.0,
+        "hsx_front_publish_seconds_count": 15.0,  # 11 samples, 2 refused, 2 markers
+        # The eight unread samples hold the segment; what the trainer read it removed.
+        "hsx_front_mooncake_objects_held": 8.0,
+        "hsx_front_mooncake_bytes_held": 4 * _packed(len(fill)) + 4 * _packed(1),
+    }, metrics
+    assert metrics["hsx_front_bytes_published_total"] > metrics["hsx_front_mooncake_bytes_held"]
 
 
 async def _refusals(session: aiohttp.ClientSession, url: str) -> None:
@@ -175,3 +193,41 @@ async def _refusals(session: aiohttp.ClientSession, url: str) -> None:
             assert (await resp.json())["error"]["code"] == status
     async with session.post(f"{url}/v1/completions", data=b"{not json") as resp:
         assert resp.status == 400
+
+
+def _packed(tokens: int) -> int:
+    """A sample's object: its hidden states and token ids, each 64-byte aligned."""
+    return aligned(tokens * 4 * HIDDEN * 2) + aligned(tokens * 8)
+
+
+async def test_mooncake_down_is_the_trainers_503_naming_the_master(
+    tmp_path: Path, fake: str, shm_root: Path
+) -> None:
+    """With mooncake_master gone not even the marker can be put: the trainer's request is
+    answered 503 (its client raises), naming the master; the front stays up and counts it."""
+    sample_set = write_samples(tmp_path / "samples.jsonl", 1, seed=3, max_len=40)
+    model, _ = model_dir(tmp_path / "model", HIDDEN)
+    async with contextlib.AsyncExitStack() as stack:
+        masters = contextlib.AsyncExitStack()  # closed early: the master goes
+        master = await masters.enter_async_context(running_master(tmp_path))
+        stack.push_async_callback(masters.aclose)
+        proc, url = await _front(
+            tmp_path, sample_set.path, fake, shm_root, model=model, master=master
+        )
+        stack.push_async_callback(stop, proc)
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+            await masters.aclose()
+            async with session.post(f"{url}/v1/completions", json=body) as resp:
+                assert resp.status == 503
+                message = (await resp.json())["error"]["message"]
+            async with session.get(f"{url}/health") as resp:
+                assert resp.status == 200
+            metrics = await scrape(session, url)
+    assert f"Mooncake's master at {master} did not answer" in message, message
+    assert "and its error marker" in message, message
+    assert metrics['hsx_front_requests_total{outcome="unanswered"}'] == 1
+    assert metrics['hsx_front_requests_total{outcome="published"}'] == 1
+    assert metrics['hsx_front_failures_total{cause="mooncake",kind="mooncake_unreachable"}'] == 1
