@@ -34,7 +34,14 @@ from hsx_async.dataset.target import final_norm_weight, norm_gain, read_target
 from hsx_async.errors import ArgumentError
 from hsx_async.front.extract import ExtractionFailed, Extractor, check_config, extracting
 from hsx_async.front.metrics import ERROR_MARKER, PUBLISHED, REFUSED, UNANSWERED, FrontMetrics
-from hsx_async.front.mooncake import MooncakeError, MooncakeOptions, Publisher, error_manifest, pack
+from hsx_async.front.mooncake import (
+    UNREACHABLE,
+    MooncakeError,
+    MooncakeOptions,
+    Publisher,
+    error_manifest,
+    pack,
+)
 from hsx_async.logs import configure_logging
 from hsx_async.net import listen_address, listen_ok
 from hsx_async.protocol import PRE_NORM
@@ -80,6 +87,9 @@ class Front:
             reason = str(exc)
         except MooncakeError as exc:
             self.metrics.failed("mooncake", exc.kind)
+            if exc.kind == UNREACHABLE:  # no marker can be put either: say it at once
+                log.warning("sample_failed", handle=handle, reason=str(exc))
+                return 503, _error(str(exc), 503), UNANSWERED
             reason = str(exc)
         log.info("sample_failed", handle=handle, reason=reason)
         try:
