@@ -11,8 +11,10 @@ The servers are ``hsx run``'s too: none takes a prompt before ``hsx run``'s admi
 (:class:`~hsx_async.run.admission.Admission`) examined it (its info, one probe through the
 dump path, its identity against the config and against the first server admitted); a
 server's fault takes it out of rotation as in ``hsx run`` (:meth:`ServerPool.fault`) and
-moves the prompt on to the next server in rotation (each server once); the sample's fault
-is final; every dump is checked against its server's identity. While no server is in
+moves the prompt on to the next server in rotation (each server once); a refusal (a 4xx)
+is the sample's, and final, only once the server is shown to work (hsx run's arbitration:
+a later request served, or its probe passing now), else the server's; every dump is
+checked against its server's identity. While no server is in
 rotation a prompt waits at most ``server.unreachable_timeout``, then fails as the server's
 fault; the front keeps examining the servers (it does not stop as ``hsx run`` does).
 
@@ -51,7 +53,7 @@ from hsx_async.protocol import BF16, HIDDEN, num_layers
 from hsx_async.run.admission import Admission
 from hsx_async.run.client import Server, ServerPool, SGLangClient
 from hsx_async.run.dump import Dump, namespace_lock, on_tmpfs, prepare_namespace, remove_tree
-from hsx_async.run.faults import fault_of
+from hsx_async.run.faults import Fault, fault_of
 from hsx_async.run.identity import Identity, JobRecord, check_dump
 from hsx_async.run.notify import Notifier
 from hsx_async.run.source import Sample
@@ -112,6 +114,7 @@ class Extractor:
         )
         self._session: aiohttp.ClientSession | None = None
         self._client: SGLangClient | None = None
+        self._admission: Admission | None = None
 
     async def __aenter__(self) -> Extractor:
         """Holds the front's dump namespace (:class:`ConfigError` when another front with
@@ -127,6 +130,17 @@ class Extractor:
             raise
         self._session = aiohttp.ClientSession()
         self._client = SGLangClient(self._session, self.pool)
+        self._admission = Admission(
+            self.config,
+            self._client,
+            nonce=self.nonce,
+            namespace=self.probe_ns,
+            record=_no_record,
+            job=JobRecord(),
+            final_states=self.final_states,
+            notifier=Notifier(None),
+            stop_requested=asyncio.Event(),
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -147,21 +161,10 @@ class Extractor:
         """``hsx run``'s admission of the servers, for as long as the front serves (a
         long-lived task of its group). It stops ``hsx run`` when no server is in rotation
         for ``server.unreachable_timeout``; the front says so and keeps examining them."""
-        assert self._client is not None, "use the extractor as an async context manager"
-        admission = Admission(
-            self.config,
-            self._client,
-            nonce=self.nonce,
-            namespace=self.probe_ns,
-            record=_no_record,
-            job=JobRecord(),
-            final_states=self.final_states,
-            notifier=Notifier(None),
-            stop_requested=asyncio.Event(),
-        )
+        assert self._admission is not None, "use the extractor as an async context manager"
         while True:
             try:
-                await admission.run()
+                await self._admission.run()
             except NoServerError as exc:
                 log.warning("no_server_in_rotation", reason=str(exc))
 
@@ -179,7 +182,8 @@ class Extractor:
                 break  # no other server in rotation now: the trainer is not kept waiting
             try:
                 async with self.pool.lease() as server:
-                    return await self._attempt(server, f"{rid}-{attempt}", input_ids)
+                    lease = server.requests  # what a refusal is arbitrated against
+                    return await self._attempt(server, lease, f"{rid}-{attempt}", input_ids)
             except NoServerError as exc:
                 failed.append(ExtractionFailed("server", "unreachable", str(exc)))
                 break
@@ -193,8 +197,10 @@ class Extractor:
         reasons = "; ".join(str(f) for f in failed)
         raise ExtractionFailed("server", failed[-1].kind, f"every server failed it: {reasons}")
 
-    async def _attempt(self, server: Server, rid: str, input_ids: list[int]) -> Extracted:
-        assert self._client is not None, "use the extractor as an async context manager"
+    async def _attempt(
+        self, server: Server, lease: int, rid: str, input_ids: list[int]
+    ) -> Extracted:
+        assert self._client is not None and self._admission is not None, "use it in `async with`"
         ids = np.asarray(input_ids, dtype=np.int64)
         sample = Sample(id=rid, line=0, input_ids=ids, loss_mask=None)
         rid_dir = self.ns_dir / rid
@@ -222,13 +228,17 @@ class Extractor:
             hidden = await asyncio.to_thread(self._hidden, dump, len(input_ids))
         except (RequestError, DumpError) as exc:
             fault = fault_of(exc)
+            # As in hsx run: a refusal is the sample's only once the server is shown to
+            # work (a later request served, or its probe now); else it is the server's.
+            if fault.cause == "sample" and not await self._admission.arbitrate(server, lease):
+                fault = Fault("server", fault.kind, f"{fault.reason} (its probe was refused too)")
             await self.pool.fault(server, fault)
             raise ExtractionFailed(fault.cause, fault.kind, fault.reason) from None
         except DatasetError as exc:  # a post-norm server and no --model to convert with
             raise ExtractionFailed("server", "final_state", f"{exc}: give --model") from None
         finally:
             await asyncio.to_thread(remove_tree, rid_dir)
-        self.pool.succeeded(server)
+        self.pool.served(server, lease)
         return Extracted(hidden, torch.from_numpy(ids.copy()))
 
     def _hidden(self, dump: Dump, num_tokens: int) -> torch.Tensor:

@@ -106,6 +106,27 @@ async def test_a_server_that_fails_leaves_rotation_and_the_prompt_moves_on(
             assert b.url in str(down.value)
 
 
+async def test_a_server_that_refuses_everything_after_its_probe_costs_no_sample(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    """hsx run's arbitration (issue 38): a server admitted, then answering 400 to every
+    request, refuses its probe too: its refusals are its own fault, not the samples'. It
+    leaves rotation and the prompt moves on to the other server."""
+    options = FakeOptions(dump_root=shm_root, chunk_size=32, vocab_size=VOCAB)
+    async with running_fake_server(options) as good, running_fake_server(options) as bad:
+        config = _config(tmp_path, [good.url, bad.url], shm_root)
+        conv = FinalConversion(PRE_NORM, torch.ones(64), 1e-5)
+        async with extracting(config, conv, tmp_path / "st") as ex:
+            await ex.extract(ex.next_rid(), [1, 2])
+            assert not ex.pool.out_of_rotation()
+            bad.set_rejects(True)
+            for _ in range(4):
+                assert (await ex.extract(ex.next_rid(), [5, 6])).token_ids.tolist() == [5, 6]
+            [out] = ex.pool.out_of_rotation()
+            assert out.url == bad.url and "400" in out.last_error
+        assert bad.stats.bad_requests >= 2  # a sample's request, then its probe
+
+
 async def test_no_server_in_rotation_fails_the_prompt_in_bounded_time(
     tmp_path: Path, shm_root: Path
 ) -> None:
