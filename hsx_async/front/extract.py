@@ -98,8 +98,12 @@ class Extractor:
         self.conversion = conversion
         state_dir.mkdir(parents=True, exist_ok=True)
         self.final_states = FinalStateGuard(state_dir)  # one final-state kind per front
+        # The front's namespaces: <ns>-<n> for requests, one in flight in each (the copy
+        # sweeps every other rid of an attempt's namespace as debris, as in hsx run's
+        # workers), and <ns>-probe for the admission; all under one namespace lock.
         self.ns = f"{config.dump.namespace_prefix}-{FRONT_NAMESPACE}"
-        self.ns_dir = config.dump.root / self.ns
+        self.namespaces: list[str] = []  # made so far
+        self._free: list[str] = []  # made and not in use
         self.on_tmpfs = False
         self._held = contextlib.ExitStack()
         self.nonce = secrets.token_hex(4)
@@ -123,8 +127,7 @@ class Extractor:
         root.mkdir(parents=True, exist_ok=True)
         self._held.enter_context(namespace_lock(root, self.ns))
         try:
-            prepare_namespace(root, self.ns)
-            self.on_tmpfs = on_tmpfs(self.ns_dir)
+            self.on_tmpfs = on_tmpfs(root)
         except BaseException:
             self._held.close()
             raise
@@ -147,10 +150,24 @@ class Extractor:
         try:
             if self._session is not None:
                 await self._session.close()
-            await asyncio.to_thread(remove_tree, self.ns_dir)
-            await asyncio.to_thread(remove_tree, self.config.dump.root / self.probe_ns)
+            for ns in [*self.namespaces, self.probe_ns]:
+                await asyncio.to_thread(remove_tree, self.config.dump.root / ns)
         finally:
             self._held.close()
+
+    @contextlib.asynccontextmanager
+    async def _namespace(self) -> AsyncIterator[str]:
+        """A namespace of the front's for one request, no other request in it meanwhile."""
+        if self._free:
+            ns = self._free.pop()
+        else:
+            ns = f"{self.ns}-{len(self.namespaces)}"
+            self.namespaces.append(ns)
+            await asyncio.to_thread(prepare_namespace, self.config.dump.root, ns)
+        try:
+            yield ns
+        finally:
+            self._free.append(ns)
 
     @property
     def probe_ns(self) -> str:
@@ -181,9 +198,9 @@ class Extractor:
             if failed and not self.pool.healthy():
                 break  # no other server in rotation now: the trainer is not kept waiting
             try:
-                async with self.pool.lease() as server:
+                async with self._namespace() as ns, self.pool.lease() as server:
                     lease = server.requests  # what a refusal is arbitrated against
-                    return await self._attempt(server, lease, f"{rid}-{attempt}", input_ids)
+                    return await self._attempt(server, lease, ns, f"{rid}-{attempt}", input_ids)
             except NoServerError as exc:
                 failed.append(ExtractionFailed("server", "unreachable", str(exc)))
                 break
@@ -198,18 +215,18 @@ class Extractor:
         raise ExtractionFailed("server", failed[-1].kind, f"every server failed it: {reasons}")
 
     async def _attempt(
-        self, server: Server, lease: int, rid: str, input_ids: list[int]
+        self, server: Server, lease: int, ns: str, rid: str, input_ids: list[int]
     ) -> Extracted:
         assert self._client is not None and self._admission is not None, "use it in `async with`"
         ids = np.asarray(input_ids, dtype=np.int64)
         sample = Sample(id=rid, line=0, input_ids=ids, loss_mask=None)
-        rid_dir = self.ns_dir / rid
         cfg = self.config
+        rid_dir = cfg.dump.root / ns / rid
         try:
             await self._client.generate(
                 server,
                 rid=rid,
-                ns=self.ns,
+                ns=ns,
                 input_ids=ids,
                 timeout=cfg.server.request_timeout,
                 storage=cfg.storage,

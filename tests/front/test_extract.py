@@ -51,12 +51,35 @@ async def test_rows_are_the_servers_with_the_final_state_pre_norm(
     ids = [3, 1, 4, 1, 5, 9, 2, 6] * 9  # 72 tokens: three chunks of the fake's 32
     async with extracting(config, FinalConversion(PRE_NORM, gain, 1e-5), tmp_path / "st") as ex:
         got = await ex.extract(ex.next_rid(), ids)
-        assert list(ex.ns_dir.iterdir()) == []  # the dump is gone once read
+        assert [list((shm_root / ns).iterdir()) for ns in ex.namespaces] == [[]]  # read: gone
     raw = expected_hidden_states(np.asarray(ids), 64, 4)
     want = torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16)
     assert torch.equal(got.hidden_states[:, :-1], want[:, :-1])
     assert torch.equal(got.hidden_states[:, -1], pre_from_post(want[:, -1], gain))
     assert got.token_ids.tolist() == ids and got.token_ids.dtype == torch.int64
+
+
+async def test_concurrent_prompts_each_get_their_own_rows(
+    tmp_path: Path, fake: str, shm_root: Path
+) -> None:
+    """A trainer's dataloader workers ask at once: no request's dump is swept as another's
+    debris (each in flight has a namespace of its own; before, all but one failed with
+    dump_missing after dump.timeout)."""
+    gain = torch.rand(64, generator=torch.Generator().manual_seed(2)) * 2.8 + 0.2
+    config = _config(tmp_path, [fake], shm_root)
+    prompts = [[3 + i] * (20 + 7 * i) for i in range(8)]
+    async with extracting(config, FinalConversion(PRE_NORM, gain, 1e-5), tmp_path / "st") as ex:
+        got = await asyncio.wait_for(
+            asyncio.gather(*(ex.extract(ex.next_rid(), ids) for ids in prompts)), 30.0
+        )
+        assert 1 < len(ex.namespaces) <= len(prompts)
+        assert all(list((shm_root / ns).iterdir()) == [] for ns in ex.namespaces)
+    for ids, sample in zip(prompts, got, strict=True):
+        raw = expected_hidden_states(np.asarray(ids), 64, 4)
+        want = torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16)
+        assert torch.equal(sample.hidden_states[:, :-1], want[:, :-1])
+        assert sample.token_ids.tolist() == ids
+    assert not (shm_root / ex.namespaces[0]).exists()  # removed with the front
 
 
 async def test_faults_name_the_sample_or_the_server(
