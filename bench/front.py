@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,18 @@ def _cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tensor_bytes(sample: dict[str, Any]) -> int:
+    return sum(int(v.nbytes) for v in sample.values() if hasattr(v, "nbytes"))
+
+
+def run_started(log: Path) -> float:
+    """The wall-clock time of an ``hsx run`` log's ``run_started`` event."""
+    for line in log.read_bytes().splitlines():
+        if line.startswith(b"{") and b'"run_started"' in line:
+            return datetime.fromisoformat(json.loads(line)["timestamp"]).timestamp()
+    raise RuntimeError(f"no run_started in {log}")
+
+
 def serve_phase(
     args: argparse.Namespace, s: Scratch, url: str, dump_root: Path, model: Model
 ) -> dict[str, Any]:
@@ -85,6 +98,7 @@ def serve_phase(
                         output={"retention": "acked", "consumers": [CONSUMER]})  # fmt: skip
     flags, env = serve_options("plain", s.work)
     os.environ.update(env)
+    target, _ = model_dir(s.work / "model-serve", model.hidden_size)  # the pre-norm view
     got = {"samples": 0, "bytes": 0, "done_at": 0.0}
     errors: list[BaseException] = []
     with hsx_serve(out, flags) as (serve_url, serve_pid):
@@ -92,20 +106,21 @@ def serve_phase(
 
         def read() -> None:
             try:
-                live = LiveDataset(serve_url, consumer=CONSUMER, wait_timeout=args.timeout)
+                live = LiveDataset(serve_url, consumer=CONSUMER, wait_timeout=args.timeout,
+                                   view="speculators", model=target)  # fmt: skip
                 for sample in live:
                     got["samples"] += 1
-                    got["bytes"] += int(sample["hidden_states"].nbytes)
+                    got["bytes"] += tensor_bytes(sample)
                     live.done(sample)
                     live.ack()
-                got["done_at"] = time.monotonic()
+                got["done_at"] = time.time()
             except BaseException as exc:  # noqa: BLE001 - carried to the phase, which raises it
                 errors.append(exc)
 
         reader = threading.Thread(target=read, daemon=True)
-        started = time.monotonic()
         reader.start()
         run = run_hsx(raw, s.work, "serve-run")
+        started = run_started(s.work / "serve-run.log")  # hsx run's start-up excluded
         reader.join(args.timeout)
         cpu = _cpu(serve_pid) - cpu0
     if errors or got["samples"] != args.samples or run.done != args.samples:
