@@ -17,24 +17,15 @@ import threading
 import time
 from pathlib import Path
 
-import openai
-from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
-from hs_connectors.transfer import MooncakeTransfer
 from speculators.data_generation.vllm_client import generate_hidden_states
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.front.speculators_reader import connect
 
 
 def main(url: str, master: str, prompts_file: str, threads: str) -> int:
     prompts = json.loads(Path(prompts_file).read_text())
-    client = openai.Client(base_url=f"{url}/v1", api_key="unused")
-    [model] = [m.id for m in client.models.list().data]
-    config = MooncakeStoreConfig(
-        local_hostname="127.0.0.1",
-        master_server_address=master,
-        global_segment_size=0,  # a reader hosts nothing
-        local_buffer_size=64 << 20,
-    )
-    transfer = MooncakeTransfer(MooncakeHiddenStatesStore(config))
-    transfer.setup()
+    client, model, transfer = connect(url, master, 64 << 20)
     lock = threading.Lock()
     todo = list(enumerate(prompts))
     totals = {"samples": 0, "failed": 0, "bytes": 0}

@@ -9,7 +9,10 @@ This front answers those calls from hsx's own extraction path
 (:mod:`hsx_async.front.extract`) and publishes each sample with
 :mod:`hsx_async.front.mooncake`; a sample that fails is published as the reader's
 ``{handle}:error`` marker with the reason (the sample's or the server's fault), so the
-trainer fails that sample fast instead of waiting out its timeout.
+trainer fails that sample fast instead of waiting out its timeout; with Mooncake's master
+gone (no marker can be put either) the request is answered 503, which the trainer's
+client raises. ``/metrics`` on the same port (:mod:`hsx_async.front.metrics`) counts each
+outcome and fault and what Mooncake holds for the trainer.
 """
 
 from __future__ import annotations
