@@ -18,8 +18,9 @@ requests in flight:
    OpenAI call, hs-connectors' ``MooncakeTransfer``, their delete) from
    ``--concurrency`` threads. Rate: from the first request to the last sample read.
 
-The table gives each path's samples/s and its GB/s of hidden states read, the front's
-ratio to ``hsx serve``, and the CPU seconds each serving process used per GB.
+The table gives each path's samples/s and its GB/s of tensors read, the front's ratio to
+``hsx serve``, and the CPU seconds hsx's processes used per GB read (``hsx run`` and
+``hsx serve``; the front), the readers' own excluded.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def _cpu(pid: int) -> float:
 
 
 def tensor_bytes(sample: dict[str, Any]) -> int:
-    return sum(int(v.nbytes) for v in sample.values() if hasattr(v, "nbytes"))
+    """What the front delivers of a sample (the view adds a loss mask it does not)."""
+    return int(sample["hidden_states"].nbytes) + int(sample["token_ids"].nbytes)
 
 
 def run_started(log: Path) -> float:
@@ -122,7 +124,7 @@ def serve_phase(
         run = run_hsx(raw, s.work, "serve-run")
         started = run_started(s.work / "serve-run.log")  # hsx run's start-up excluded
         reader.join(args.timeout)
-        cpu = _cpu(serve_pid) - cpu0
+        cpu = _cpu(serve_pid) - cpu0 + (run.run_cpu_s or run.usage.cpu_s)  # + hsx run's
     if errors or got["samples"] != args.samples or run.done != args.samples:
         raise RuntimeError(f"hsx serve: read {got['samples']} of {run.done}: {errors!r}")
     wall = got["done_at"] - started
@@ -229,7 +231,7 @@ def report(args: argparse.Namespace, data: dict[str, Any]) -> None:
         f"A trainer pulling {args.samples} samples of {args.tokens} tokens (hidden "
         f"{args.hidden}, 4 states a token), {args.concurrency} in flight, fake server "
         f"{args.latency_base_ms:g} ms + {args.latency_per_token_us:g} µs/row a pass",
-        ["path", "samples/s", "GB/s read", "× hsx serve", "serving CPU s/GB", "failed"],
+        ["path", "samples/s", "GB/s read", "× hsx serve", "hsx CPU s/GB", "failed"],
         [[r["path"], r["rate"], r["gb_s"], r["vs_serve"], r["cpu_per_gb"], r["failed"]]
          for r in rows],
     )  # fmt: skip
