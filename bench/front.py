@@ -38,24 +38,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from common import (
-    GB,
-    Model,
-    Scratch,
-    ServerProcess,
-    apply_common,
-    child_env,
-    client_config,
-    common_args,
-    fake_server_argv,
-    machine_info,
-    print_table,
-    pyplot,
-    run_hsx,
-    save_results,
-    scratch,
-    write_samples,
-)
+import common
 from transport import hsx_serve, serve_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -89,15 +72,15 @@ def run_started(log: Path) -> float:
 
 
 def serve_phase(
-    args: argparse.Namespace, s: Scratch, url: str, dump_root: Path, model: Model
+    args: argparse.Namespace, s: common.Scratch, url: str, dump_root: Path, model: common.Model
 ) -> dict[str, Any]:
     samples = s.work / "samples.jsonl"
     out = s.fresh("out-serve")
     out.mkdir(parents=True, exist_ok=True)  # hsx serve waits for hsx run's first files
-    raw = client_config(url=url, samples=samples, out_dir=out, dump_root=dump_root, model=model,
-                        workers={"concurrency": args.concurrency},
-                        input={"max_tokens": args.tokens},
-                        output={"retention": "acked", "consumers": [CONSUMER]})  # fmt: skip
+    raw = common.client_config(url=url, samples=samples, out_dir=out, dump_root=dump_root,
+                               model=model, workers={"concurrency": args.concurrency},
+                               input={"max_tokens": args.tokens},
+                               output={"retention": "acked", "consumers": [CONSUMER]})  # fmt: skip
     flags, env = serve_options("plain", s.work)
     os.environ.update(env)
     target, _ = model_dir(s.work / "model-serve", model.hidden_size)  # the pre-norm view
@@ -121,7 +104,7 @@ def serve_phase(
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
-        run = run_hsx(raw, s.work, "serve-run")
+        run = common.run_hsx(raw, s.work, "serve-run")
         started = run_started(s.work / "serve-run.log")  # hsx run's start-up excluded
         reader.join(args.timeout)
         cpu = _cpu(serve_pid) - cpu0 + (run.run_cpu_s or run.usage.cpu_s)  # + hsx run's
@@ -133,12 +116,12 @@ def serve_phase(
 
 
 def front_phase(
-    args: argparse.Namespace, s: Scratch, url: str, dump_root: Path, model: Model
+    args: argparse.Namespace, s: common.Scratch, url: str, dump_root: Path, model: common.Model
 ) -> dict[str, Any]:
     venv_bin = Path(args.mooncake_python).parent
-    raw = client_config(url=url, samples=s.work / "samples.jsonl", out_dir=s.fresh("out-front"),
-                        dump_root=dump_root, model=model,
-                        input={"max_tokens": args.tokens})  # fmt: skip
+    raw = common.client_config(url=url, samples=s.work / "samples.jsonl",
+                               out_dir=s.fresh("out-front"), dump_root=dump_root, model=model,
+                               input={"max_tokens": args.tokens})  # fmt: skip
     config = s.work / "front.toml"
     config.write_text(tomli_w.dumps(raw))
     target, _ = model_dir(s.work / "model", model.hidden_size)  # its final norm: pre-norm
@@ -160,7 +143,9 @@ def front_phase(
                 "--mooncake-segment-mib", str(args.segment_mib),
                 "--mooncake-buffer-mib", str(args.buffer_mib)]  # fmt: skip
         front = stack.enter_context(
-            ServerProcess(argv, s.work / "front.log", listening=re.compile(rb"on (http://\S+)"))
+            common.ServerProcess(
+                argv, s.work / "front.log", listening=re.compile(rb"on (http://\S+)")
+            )
         )
         assert front.proc is not None
         cpu0 = front.cpu_s()
@@ -168,7 +153,7 @@ def front_phase(
             [args.mooncake_python, str(READER), front.url, f"127.0.0.1:{port}", str(prompts),
              str(args.concurrency)],
             capture_output=True, text=True, timeout=args.timeout, check=False, cwd=REPO,
-            env=child_env(),
+            env=common.child_env(),
         )  # fmt: skip
         cpu = front.cpu_s() - cpu0
     if done.returncode != 0:
@@ -182,7 +167,7 @@ def front_phase(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common_args(parser)
+    common.common_args(parser)
     add = parser.add_argument
     add("--mooncake-python", required=True,
         help="a Python with mooncake-transfer-engine-non-cuda, speculators 0.9.0 and "
@@ -201,24 +186,24 @@ def main() -> None:
         args.samples, args.tokens, args.hidden, args.concurrency = 12, 64, 64, 4
         args.segment_mib, args.buffer_mib, args.timeout = 32, 16, 180.0
     load_before = os.getloadavg()
-    apply_common(args)
-    model = Model(hidden_size=args.hidden, aux_layers=(1, 3, 5))
-    with scratch(args, "front") as s:
+    common.apply_common(args)
+    model = common.Model(hidden_size=args.hidden, aux_layers=(1, 3, 5))
+    with common.scratch(args, "front") as s:
         samples = s.work / "samples.jsonl"
-        write_samples(samples, [args.tokens] * args.samples)
+        common.write_samples(samples, [args.tokens] * args.samples)
         dump_root = s.fresh("dumps", on_shm=True)
-        argv = fake_server_argv(model, dump_root, latency_base_ms=args.latency_base_ms,
+        argv = common.fake_server_argv(model, dump_root, latency_base_ms=args.latency_base_ms,
                                 latency_per_token_us=args.latency_per_token_us)  # fmt: skip
-        with ServerProcess(argv, s.work / "fake-server.log") as srv:
+        with common.ServerProcess(argv, s.work / "fake-server.log") as srv:
             rows = [serve_phase(args, s, srv.url, dump_root, model),
                     front_phase(args, s, srv.url, dump_root, model)]  # fmt: skip
         for row in rows:
             row["rate"] = row["samples"] / row["wall_s"]
-            row["gb_s"] = row["bytes"] / GB / row["wall_s"]
-            row["cpu_per_gb"] = row["serving_cpu_s"] / (row["bytes"] / GB)
+            row["gb_s"] = row["bytes"] / common.GB / row["wall_s"]
+            row["cpu_per_gb"] = row["serving_cpu_s"] / (row["bytes"] / common.GB)
             row["vs_serve"] = row["rate"] / rows[0]["rate"]
             print(f"{row['path']}: {row['rate']:.2f} samples/s", flush=True)
-        data = {"smoke": args.smoke, "machine": machine_info(s.disk, s.shm),
+        data = {"smoke": args.smoke, "machine": common.machine_info(s.disk, s.shm),
                 "load_before": load_before, "load_after": os.getloadavg(), "rows": rows,
                 "workload": {"samples": args.samples, "tokens": args.tokens,
                              "hidden": args.hidden, "concurrency": args.concurrency}}  # fmt: skip
@@ -227,22 +212,22 @@ def main() -> None:
 
 def report(args: argparse.Namespace, data: dict[str, Any]) -> None:
     rows = data["rows"]
-    table = print_table(
+    table = common.print_table(
         f"A trainer pulling {args.samples} samples of {args.tokens} tokens (hidden "
         f"{args.hidden}, 4 states a token), {args.concurrency} in flight, fake server "
         f"{args.latency_base_ms:g} ms + {args.latency_per_token_us:g} µs/row a pass",
-        ["path", "samples/s", "GB/s read", "× hsx serve", "hsx CPU s/GB", "failed"],
+        ["path", "samples/s", "common.GB/s read", "× hsx serve", "hsx CPU s/common.GB", "failed"],
         [[r["path"], r["rate"], r["gb_s"], r["vs_serve"], r["cpu_per_gb"], r["failed"]]
          for r in rows],
     )  # fmt: skip
-    plt = pyplot()
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(6, 3))
     ax.barh([r["path"] for r in rows], [r["rate"] for r in rows])
     ax.set_xlabel("samples/s the trainer got")
     fig.tight_layout()
     args.results_dir.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.results_dir / "front.png")
-    save_results(args.results_dir, "front", data, [table])
+    common.save_results(args.results_dir, "front", data, [table])
 
 
 if __name__ == "__main__":
