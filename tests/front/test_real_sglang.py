@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -237,7 +238,8 @@ def test_a_refused_prompt_and_a_server_gone_reach_the_trainer_as_error_markers(
     assert "context length" in refused, refused  # SGLang's own reason travels
     assert f"hidden_states_{front_run.too_long}" not in front_run.read.tensors
     gone = front_run.after_stop.notes["error_0"]
-    assert ":error: server fault (unreachable)" in gone, gone
+    # Refused at connect, or (a pooled connection of the dead server) closed on the send.
+    assert re.search(r":error: server fault \((unreachable|connection_lost)\)", gone), gone
     assert front_run.after_stop.notes["gone_0"] == "0"
     assert "hidden_states_0" not in front_run.after_stop.tensors
 
@@ -256,7 +258,10 @@ def test_the_front_counts_what_it_did_and_holds_nothing_read(front_run: FrontRun
     assert m['hsx_front_requests_total{outcome="published"}'] == front_run.too_long
     assert m['hsx_front_requests_total{outcome="error_marker"}'] == 2
     assert m['hsx_front_failures_total{cause="sample",kind="rejected"}'] == 1
-    assert m['hsx_front_failures_total{cause="server",kind="unreachable"}'] == 1
+    server_faults = [
+        v for k, v in m.items() if k.startswith('hsx_front_failures_total{cause="server"')
+    ]
+    assert server_faults == [1]  # SGLang gone (unreachable, or connection_lost)
     assert m["hsx_front_request_seconds_count"] == front_run.too_long + 2
     assert (m["hsx_front_mooncake_objects_held"], m["hsx_front_mooncake_bytes_held"]) == (0, 0)
     assert '"event":"server_admitted"' in front_run.front_log
