@@ -18,7 +18,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "from the servers of --config, and publish the sample to Mooncake Store in "
             "hs-connectors 0.9.0's format (a failure as its {handle}:error marker). Point "
             "the trainer at --listen with --hidden-states-backend mooncake. Samples live in "
-            "this process's Mooncake segment: keep it up while the trainer reads."
+            "this process's Mooncake segment: keep it up while the trainer reads. The servers "
+            "are admitted and taken out of rotation as hsx run does; /metrics on the same "
+            "port counts requests, failures and what Mooncake holds."
         ),
     )
     p.add_argument("trainer", choices=["speculators"], help="whose online pipeline to feed")
@@ -44,4 +46,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--mooncake-buffer-mib", type=int, default=256, help="the largest sample it publishes"
     )
-    p.set_defaults(handler="hsx_async.front.speculators:front_command")
+    p.set_defaults(handler="hsx_async.cli.handlers.front:front_command")

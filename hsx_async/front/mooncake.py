@@ -19,6 +19,7 @@ them: this process must stay up until they are read.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,11 +36,23 @@ MAX_REASON = 4096  # hs-connectors truncates its own reasons there
 # Mooncake's status codes met here (mooncake-transfer-engine 0.3.13).
 NO_SPACE = -200  # the segments cannot hold the object (pinned objects are never evicted)
 NO_BUFFER = -600  # the object is larger than the client's local buffer
+RPC_FAIL = -900  # the master did not answer (it is down, or unreachable from here)
 MIN_SEGMENT = 16 << 20  # Mooncake refuses a smaller segment ("Total size must be at least")
+
+
+# What a refusal was (the ``kind`` of the front's failure metrics).
+FULL = "mooncake_full"
+TOO_LARGE = "mooncake_too_large"
+UNREACHABLE = "mooncake_unreachable"
+PUT_FAILED = "mooncake_put"
 
 
 class MooncakeError(HsxError):
     """Mooncake refused a call; the message names the status and what to change."""
+
+    def __init__(self, message: str, kind: str = PUT_FAILED) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -144,6 +157,26 @@ class Publisher:
         self._store: Any = store
         self._pinned: Any = ReplicateConfig()
         self._pinned.with_hard_pin = True
+        # What this client put and the trainer may not have removed yet: key -> bytes.
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def held(self) -> tuple[int, int]:
+        """(objects, bytes) put and not yet removed, as last refreshed."""
+        with self._lock:
+            return len(self._held), sum(self._held.values())
+
+    def refresh_held(self) -> None:
+        """Forget what the trainer has removed (one batched lookup at the master)."""
+        with self._lock:
+            keys = list(self._held)
+        if not keys:
+            return
+        present = self._store.batch_is_exist(keys)
+        with self._lock:
+            for key, there in zip(keys, present, strict=True):
+                if there == 0:  # 1: there; negative: the lookup failed (kept, seen next time)
+                    self._held.pop(key, None)
 
     def put_sample(self, handle: str, blob: bytes) -> None:
         """Put the packed sample at ``handle``, hard-pinned; :class:`MooncakeError` with
@@ -151,7 +184,8 @@ class Publisher:
         if len(blob) > self.options.buffer_bytes:
             raise MooncakeError(
                 f"the sample is {len(blob)} bytes, over the Mooncake client's local buffer "
-                f"({self.options.buffer_bytes} bytes): raise --mooncake-buffer-mib"
+                f"({self.options.buffer_bytes} bytes): raise --mooncake-buffer-mib",
+                TOO_LARGE,
             )
         self._put(handle, blob)
 
@@ -161,11 +195,20 @@ class Publisher:
     def _put(self, key: str, blob: bytes) -> None:
         status = self._store.put(key, blob, self._pinned)
         if status == 0:
+            with self._lock:
+                self._held[key] = len(blob)
             return
         if status == NO_SPACE:
             raise MooncakeError(
                 f"Mooncake is full (status {status}) for {key} ({len(blob)} bytes): the "
-                "trainer has not removed what it read, or --mooncake-segment-mib is too small"
+                "trainer has not removed what it read, or --mooncake-segment-mib is too small",
+                FULL,
+            )
+        if status == RPC_FAIL:
+            raise MooncakeError(
+                f"Mooncake's master at {self.options.master} did not answer the put of {key} "
+                f"(status {status}): is mooncake_master running (--mooncake-master)?",
+                UNREACHABLE,
             )
         raise MooncakeError(f"Mooncake put of {key} ({len(blob)} bytes) failed: status {status}")
 

@@ -9,14 +9,15 @@ This front answers those calls from hsx's own extraction path
 (:mod:`hsx_async.front.extract`) and publishes each sample with
 :mod:`hsx_async.front.mooncake`; a sample that fails is published as the reader's
 ``{handle}:error`` marker with the reason (the sample's or the server's fault), so the
-trainer fails that sample fast instead of waiting out its timeout.
+trainer fails that sample fast instead of waiting out its timeout; with Mooncake's master
+gone (no marker can be put either) the request is answered 503, which the trainer's
+client raises. ``/metrics`` on the same port (:mod:`hsx_async.front.metrics`) counts each
+outcome and fault and what Mooncake holds for the trainer.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import signal
 import time
 from collections.abc import Callable
@@ -26,14 +27,22 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from hsx_async.config import Config, load_config
+from hsx_async.config import Config
 from hsx_async.dataset.export.plan import FinalConversion
 from hsx_async.dataset.target import final_norm_weight, norm_gain, read_target
 from hsx_async.errors import ArgumentError
-from hsx_async.front.extract import ExtractionFailed, Extractor, check_config
-from hsx_async.front.mooncake import MooncakeError, MooncakeOptions, Publisher, error_manifest, pack
-from hsx_async.logs import configure_logging
+from hsx_async.front.extract import ExtractionFailed, Extractor, check_config, extracting
+from hsx_async.front.metrics import ERROR_MARKER, PUBLISHED, REFUSED, UNANSWERED, FrontMetrics
+from hsx_async.front.mooncake import (
+    UNREACHABLE,
+    MooncakeError,
+    MooncakeOptions,
+    Publisher,
+    error_manifest,
+    pack,
+)
 from hsx_async.net import listen_address, listen_ok
 from hsx_async.protocol import PRE_NORM
 
@@ -48,14 +57,21 @@ class Front:
     extractor: Extractor
     publisher: Publisher
     model: str
+    metrics: FrontMetrics
 
     async def completion(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """The status and the answer to one ``/v1/completions`` body."""
         problem = self._refusal(body)
         if problem is not None:
             status, message = problem
+            self.metrics.answered(REFUSED)
             return status, _error(message, status)
-        ids: list[int] = body["prompt"]
+        with self.metrics.request_latency.time():
+            status, answer, outcome = await self._sample(body["prompt"])
+        self.metrics.answered(outcome)
+        return status, answer
+
+    async def _sample(self, ids: list[int]) -> tuple[int, dict[str, Any], str]:
         rid = self.extractor.next_rid()
         handle = HANDLE_PREFIX + rid
         try:
@@ -63,16 +79,28 @@ class Front:
             manifest, blob = pack(
                 handle, {"hidden_states": got.hidden_states, "token_ids": got.token_ids}
             )
-            await asyncio.to_thread(self.publisher.put_sample, handle, blob)
-        except (ExtractionFailed, MooncakeError) as exc:
+            await self._publish(self.publisher.put_sample, handle, blob)
+            self.metrics.bytes_published.inc(len(blob))
+            return 200, self._answer(rid, ids, manifest), PUBLISHED
+        except ExtractionFailed as exc:
+            self.metrics.failed(exc.cause, exc.kind)
             reason = str(exc)
-            log.info("sample_failed", handle=handle, reason=reason)
-            try:
-                await asyncio.to_thread(self.publisher.put_error, handle, reason)
-            except MooncakeError as marker:  # the trainer could not read a marker: say it here
-                return 503, _error(f"{reason}; and its error marker: {marker}", 503)
-            manifest = error_manifest(handle)
-        return 200, self._answer(rid, ids, manifest)
+        except MooncakeError as exc:
+            self.metrics.failed("mooncake", exc.kind)
+            if exc.kind == UNREACHABLE:  # no marker can be put either: say it at once
+                log.warning("sample_failed", handle=handle, reason=str(exc))
+                return 503, _error(str(exc), 503), UNANSWERED
+            reason = str(exc)
+        log.info("sample_failed", handle=handle, reason=reason)
+        try:
+            await self._publish(self.publisher.put_error, handle, reason)
+        except MooncakeError as marker:  # the trainer could not read a marker: say it here
+            return 503, _error(f"{reason}; and its error marker: {marker}", 503), UNANSWERED
+        return 200, self._answer(rid, ids, error_manifest(handle)), ERROR_MARKER
+
+    async def _publish(self, put: Callable[[str, Any], None], handle: str, what: Any) -> None:
+        with self.metrics.publish_latency.time():
+            await asyncio.to_thread(put, handle, what)
 
     def _refusal(self, body: dict[str, Any]) -> tuple[int, str] | None:
         if body.get("model") != self.model:
@@ -127,8 +155,9 @@ def build_app(front: Front) -> web.Application:
         try:
             body = await request.json()
         except ValueError:
-            return web.json_response(_error("the body is not JSON", 400), status=400)
+            body = None
         if not isinstance(body, dict):
+            front.metrics.answered(REFUSED)
             return web.json_response(_error("the body is not a JSON object", 400), status=400)
         status, answer = await front.completion(body)
         return web.json_response(answer, status=status)
@@ -136,10 +165,16 @@ def build_app(front: Front) -> web.Application:
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def metrics(_: web.Request) -> web.Response:
+        await asyncio.to_thread(front.publisher.refresh_held)  # what the trainer removed
+        body = generate_latest(front.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app = web.Application(client_max_size=MAX_REQUEST)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     return app
 
 
@@ -170,8 +205,8 @@ async def serve(
     publisher = await asyncio.to_thread(Publisher, options)
     try:
         state = config.output.dir / "front"
-        async with Extractor(config, final, state) as extractor:
-            front = Front(extractor, publisher, model_name)
+        async with extracting(config, final, state) as extractor:
+            front = Front(extractor, publisher, model_name, FrontMetrics(publisher.held))
             await _listen(front, listen, on_bound, stop)
     finally:
         await asyncio.to_thread(publisher.close)
@@ -206,35 +241,4 @@ async def _listen(
         await runner.cleanup()
 
 
-def front_command(args: argparse.Namespace) -> int:
-    """``hsx front speculators`` (``hsx_async.cli.front``)."""
-    configure_logging("auto", "info")
-    config = load_config(Path(args.config))
-    options = MooncakeOptions(
-        master=args.mooncake_master,
-        local_hostname=args.mooncake_host,
-        protocol=args.mooncake_protocol,
-        segment_bytes=args.mooncake_segment_mib << 20,
-        buffer_bytes=args.mooncake_buffer_mib << 20,
-    )
-    name = args.served_model_name or config.model.name or "hsx"
-
-    def announce(url: str) -> None:
-        print(f"hsx front speculators: serving {name} on {url}", flush=True)
-
-    model = Path(args.model) if args.model else None
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(
-            serve(
-                config,
-                options,
-                listen=args.listen,
-                model_name=name,
-                final=conversion(model),
-                on_bound=announce,
-            )
-        )
-    return 0
-
-
-__all__ = ["Front", "build_app", "front_command", "serve"]
+__all__ = ["Front", "build_app", "serve"]

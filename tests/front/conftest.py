@@ -5,6 +5,7 @@ hs-connectors 0.9.0; without it the tests skip, and fail under CI."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -55,12 +56,12 @@ async def stop(proc: asyncio.subprocess.Process) -> None:
             await proc.wait()
 
 
-@pytest.fixture
-async def mooncake_master(tmp_path: Path) -> AsyncIterator[str]:
-    """A real mooncake_master on 127.0.0.1; its HOST:PORT."""
+@contextlib.asynccontextmanager
+async def running_master(tmp: Path) -> AsyncIterator[str]:
+    """A real mooncake_master on 127.0.0.1 (its log in ``tmp``); its HOST:PORT."""
     python = mooncake_python()
     port = free_port()
-    log = (tmp_path / "mooncake_master.log").open("wb")
+    log = (tmp / "mooncake_master.log").open("wb")
     proc = await asyncio.create_subprocess_exec(
         python.parent / "mooncake_master",
         f"-rpc_port={port}",
@@ -75,3 +76,10 @@ async def mooncake_master(tmp_path: Path) -> AsyncIterator[str]:
     finally:
         await stop(proc)
         log.close()
+
+
+@pytest.fixture
+async def mooncake_master(tmp_path: Path) -> AsyncIterator[str]:
+    """A real mooncake_master on 127.0.0.1; its HOST:PORT."""
+    async with running_master(tmp_path) as master:
+        yield master

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import openai
 import torch
@@ -25,17 +26,24 @@ from speculators.data_generation.offline import check_hidden_states
 from speculators.data_generation.vllm_client import generate_hidden_states
 
 
-def main(url: str, master: str, requests: str, out: str) -> int:
+def connect(url: str, master: str, buffer_bytes: int) -> tuple[openai.Client, str, Any]:
+    """The trainer's two clients: the OpenAI one on the front (and the model it serves),
+    and hs-connectors' Mooncake transfer, set up as a reader (it hosts no segment)."""
     client = openai.Client(base_url=f"{url}/v1", api_key="unused")
     [model] = [m.id for m in client.models.list().data]
     config = MooncakeStoreConfig(
         local_hostname="127.0.0.1",
         master_server_address=master,
         global_segment_size=0,  # a reader hosts nothing
-        local_buffer_size=16 << 20,
+        local_buffer_size=buffer_bytes,
     )
     transfer = MooncakeTransfer(MooncakeHiddenStatesStore(config))
     transfer.setup()
+    return client, model, transfer
+
+
+def main(url: str, master: str, requests: str, out: str) -> int:
+    client, model, transfer = connect(url, master, 16 << 20)
     tensors: dict[str, torch.Tensor] = {}
     errors: dict[str, str] = {}
     for i, ids in enumerate(json.loads(Path(requests).read_text())):

@@ -8,7 +8,7 @@ as hs-connectors' ``:error`` marker naming the sample's fault."""
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,22 +16,22 @@ import aiohttp
 import orjson
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hsx_async.cli import main
+from hsx_async.front.mooncake import aligned
 from hsx_async.run.daemon.daemon import Daemon
 from hsx_async.server.fake.options import FakeOptions
 from hsx_async.server.fake.server import running_fake_server
 from tests.dataset.test_export import model_dir
 from tests.e2e import config_raw, free_port, make_config, write_config, write_samples
-from tests.front.conftest import REPO, mooncake_python, stop, wait_listening
+from tests.front.conftest import running_master, stop
+from tests.front.harness import read_through, scrape, start_front
 
 pytestmark = pytest.mark.mooncake
 
 HIDDEN = 64
 VOCAB = 50_000  # the fake server refuses an id at or past it (a 400: the sample's fault)
-READER = Path(__file__).with_name("speculators_reader.py")
 
 
 @pytest.fixture
@@ -78,60 +78,9 @@ async def _front(
 ) -> tuple[asyncio.subprocess.Process, str]:
     raw = config_raw(tmp / "front", samples, urls or [url], dump, hidden_size=HIDDEN)
     config = write_config(tmp, raw, "front.toml")
-    port = free_port()
-    log = (tmp / "front.log").open("wb")
-    proc = await asyncio.create_subprocess_exec(
-        mooncake_python(),
-        "-m",
-        "hsx_async",
-        "front",
-        "speculators",
-        "--config",
-        str(config),
-        "--model",
-        str(model),
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--served-model-name",
-        "tiny",
-        "--mooncake-master",
-        master,
-        "--mooncake-segment-mib",
-        str(segment_mib),
-        "--mooncake-buffer-mib",
-        str(buffer_mib),
-        stdout=log,
-        stderr=log,
-        cwd=REPO,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    return await start_front(
+        tmp, config, model=model, master=master, buffer_mib=buffer_mib, segment_mib=segment_mib
     )
-    log.close()
-    try:
-        await wait_listening(port, proc, "hsx front")
-    except BaseException:
-        await stop(proc)
-        print((tmp / "front.log").read_text())
-        raise
-    return proc, f"http://127.0.0.1:{port}"
-
-
-async def _read(url: str, master: str, tmp: Path) -> Path:
-    """speculators' own reader over ``tmp/requests.json``: the file it saved."""
-    out = tmp / "read.safetensors"
-    reader = await asyncio.create_subprocess_exec(
-        mooncake_python(),
-        str(READER),
-        url,
-        master,
-        str(tmp / "requests.json"),
-        str(out),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-    )
-    log, _ = await asyncio.wait_for(reader.communicate(), 90.0)
-    assert reader.returncode == 0, log.decode(errors="replace")[-3000:]
-    return out
 
 
 async def test_speculators_reads_what_hsx_run_writes(
@@ -142,18 +91,15 @@ async def test_speculators_reads_what_hsx_run_writes(
     dest = await _offline(tmp_path, sample_set.path, fake, shm_root, model)
     rows = [orjson.loads(line) for line in (dest / "samples.jsonl").read_bytes().splitlines()]
     prompts = [row["input_ids"] for row in rows] + [[1, VOCAB + 5, 2]]
-    (tmp_path / "requests.json").write_text(json.dumps(prompts))
 
     proc, url = await _front(
         tmp_path, sample_set.path, fake, shm_root, model=model, master=mooncake_master
     )
     try:
-        out = await _read(url, mooncake_master, tmp_path)
+        got = await read_through(url, mooncake_master, tmp_path, prompts)
     finally:
         await stop(proc)
-    read = load_file(out)
-    with safe_open(out, framework="pt") as fh:
-        notes = fh.metadata()
+    read, notes = got.tensors, got.notes
     for i, row in enumerate(rows):
         offline = load_file(dest / "hidden_states" / f"hs_{i}.safetensors")
         assert f"error_{i}" not in notes, notes
@@ -196,7 +142,6 @@ async def test_failures_reach_the_trainer_as_its_error_markers(
     big = [7] * 8200  # 8200 tokens x 4 slots x 64 x 2 bytes: over the 4 MiB buffer
     fill = [8] * 7000  # 3.4 MiB: five do not fit in the 16 MiB segment
     prompts = [big, [1, 2, 3], fill, [8, 9], [4, 5, 6]]
-    (tmp_path / "requests.json").write_text(json.dumps(prompts))
     try:
         async with aiohttp.ClientSession() as session:
             await _refusals(session, url)
@@ -204,12 +149,12 @@ async def test_failures_reach_the_trainer_as_its_error_markers(
                 body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
                 async with session.post(f"{url}/v1/completions", json=body) as resp:
                     assert resp.status == 200
-        out = await _read(url, mooncake_master, tmp_path)
+        got = await read_through(url, mooncake_master, tmp_path, prompts)
+        async with aiohttp.ClientSession() as session:
+            metrics = await scrape(session, url)
     finally:
         await stop(proc)
-    read = load_file(out)
-    with safe_open(out, framework="pt") as fh:
-        notes = fh.metadata()
+    read, notes = got.tensors, got.notes
     assert "over the Mooncake client's local buffer" in notes["error_0"], notes
     assert "--mooncake-buffer-mib" in notes["error_0"]
     assert "Mooncake is full" in notes["error_2"], notes
@@ -218,6 +163,20 @@ async def test_failures_reach_the_trainer_as_its_error_markers(
         assert read[f"token_ids_{i}"].tolist() == prompts[i]
         assert read[f"hidden_states_{i}"].shape == (len(prompts[i]), 4, HIDDEN)
     assert [notes[f"gone_{i}"] for i in range(5)] == ["0"] * 5
+    assert metrics == {
+        'hsx_front_requests_total{outcome="refused"}': 6.0,
+        'hsx_front_requests_total{outcome="published"}': 11.0,
+        'hsx_front_requests_total{outcome="error_marker"}': 2.0,
+        'hsx_front_failures_total{cause="mooncake",kind="mooncake_too_large"}': 1.0,
+        'hsx_front_failures_total{cause="mooncake",kind="mooncake_full"}': 1.0,
+        "hsx_front_bytes_published_total": metrics["hsx_front_bytes_published_total"],
+        "hsx_front_request_seconds_count": 13.0,
+        "hsx_front_publish_seconds_count": 15.0,  # 11 samples, 2 refused, 2 markers
+        # The eight unread samples hold the segment; what the trainer read it removed.
+        "hsx_front_mooncake_objects_held": 8.0,
+        "hsx_front_mooncake_bytes_held": 4 * _packed(len(fill)) + 4 * _packed(1),
+    }, metrics
+    assert metrics["hsx_front_bytes_published_total"] > metrics["hsx_front_mooncake_bytes_held"]
 
 
 async def _refusals(session: aiohttp.ClientSession, url: str) -> None:
@@ -234,3 +193,40 @@ async def _refusals(session: aiohttp.ClientSession, url: str) -> None:
             assert (await resp.json())["error"]["code"] == status
     async with session.post(f"{url}/v1/completions", data=b"{not json") as resp:
         assert resp.status == 400
+
+
+def _packed(tokens: int) -> int:
+    """A sample's object: its hidden states and token ids, each 64-byte aligned."""
+    return aligned(tokens * 4 * HIDDEN * 2) + aligned(tokens * 8)
+
+
+async def test_mooncake_down_is_the_trainers_503_naming_the_master(
+    tmp_path: Path, fake: str, shm_root: Path
+) -> None:
+    """With mooncake_master gone not even the marker can be put: the trainer's request is
+    answered 503 (its client raises), naming the master; the front stays up and counts it."""
+    sample_set = write_samples(tmp_path / "samples.jsonl", 1, seed=3, max_len=40)
+    model, _ = model_dir(tmp_path / "model", HIDDEN)
+    async with contextlib.AsyncExitStack() as stack:
+        masters = contextlib.AsyncExitStack()  # closed early: the master goes
+        master = await masters.enter_async_context(running_master(tmp_path))
+        stack.push_async_callback(masters.aclose)
+        proc, url = await _front(
+            tmp_path, sample_set.path, fake, shm_root, model=model, master=master
+        )
+        stack.push_async_callback(stop, proc)
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{url}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+            await masters.aclose()
+            async with session.post(f"{url}/v1/completions", json=body) as resp:
+                assert resp.status == 503
+                message = (await resp.json())["error"]["message"]
+            async with session.get(f"{url}/health") as resp:
+                assert resp.status == 200
+            metrics = await scrape(session, url)
+    assert f"Mooncake's master at {master} did not answer" in message, message
+    assert metrics['hsx_front_requests_total{outcome="unanswered"}'] == 1
+    assert metrics['hsx_front_requests_total{outcome="published"}'] == 1
+    assert metrics['hsx_front_failures_total{cause="mooncake",kind="mooncake_unreachable"}'] == 1
