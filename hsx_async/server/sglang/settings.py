@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from hsx_async.errors import ConfigError
 from hsx_async.server.hook_core import ENV_AUX_LAYERS, HookConfig
+from hsx_async.server.sglang.releases import SERVER_CAPTURE_FROM, CapturePath
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,10 @@ class ServerSettings:
     aux_layer_ids_flag: tuple[int, ...] | None
     disaggregation_mode: str
     attn_tp_size: int = 1
+    # Whose aux capture (hsx_async.server.sglang.releases): SGLang's (0.5.23 on), or the
+    # hook's own, which needs no speculative algorithm (and refuses one).
+    capture: CapturePath = "server"
+    speculative_algorithm: str | None = None
 
 
 def server_problems(settings: ServerSettings, config: HookConfig) -> list[str]:
@@ -62,6 +67,14 @@ def server_problems(settings: ServerSettings, config: HookConfig) -> list[str]:
 
 
 def _aux_capture_problems(settings: ServerSettings, config: HookConfig) -> list[str]:
+    if settings.capture == "hook":
+        if settings.speculative_algorithm in (None, "", "NONE", "none"):
+            return []
+        return [
+            f"drop --speculative-algorithm {settings.speculative_algorithm} (and its draft "
+            f"model): this SGLang (before {SERVER_CAPTURE_FROM}) has no capture-only aux "
+            "mode, so the hsx hook turns the model's aux capture on itself, without a draft"
+        ]
     if settings.aux_capture is None:
         return [
             "add --enable-return-aux-hidden-states --speculative-algorithm EAGLE3: without "
