@@ -31,6 +31,9 @@ from hsx_async.server.hook_core import ENV_AUX_LAYERS
 Wrapper = Callable[..., Any]
 # The attribute 0.5.23's LogitsProcessorOutput has and the hook's path fills before it.
 FINAL_STATE_ATTR = "last_hidden_states"
+# Each request's (start, rows) in the pass, by ForwardBatch's host lists: 0.5.14's overlap
+# scheduler hands the result processor a batch copy without prefix_lens and extend_lens.
+PASS_LAYOUT_ATTR = "_hsx_pass_layout"
 _SWITCH = "capture_aux_hidden_states"
 _SETTER = "set_eagle3_layers_to_capture"
 
@@ -72,6 +75,15 @@ def mark_full_capture(batch: Any, marked: Container[object], full: object) -> bo
     return True
 
 
+def pass_layout(batch: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A forward's (prefix lengths, extend lengths) per request, None where it has none."""
+    starts = getattr(batch, "extend_prefix_lens_cpu", None)
+    rows = getattr(batch, "extend_seq_lens_cpu", None)
+    if starts is None or rows is None or len(starts) != len(rows):
+        return None
+    return tuple(int(s) for s in starts), tuple(int(r) for r in rows)
+
+
 def wrap_logits_forward(original: Wrapper, full: object) -> Wrapper:
     """``LogitsProcessor.forward`` keeping the post-norm final state next to full aux rows."""
 
@@ -95,6 +107,9 @@ def wrap_logits_forward(original: Wrapper, full: object) -> Wrapper:
             and getattr(out, "hidden_states", None) is not None
         ):
             setattr(out, FINAL_STATE_ATTR, hidden_states)
+            layout = pass_layout(logits_metadata)
+            if layout is not None:
+                setattr(out, PASS_LAYOUT_ATTR, layout)
         return out
 
     return forward

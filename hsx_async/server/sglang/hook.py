@@ -86,6 +86,7 @@ from hsx_async.server.pinned import PassShape, WarmResult, describe, plan_warmup
 from hsx_async.server.rows import BatchHidden, EncodedPass, PassRows
 from hsx_async.server.sglang.capture import (
     FINAL_STATE_ATTR,
+    PASS_LAYOUT_ATTR,
     enable_model_capture,
     mark_full_capture,
     wrap_logits_forward,
@@ -746,9 +747,19 @@ def req_views(batch: Any, result: Any, layers: int = 0) -> list[ReqView]:
     lens = getattr(result, "extend_input_len_per_req", None)
     if lens is None:
         lens = batch.extend_lens
+    starts = batch.prefix_lens
+    if starts is None or lens is None:
+        # 0.5.14: the batch copy the overlap scheduler hands the result processor keeps
+        # neither; the hook's own path noted the pass's layout at its forward.
+        layout = getattr(getattr(result, "logits_output", None), PASS_LAYOUT_ATTR, None)
+        if layout is None:
+            if not any(marked_ns(req.sampling_params.custom_params) for req in batch.reqs):
+                return []  # nothing to dump from this pass
+            raise ValueError("the pass's prefix and extend lengths are unknown")
+        starts, lens = layout
     return [
         _req_view(req, start, rows, layers)
-        for req, start, rows in zip(batch.reqs, batch.prefix_lens, lens, strict=True)
+        for req, start, rows in zip(batch.reqs, starts, lens, strict=True)
     ]
 
 
