@@ -99,17 +99,13 @@ def wrap_logits_forward(original: Wrapper, full: object) -> Wrapper:
         out = original(self, input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs)
         aux = args[0] if args else kwargs.get("aux_hidden_states")
         before_norm = args[1] if len(args) > 1 else kwargs.get("hidden_states_before_norm")
-        if (
-            out is not None
-            and aux is not None
-            and before_norm is None
-            and getattr(logits_metadata, "capture_hidden_mode", None) == full
-            and getattr(out, "hidden_states", None) is not None
-        ):
+        if out is None or getattr(logits_metadata, "capture_hidden_mode", None) != full:
+            return out
+        layout = pass_layout(logits_metadata)
+        if layout is not None:
+            setattr(out, PASS_LAYOUT_ATTR, layout)
+        if aux is not None and before_norm is None and getattr(out, "hidden_states", None) is not None:
             setattr(out, FINAL_STATE_ATTR, hidden_states)
-            layout = pass_layout(logits_metadata)
-            if layout is not None:
-                setattr(out, PASS_LAYOUT_ATTR, layout)
         return out
 
     return forward
