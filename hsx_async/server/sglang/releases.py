@@ -78,13 +78,14 @@ def read_grouped_settings(rc: Any, *, server_capture: bool) -> RawSettings:
     exec_ = rc.get_exec()
     features = exec_.features
     layer_ids = features.return_aux_hidden_state_layer_ids if server_capture else None
+    spec = None if server_capture else _name(rc.get_spec().speculative_algorithm)
     return RawSettings(
         radix_cache=not rc.get_memory().disable_radix_cache,
         two_batch_overlap=bool(exec_.overlap.enable_two_batch_overlap),
         moe_a2a_backend=str(exec_.moe.moe_a2a_backend),
         disaggregation_mode=_mode(rc.get_disagg().disaggregation_mode),
         served_model_name=_name(rc.get_serving().served_model_name),
-        speculative_algorithm=None if server_capture else _name(rc.get_spec().speculative_algorithm),
+        speculative_algorithm=spec,
         aux_capture=features.aux_hidden_state_capture if server_capture else None,
         aux_layer_ids_flag=None if layer_ids is None else tuple(layer_ids),
     )

@@ -22,18 +22,18 @@ from torch import nn
 
 from hsx_async.errors import ConfigError
 from hsx_async.server.dumper import PrefillDumper
-from hsx_async.server.hook_core import HookConfig
+from hsx_async.server.hook_core import DEFAULT_MAX_OPEN, HookConfig
 from hsx_async.server.sglang import capture, releases
 from hsx_async.server.sglang import hook as sglang_hook
 from hsx_async.server.sglang.hook import HookState, SglangApi, install, uninstall
 from tests.server.sglang.standins import (
     FULL,
-    H,
     LAYERS,
-    NULL,
-    NS,
     N_LAYERS,
+    NS,
+    NULL,
     Event,
+    H,
     Stack,
     final_norm,
     params,
@@ -60,7 +60,7 @@ class HookPathLM(nn.Module):
         self.model.layers_to_capture = [2, N_LAYERS // 2, N_LAYERS - 3]
 
 
-def make_hook_api(d2h_calls: list[torch.Tensor]) -> SglangApi:
+def make_hook_api(d2h_calls: list[torch.Tensor]) -> SglangApi:  # noqa: C901 (stand-in classes)
     """Fresh 0.5.14-shaped stand-ins per test (patches never leak)."""
 
     class Req:
@@ -101,7 +101,7 @@ def make_hook_api(d2h_calls: list[torch.Tensor]) -> SglangApi:
         """0.5.14's: full mode stores cat(aux) (or the final state without aux), a
         pre-norm state replaces it; ``hidden_states`` itself is not kept."""
 
-        def forward(
+        def forward(  # noqa: PLR0917 (SGLang's signature)
             self,
             input_ids: Any,
             hidden_states: torch.Tensor,
@@ -112,8 +112,10 @@ def make_hook_api(d2h_calls: list[torch.Tensor]) -> SglangApi:
         ) -> SimpleNamespace:
             stored = None
             if logits_metadata.capture_hidden_mode == FULL:
-                stored = hidden_states if aux_hidden_states is None else torch.cat(
-                    aux_hidden_states, dim=-1
+                stored = (
+                    hidden_states
+                    if aux_hidden_states is None
+                    else torch.cat(aux_hidden_states, dim=-1)
                 )
                 if hidden_states_before_norm is not None:
                     stored = hidden_states_before_norm
@@ -307,11 +309,11 @@ def test_a_non_writing_rank_captures_too(api: SglangApi, shm_root: Path) -> None
 
 def test_marked_rids_are_bounded(shm_root: Path) -> None:
     st = hook_state(shm_root)
-    for i in range(3 * sglang_hook.DEFAULT_MAX_OPEN):
+    for i in range(3 * DEFAULT_MAX_OPEN):
         st.note_marked(f"r{i}")
     st.note_marked(7)
-    assert len(st.marked) == 2 * sglang_hook.DEFAULT_MAX_OPEN
-    assert f"r{3 * sglang_hook.DEFAULT_MAX_OPEN - 1}" in st.marked and "r0" not in st.marked
+    assert len(st.marked) == 2 * DEFAULT_MAX_OPEN
+    assert f"r{3 * DEFAULT_MAX_OPEN - 1}" in st.marked and "r0" not in st.marked
 
 
 def test_install_refuses_a_hook_path_without_the_logits_processor(
@@ -379,7 +381,7 @@ def test_the_logits_wrapper_keeps_the_final_state_only_beside_full_aux_rows() ->
     full = SimpleNamespace(capture_hidden_mode=FULL)
     kept = wrapped(None, None, final, None, full, aux)
     assert getattr(kept, capture.FINAL_STATE_ATTR) is final
-    assert getattr(wrapped(None, None, final, None, full, aux_hidden_states=aux), "last_hidden_states") is final
+    assert wrapped(None, None, final, None, full, aux_hidden_states=aux).last_hidden_states is final
     for out in (
         wrapped(None, None, final, None, SimpleNamespace(capture_hidden_mode=LAST), aux),
         wrapped(None, None, final, None, full),
@@ -442,7 +444,9 @@ def test_flat_settings_are_read_from_server_args() -> None:
 
 @pytest.mark.parametrize("server_capture", [True, False])
 def test_grouped_settings_are_read_from_the_runtime_context(server_capture: bool) -> None:
-    features = SimpleNamespace(aux_hidden_state_capture="eagle3", return_aux_hidden_state_layer_ids=[1, 2])
+    features = SimpleNamespace(
+        aux_hidden_state_capture="eagle3", return_aux_hidden_state_layer_ids=[1, 2]
+    )
     rc = SimpleNamespace(
         get_exec=lambda: SimpleNamespace(
             features=features,
@@ -459,11 +463,15 @@ def test_grouped_settings_are_read_from_the_runtime_context(server_capture: bool
     assert (raw.disaggregation_mode, raw.served_model_name) == ("prefill", None)
     if server_capture:
         assert (raw.aux_capture, raw.aux_layer_ids_flag, raw.speculative_algorithm) == (
-            "eagle3", (1, 2), None
+            "eagle3",
+            (1, 2),
+            None,
         )
     else:
         assert (raw.aux_capture, raw.aux_layer_ids_flag, raw.speculative_algorithm) == (
-            None, None, "EAGLE3"
+            None,
+            None,
+            "EAGLE3",
         )
 
 
@@ -494,8 +502,17 @@ def test_the_factory_takes_the_hook_path_on_0_5_14(
     monkeypatch.setenv("HSX_DUMP_ROOT", str(shm_root))
     monkeypatch.setenv("HSX_WRITER_THREADS", "0")
     monkeypatch.setattr(sglang_hook, "installed_sglang_version", lambda: "0.5.14")
-    monkeypatch.setattr(sglang_hook, "_read_server_info", lambda path: asked.append(path) or info)
-    monkeypatch.setattr(sglang_hook, "_load_sglang_api", lambda path: asked.append(path) or api)
+
+    def read_info(path: str) -> sglang_hook.ServerInfo:
+        asked.append(path)
+        return info
+
+    def load_api(path: str) -> SglangApi:
+        asked.append(path)
+        return api
+
+    monkeypatch.setattr(sglang_hook, "_read_server_info", read_info)
+    monkeypatch.setattr(sglang_hook, "_load_sglang_api", load_api)
     try:
         sglang_hook.hsx_hook_factory({})
         state = sglang_hook._Installed.state

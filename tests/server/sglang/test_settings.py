@@ -83,7 +83,9 @@ HOOK_PATH = dataclasses.replace(GOOD, capture="hook", aux_capture=None)
 
 @pytest.mark.parametrize("algorithm", [None, "", "NONE"])
 def test_the_hook_path_needs_no_aux_capture_setting(algorithm: str | None) -> None:
-    assert server_problems(dataclasses.replace(HOOK_PATH, speculative_algorithm=algorithm), CFG) == []
+    assert (
+        server_problems(dataclasses.replace(HOOK_PATH, speculative_algorithm=algorithm), CFG) == []
+    )
 
 
 def test_the_hook_path_refuses_a_speculative_algorithm() -> None:

@@ -30,12 +30,12 @@ from hsx_async.server.sglang.drift import (
     server_arguments,
     sglang_source_root,
 )
-from hsx_async.server.sglang.releases import SERVER_CAPTURE_FLAGS
 from hsx_async.server.sglang.hook import (
     SGLANG_RANGE,
     forward_hooks_arg,
     installed_sglang_version,
 )
+from hsx_async.server.sglang.releases import SERVER_CAPTURE_FLAGS
 from tests.real_sglang.conftest import DEFAULT_PYTHON, ENV_PYTHON
 
 
@@ -218,7 +218,8 @@ def test_server_arguments_before_0_5_20_are_server_args_fields(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("rel", "text", "found"),
     [
-        ("srt/model_executor/model_runner.py", "def f(m):\n    register_forward_hooks(m, s)\n", True),
+        ("srt/model_executor/model_runner.py",
+         "def f(m):\n    register_forward_hooks(m, s)\n", True),
         ("srt/model_executor/model_runner_components/cuda_graph_setup.py",
          "def f(r):\n    hm.register_forward_hooks(r.model, s)\n", True),
         ("srt/model_executor/model_runner.py", "from x import register_forward_hooks\n", False),
