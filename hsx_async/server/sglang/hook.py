@@ -56,7 +56,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -223,18 +223,13 @@ def _read_server_info(path: CapturePath) -> ServerInfo:
 
         raw = read_flat_settings(get_global_server_args())
     parallel = rc.get_parallel()
+    checked = {f.name: getattr(raw, f.name) for f in fields(raw) if f.name != "served_model_name"}
     settings = ServerSettings(
-        radix_cache=raw.radix_cache,
+        **checked,
         attn_dp_size=int(parallel.attn_dp_size),
         attn_tp_size=int(parallel.attn_tp_size),
         pp_size=int(parallel.pp_size),
-        two_batch_overlap=raw.two_batch_overlap,
-        moe_a2a_backend=raw.moe_a2a_backend,
-        aux_capture=raw.aux_capture,
-        aux_layer_ids_flag=raw.aux_layer_ids_flag,
-        disaggregation_mode=raw.disaggregation_mode,
         capture=path,
-        speculative_algorithm=raw.speculative_algorithm,
     )
     return ServerInfo(settings, int(parallel.attn_tp_rank), raw.served_model_name)
 

@@ -34,8 +34,10 @@ from tests.server.sglang.standins import (
     NULL,
     Event,
     H,
+    RecordingD2h,
     Stack,
     final_norm,
+    make_api,
     params,
     reference_rows,
 )
@@ -63,19 +65,12 @@ class HookPathLM(nn.Module):
 def make_hook_api(d2h_calls: list[torch.Tensor]) -> SglangApi:  # noqa: C901 (stand-in classes)
     """Fresh 0.5.14-shaped stand-ins per test (patches never leak)."""
 
-    class Req:
-        def __init__(self, rid: object, origin_input_ids: list[int], sampling_params: Any) -> None:
-            self.rid = rid
-            self.origin_input_ids = origin_input_ids
-            self.sampling_params = sampling_params
-            self.return_hidden_states = False
-            self.is_retracted = False
-            self.inflight_middle_chunks = 0
-            self.to_finish: object = None
-            self.finished_reason: object = None
+    class Req(make_api([]).req_cls):  # type: ignore[misc]
+        """0.5.14's: no return_hidden_states_mode, no discard_output_reason."""
 
-        def finished(self) -> bool:
-            return self.finished_reason is not None
+        def __init__(self, rid: object, origin_input_ids: list[int], sampling_params: Any) -> None:
+            super().__init__(rid, origin_input_ids, sampling_params)
+            del self.return_hidden_states_mode, self.discard_output_reason
 
     class Processor:
         def process_batch_result_prefill(self, batch: Any, result: Any) -> None:
@@ -140,34 +135,17 @@ def make_hook_api(d2h_calls: list[torch.Tensor]) -> SglangApi:  # noqa: C901 (st
             )  # fmt: skip
             return SimpleNamespace(logits_output=out)
 
-    def d2h(t: torch.Tensor) -> torch.Tensor:
-        d2h_calls.append(t)
-        return t.clone()
-
-    return SglangApi(
-        req_cls=Req,
-        processor_cls=Processor,
-        result_cls=Result,
-        runner_cls=Runner,
-        full_capture=FULL,
-        async_d2h=d2h,
-        logits_cls=LogitsProcessor,
-        path="hook",
-    )
+    d2h = RecordingD2h(d2h_calls)
+    return SglangApi(Req, Processor, Result, Runner, FULL, d2h, LogitsProcessor, "hook")
 
 
 @pytest.fixture
-def d2h_calls() -> list[torch.Tensor]:
-    return []
-
-
-@pytest.fixture
-def api(d2h_calls: list[torch.Tensor]) -> Iterator[SglangApi]:
-    api = make_hook_api(d2h_calls)
-    try:
-        yield api
-    finally:
-        uninstall(api)
+def api() -> Iterator[SglangApi]:
+    """The stand-ins (``api.async_d2h.calls``: what was queued to the host), the hook's
+    patches undone after the test."""
+    hook_api = make_hook_api([])
+    yield hook_api
+    uninstall(hook_api)
 
 
 def hook_state(root: Path, *, writer: bool = True) -> HookState:
@@ -195,18 +173,19 @@ def forward_batch(reqs: list[Any], spans: list[tuple[int, int]], x: torch.Tensor
     )
 
 
-def run_pass(
+def hook_pass(
     api: SglangApi,
     runner: Any,
-    reqs: list[Any],
-    spans: list[tuple[int, int]],
     x: torch.Tensor,
-    *,
+    *planned: tuple[Any, int, int],
     overlap_copy: bool = True,
     before_norm: torch.Tensor | None = None,
 ) -> tuple[Any, Any]:
     """One prefill pass and its result processing. ``overlap_copy``: the batch the result
-    processor gets has no prefix/extend lengths (0.5.14's overlap scheduler)."""
+    processor gets has no prefix/extend lengths (0.5.14's overlap scheduler). ``planned``:
+    each request with its (start, rows) in the pass."""
+    reqs = [req for req, _, _ in planned]
+    spans = [(start, rows) for _, start, rows in planned]
     fb = forward_batch(reqs, spans, x)
     fb.before_norm = before_norm
     out = runner.forward(fb).logits_output
@@ -236,16 +215,16 @@ def test_the_hook_captures_what_the_server_flag_would(
     assert not hasattr(r1, "return_hidden_states_mode") and not r1.return_hidden_states
     assert list(state.marked) == ["r1", "r2"]
     r1.inflight_middle_chunks = 1
-    fb, _ = run_pass(
-        api, runner, [r1, plain], [(0, 3), (0, 2)], torch.cat([x1[:3], xp]),
+    fb, _ = hook_pass(
+        api, runner, torch.cat([x1[:3], xp]), (r1, 0, 3), (plain, 0, 2),
         overlap_copy=overlap_copy,
     )  # fmt: skip
     assert model.setter_calls == [None], "SGLang's own setter turns capture on, once"
     assert model.capture_aux_hidden_states and model.model.layers_to_capture == list(LAYERS)
     assert fb.capture_hidden_mode == FULL
     assert state.graph_layers == (), "the graphs were recorded capturing nothing"
-    run_pass(
-        api, runner, [r1, r2], [(3, 2), (0, 3)], torch.cat([x1[3:], x2]),
+    hook_pass(
+        api, runner, torch.cat([x1[3:], x2]), (r1, 3, 2), (r2, 0, 3),
         overlap_copy=overlap_copy,
     )  # fmt: skip
     np.testing.assert_array_equal(dump_rows(shm_root, "r1", 5), reference_rows(x1))
@@ -258,7 +237,7 @@ def test_a_pass_without_marked_requests_is_left_as_it_is(
 ) -> None:
     runner = api.runner_cls(HookPathLM())
     plain = api.req_cls("p", [1, 2, 3], params(ns=None, max_new_tokens=4))
-    fb, result = run_pass(api, runner, [plain], [(0, 3)], torch.randn(3, H))
+    fb, result = hook_pass(api, runner, torch.randn(3, H), (plain, 0, 3))
     assert fb.capture_hidden_mode == NULL
     assert result.logits_output.hidden_states is None
     assert getattr(result.logits_output, capture.FINAL_STATE_ATTR, None) is None
@@ -274,14 +253,14 @@ def test_a_pre_norm_final_state_is_never_dumped(
     req = api.req_cls("r1", [1, 2, 3], params())
     x = torch.randn(3, H)
     with caplog.at_level(logging.WARNING):
-        _, result = run_pass(api, runner, [req], [(0, 3)], x, before_norm=x)
+        _, result = hook_pass(api, runner, x, (req, 0, 3), before_norm=x)
     assert getattr(result.logits_output, capture.FINAL_STATE_ATTR, None) is None
     assert "no dump for rid r1" in caplog.text and "post-norm final" in caplog.text
     assert not (shm_root / NS / "r1" / "meta.json").exists()
 
 
 def test_the_copy_takes_the_aux_rows_sglang_does_not_ask_for(
-    api: SglangApi, state: HookState, d2h_calls: list[torch.Tensor]
+    api: SglangApi, state: HookState
 ) -> None:
     """SGLang's copy_to_cpu is told return_hidden_states=False (no request returns them):
     the hook queues both the aux rows and the final state."""
@@ -291,7 +270,8 @@ def test_the_copy_takes_the_aux_rows_sglang_does_not_ask_for(
     out = runner.forward(fb).logits_output
     aux, final = out.hidden_states, getattr(out, capture.FINAL_STATE_ATTR)
     api.result_cls(out).copy_to_cpu(False, return_hidden_states=False)
-    assert [t.data_ptr() for t in d2h_calls] == [aux.data_ptr(), final.data_ptr()]
+    assert isinstance(api.async_d2h, RecordingD2h)
+    assert [t.data_ptr() for t in api.async_d2h.calls] == [aux.data_ptr(), final.data_ptr()]
 
 
 def test_a_non_writing_rank_captures_too(api: SglangApi, shm_root: Path) -> None:
@@ -301,7 +281,7 @@ def test_a_non_writing_rank_captures_too(api: SglangApi, shm_root: Path) -> None
     install(st, api)
     runner = api.runner_cls(HookPathLM())
     req = api.req_cls("r1", [1, 2], params())
-    fb, result = run_pass(api, runner, [req], [(0, 2)], torch.randn(2, H))
+    fb, result = hook_pass(api, runner, torch.randn(2, H), (req, 0, 2))
     assert fb.capture_hidden_mode == FULL
     assert getattr(result.logits_output, capture.FINAL_STATE_ATTR) is not None
     assert not (shm_root / NS).exists()
@@ -521,7 +501,7 @@ def test_the_factory_takes_the_hook_path_on_0_5_14(
         assert hasattr(api.logits_cls.__dict__["forward"], "__hsx_original__")
         runner = api.runner_cls(HookPathLM())
         x = torch.randn(4, H)
-        run_pass(api, runner, [api.req_cls("r1", [1, 2, 3, 4], params())], [(0, 4)], x)
+        hook_pass(api, runner, x, (api.req_cls("r1", [1, 2, 3, 4], params()), 0, 4))
         np.testing.assert_array_equal(dump_rows(shm_root, "r1", 4, model=""), reference_rows(x))
     finally:
         sglang_hook._Installed.state = None
