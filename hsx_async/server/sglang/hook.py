@@ -7,7 +7,11 @@ processes, so a patch applied in the launcher would be lost. ``--forward-hooks``
 :func:`hsx_hook_factory`; SGLang imports and calls it inside every rank's scheduler process
 while it builds the model runner (``register_forward_hooks`` in
 ``model_executor/hook_manager.py``, called after CUDA-graph capture). The factory checks the
-server's settings, then patches four methods in that process:
+server's settings, then patches four methods in that process (five on the releases before
+0.5.23, where the hook captures the aux layers and the final state itself:
+:mod:`hsx_async.server.sglang.releases` says what differs per release,
+:mod:`hsx_async.server.sglang.capture` how the hook's own capture works; the bullets below
+are 0.5.23's path):
 
 - ``Req.__init__``: a marked request (valid ``custom_params.hsx_ns`` and rid,
   ``max_new_tokens=0``) asks for full hidden-state capture, so its batches copy the hidden

@@ -68,13 +68,7 @@ def server_problems(settings: ServerSettings, config: HookConfig) -> list[str]:
 
 def _aux_capture_problems(settings: ServerSettings, config: HookConfig) -> list[str]:
     if settings.capture == "hook":
-        if settings.speculative_algorithm in (None, "", "NONE", "none"):
-            return []
-        return [
-            f"drop --speculative-algorithm {settings.speculative_algorithm} (and its draft "
-            f"model): this SGLang (before {SERVER_CAPTURE_FROM}) has no capture-only aux "
-            "mode, so the hsx hook turns the model's aux capture on itself, without a draft"
-        ]
+        return _hook_capture_problems(settings)
     if settings.aux_capture is None:
         return [
             "add --enable-return-aux-hidden-states --speculative-algorithm EAGLE3: without "
@@ -92,6 +86,26 @@ def _aux_capture_problems(settings: ServerSettings, config: HookConfig) -> list[
             f"--return-aux-hidden-state-layer-ids names {len(flag)} layers but "
             f"{ENV_AUX_LAYERS} names {len(config.aux_layers)}: drop the flag, the hook sets "
             "the captured layers itself"
+        )
+    return problems
+
+
+def _hook_capture_problems(settings: ServerSettings) -> list[str]:
+    """The hook's own capture path (SGLang before 0.5.23)."""
+    problems = []
+    if settings.speculative_algorithm not in (None, "", "NONE", "none"):
+        problems.append(
+            f"drop --speculative-algorithm {settings.speculative_algorithm} (and its draft "
+            f"model): this SGLang (before {SERVER_CAPTURE_FROM}) has no capture-only aux "
+            "mode, so the hsx hook turns the model's aux capture on itself, without a draft"
+        )
+    if settings.attn_dp_size > 1:
+        # Run against a Hugging Face forward on 0.5.23 only: 0.5.14's DP attention does not
+        # run on a CPU (it pins host memory), so the hook's own path was never run under it.
+        problems.append(
+            f"DP attention (attention DP size {settings.attn_dp_size}) with the hsx hook is "
+            f"checked from SGLang {SERVER_CAPTURE_FROM} on: use it there, or drop "
+            "--enable-dp-attention on this release"
         )
     return problems
 

@@ -96,3 +96,15 @@ def test_the_hook_path_refuses_a_speculative_algorithm() -> None:
     assert "--disable-radix-cache" in message
     assert "drop --speculative-algorithm EAGLE3 (and its draft model)" in message
     assert "before 0.5.23" in message and "--enable-return-aux-hidden-states" not in message
+
+
+def test_the_hook_path_refuses_dp_attention_it_was_never_run_under() -> None:
+    settings = dataclasses.replace(HOOK_PATH, attn_dp_size=8, attn_tp_size=1)
+    [problem] = server_problems(settings, CFG)
+    assert problem.startswith("DP attention (attention DP size 8) with the hsx hook is checked")
+    assert "drop --enable-dp-attention on this release" in problem
+    # The server path (0.5.23) runs it (tests/real_sglang/test_real_deepseek.py).
+    assert (
+        server_problems(dataclasses.replace(settings, capture="server", aux_capture="eagle3"), CFG)
+        == []
+    )
