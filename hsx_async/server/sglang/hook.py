@@ -795,6 +795,7 @@ def dump_prefill(state: HookState, batch: Any, result: Any) -> None:
     for view in views:
         if isinstance(view.rid, str) and (view.last_chunk or view.aborted):
             state.storages.pop(view.rid, None)
+            state.marked.pop(view.rid, None)  # (other ranks: bounded, oldest first)
     for note in report.notes:
         logger.warning("hsx: rid %s %s", note.rid, note.reason)
     for reject in report.rejects:

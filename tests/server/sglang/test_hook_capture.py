@@ -228,6 +228,7 @@ def test_the_hook_captures_what_the_server_flag_would(
         overlap_copy=overlap_copy,
     )  # fmt: skip
     np.testing.assert_array_equal(dump_rows(shm_root, "r1", 5), reference_rows(x1))
+    assert not state.marked, "a request's last chunk forgets it"
     np.testing.assert_array_equal(dump_rows(shm_root, "r2", 3), reference_rows(x2))
     assert not (shm_root / NS / "p").exists()
 
