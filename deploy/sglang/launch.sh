@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start SGLang 0.5.23 with the hsx hidden-state dump hook. See README.md next to this file.
+# Start SGLang (0.5.14 to 0.5.23) with the hsx hidden-state dump hook. See README.md next to
+# this file.
 #
 #   HSX_AUX_LAYERS=2,30,58 deploy/sglang/launch.sh MODEL_PATH [extra sglang flags...]
 #
@@ -34,21 +35,30 @@ python=${HSX_PYTHON:-python3}
 
 # Fail now, not after a long model load: the hook must import in SGLang's Python and the
 # HSX_* settings must be valid. Prints the exact --forward-hooks value.
-forward_hooks=$("$python" - <<'PY'
+# Line 1: the --forward-hooks value; line 2: the aux-capture flags of the installed release
+# (0.5.23 on: SGLang's capture-only aux mode; before: none, the hook captures itself).
+hook_args=$("$python" - <<'PY'
 import os
 import sys
 
 from hsx_async.errors import HsxError
 from hsx_async.server.hook_core import HookConfig
-from hsx_async.server.sglang.hook import forward_hooks_arg
+from hsx_async.server.sglang.hook import (
+    forward_hooks_arg,
+    installed_sglang_version,
+    launch_capture_flags,
+)
 
 try:
     HookConfig.from_env(os.environ, server="launch.sh")
 except HsxError as exc:
     sys.exit(f"launch.sh: {exc}")
 print(forward_hooks_arg())
+print(" ".join(launch_capture_flags(installed_sglang_version())))
 PY
 )
+forward_hooks=$(sed -n 1p <<<"$hook_args")
+read -r -a capture <<<"$(sed -n 2p <<<"$hook_args")"
 
 optional=()
 if [[ -n "${HSX_CHUNKED_PREFILL_SIZE:-}" ]]; then
@@ -61,8 +71,7 @@ exec "$python" -m sglang.launch_server \
     --host "${HSX_HOST:-127.0.0.1}" \
     --port "${HSX_PORT:-30000}" \
     --disable-radix-cache \
-    --enable-return-aux-hidden-states \
-    --speculative-algorithm EAGLE3 \
+    "${capture[@]}" \
     --disable-prefill-cuda-graph \
     --forward-hooks "$forward_hooks" \
     "${optional[@]}" \

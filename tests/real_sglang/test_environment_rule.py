@@ -28,3 +28,16 @@ def test_named_environment_is_used(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     python.chmod(0o755)
     monkeypatch.setenv("HSX_SGLANG_PYTHON", str(python))
     assert sglang_python() == python
+
+
+def test_the_release_under_test_is_read_from_the_environment(tmp_path: Path) -> None:
+    """``HSX_SGLANG_PYTHON`` names 0.5.23's or 0.5.14's environment: the tier's version
+    checks take the release from that environment's dist-info, without starting it."""
+    from tests.real_sglang.conftest import sglang_release
+
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    assert sglang_release(python) is None
+    site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    (site / "sglang-0.5.14.dist-info").mkdir(parents=True)
+    assert sglang_release(python) == "0.5.14"

@@ -16,8 +16,10 @@ from tests.real_sglang.layer_probe import STACK_SETTERS
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(300)]
 
 
-def test_the_probed_sglang_is_the_checked_version(layer_probe: dict[str, Any]) -> None:
-    assert layer_probe["version"] == "0.5.23"
+def test_the_probed_sglang_is_the_checked_version(
+    layer_probe: dict[str, Any], sglang_version: str
+) -> None:
+    assert layer_probe["version"] == sglang_version
 
 
 @pytest.mark.parametrize("arch", sorted(SGLANG_RULES))

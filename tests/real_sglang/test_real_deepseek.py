@@ -251,10 +251,12 @@ def rank_of(match: re.Match[str]) -> str:
     return f"{match[1] or ''} TP{match[2]}".strip()
 
 
-def test_server_runs_the_layout(ds_run: DsRun) -> None:
+def test_server_runs_the_layout(ds_run: DsRun, sglang_version: str) -> None:
     info, layout = ds_run.info, ds_run.layout
-    assert info["version"] == "0.5.23"
-    assert (info["tp_size"], info["attn_dp_size"]) == (2, layout.dp)
+    assert info["version"] == sglang_version
+    # (0.5.14's server info names no attn_dp_size: its dp_size under DP attention)
+    attn_dp = info.get("attn_dp_size", info["dp_size"] if info["enable_dp_attention"] else 1)
+    assert (info["tp_size"], attn_dp) == (2, layout.dp)
     assert info["enable_dp_attention"] is (layout.dp > 1)
     # Under DP attention SGLang itself divides the chunk among the DP ranks.
     assert info["chunked_prefill_size"] == ROWS_PER_PASS

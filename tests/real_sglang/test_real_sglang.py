@@ -158,9 +158,9 @@ def run(
     )
 
 
-def test_server_runs_the_configuration(run: Run) -> None:
+def test_server_runs_the_configuration(run: Run, sglang_version: str) -> None:
     info = run.info
-    assert info["version"] == "0.5.23"
+    assert info["version"] == sglang_version
     assert info["tp_size"] == run.tp
     assert info["chunked_prefill_size"] == CHUNK
     assert info["disable_overlap_schedule"] is False, "overlap scheduling must be on"

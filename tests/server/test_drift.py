@@ -11,7 +11,7 @@ import pytest
 
 from hsx_async.server.drift import Target, check_targets, wheel_root
 from hsx_async.server.engine_versions import ENGINE_RANGES
-from hsx_async.server.sglang.drift import SGLANG_TARGETS
+from hsx_async.server.sglang import drift as sglang_drift
 from tests.server.sglang.test_sglang_drift import ROOT as SGLANG_SOURCE
 
 SOURCE = """
@@ -76,16 +76,28 @@ def test_a_changed_constructor_is_named(tmp_path: Path) -> None:
 ENGINE_DRIFT = Path(__file__).resolve().parents[2] / ".ci" / "engine-drift"
 
 
-def sglang_wheel(dest: Path, version: str, root: Path, drop_flag: bool) -> None:
-    """A wheel holding the files the SGLang targets and launch flags are read from."""
+# Every file a release's targets (either capture path) and the hook loader's call are in.
+_ALL_TARGETS = (
+    sglang_drift.COMMON_TARGETS + sglang_drift.SERVER_CAPTURE_TARGETS
+    + sglang_drift.HOOK_CAPTURE_TARGETS + sglang_drift.GROUPED_SETTINGS_TARGETS
+    + sglang_drift.GROUPED_SPEC_TARGETS
+)  # fmt: skip
+_LOADER = "srt/model_executor/model_runner_components/cuda_graph_setup.py"
+
+
+def sglang_wheel(dest: Path, version: str, root: Path, broken: bool) -> None:
+    """A wheel labelled ``version`` (its ``_version.py``) holding the tier's files that the
+    SGLang targets and launch flags are read from; ``broken``: without
+    ``srt/runtime_context.py`` (as 0.5.13.post1)."""
     fields = sorted((root / "srt" / "arg_groups" / "fields").glob("*.py"))
-    names = {t.path for t in SGLANG_TARGETS} | {str(p.relative_to(root)) for p in fields}
+    names = {t.path for t in _ALL_TARGETS} | {str(p.relative_to(root)) for p in fields}
+    names.add(_LOADER)
+    if broken:
+        names.discard("srt/runtime_context.py")
     with zipfile.ZipFile(dest / f"sglang-{version}-py3-none-any.whl", "w") as z:
         for name in sorted(names):
-            text = (root / name).read_text(encoding="utf-8")
-            if drop_flag and name.endswith("exec_.py"):
-                text = text.replace("enable_return_aux_hidden_states:", "moved:")
-            z.writestr(f"sglang/{name}", text)
+            z.writestr(f"sglang/{name}", (root / name).read_text(encoding="utf-8"))
+        z.writestr("sglang/_version.py", f"__version__ = version = '{version}'\n")
 
 
 def run_engine_drift(wheels: Path) -> subprocess.CompletedProcess[str]:
@@ -97,21 +109,24 @@ def run_engine_drift(wheels: Path) -> subprocess.CompletedProcess[str]:
 def test_engine_drift_passes_the_range_and_fails_a_passing_release_below(tmp_path: Path) -> None:
     assert SGLANG_SOURCE is not None
     supported = ENGINE_RANGES["sglang"]
-    for version in supported.releases["sglang"]:
-        sglang_wheel(tmp_path, version, SGLANG_SOURCE, drop_flag=False)
+    versions = supported.releases["sglang"]
+    for version in versions:
+        sglang_wheel(tmp_path, version, SGLANG_SOURCE, broken=False)
     below = supported.below["sglang"]
     for version in below:
-        sglang_wheel(tmp_path, version, SGLANG_SOURCE, drop_flag=True)
+        sglang_wheel(tmp_path, version, SGLANG_SOURCE, broken=True)
     done = run_engine_drift(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.splitlines()[:3] == [
-        f"engine-drift: {supported.describe()}: {1 + len(below)} releases checked",
-        "  sglang 0.5.23: passes",
-        "  sglang 0.5.14 (below the range): fails (1 problems)",
+    lines = done.stdout.splitlines()
+    assert lines[:-1] == [
+        f"engine-drift: {supported.describe()}: {len(versions) + len(below)} releases checked",
+        *(f"  sglang {v}: passes" for v in versions),
     ]
+    # Labelled 0.5.13.post1 (the hook's path), without srt/runtime_context.py.
+    assert lines[-1] == "  sglang 0.5.13.post1 (below the range): fails (8 problems)"
     # A release below the range that passes: the table is too narrow.
     (tmp_path / f"sglang-{below[-1]}-py3-none-any.whl").unlink()
-    sglang_wheel(tmp_path, below[-1], SGLANG_SOURCE, drop_flag=False)
+    sglang_wheel(tmp_path, below[-1], SGLANG_SOURCE, broken=False)
     done = run_engine_drift(tmp_path)
     assert done.returncode == 1
     assert f"sglang {below[-1]} (below the range) passes: widen the range to it" in done.stdout

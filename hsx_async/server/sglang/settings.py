@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from hsx_async.errors import ConfigError
 from hsx_async.server.hook_core import ENV_AUX_LAYERS, HookConfig
+from hsx_async.server.sglang.releases import SERVER_CAPTURE_FROM, CapturePath
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,10 @@ class ServerSettings:
     aux_layer_ids_flag: tuple[int, ...] | None
     disaggregation_mode: str
     attn_tp_size: int = 1
+    # Whose aux capture (hsx_async.server.sglang.releases): SGLang's (0.5.23 on), or the
+    # hook's own, which needs no speculative algorithm (and refuses one).
+    capture: CapturePath = "server"
+    speculative_algorithm: str | None = None
 
 
 def server_problems(settings: ServerSettings, config: HookConfig) -> list[str]:
@@ -62,6 +67,8 @@ def server_problems(settings: ServerSettings, config: HookConfig) -> list[str]:
 
 
 def _aux_capture_problems(settings: ServerSettings, config: HookConfig) -> list[str]:
+    if settings.capture == "hook":
+        return _hook_capture_problems(settings)
     if settings.aux_capture is None:
         return [
             "add --enable-return-aux-hidden-states --speculative-algorithm EAGLE3: without "
@@ -79,6 +86,26 @@ def _aux_capture_problems(settings: ServerSettings, config: HookConfig) -> list[
             f"--return-aux-hidden-state-layer-ids names {len(flag)} layers but "
             f"{ENV_AUX_LAYERS} names {len(config.aux_layers)}: drop the flag, the hook sets "
             "the captured layers itself"
+        )
+    return problems
+
+
+def _hook_capture_problems(settings: ServerSettings) -> list[str]:
+    """The hook's own capture path (SGLang before 0.5.23)."""
+    problems = []
+    if settings.speculative_algorithm not in (None, "", "NONE", "none"):
+        problems.append(
+            f"drop --speculative-algorithm {settings.speculative_algorithm} (and its draft "
+            f"model): this SGLang (before {SERVER_CAPTURE_FROM}) has no capture-only aux "
+            "mode, so the hsx hook turns the model's aux capture on itself, without a draft"
+        )
+    if settings.attn_dp_size > 1:
+        # Run against a Hugging Face forward on 0.5.23 only: 0.5.14's DP attention does not
+        # run on a CPU (it pins host memory), so the hook's own path was never run under it.
+        problems.append(
+            f"DP attention (attention DP size {settings.attn_dp_size}) with the hsx hook is "
+            f"checked from SGLang {SERVER_CAPTURE_FROM} on: use it there, or drop "
+            "--enable-dp-attention on this release"
         )
     return problems
 

@@ -146,18 +146,26 @@ def make_api(d2h_calls: list[torch.Tensor]) -> SglangApi:
             out: tuple[torch.Tensor, torch.Tensor] = self.model.model(x)
             return out
 
-    def d2h(t: torch.Tensor) -> torch.Tensor:
-        d2h_calls.append(t)
-        return t.clone()
-
     return SglangApi(
         req_cls=Req,
         processor_cls=Processor,
         result_cls=Result,
         runner_cls=Runner,
         full_capture=FULL,
-        async_d2h=d2h,
+        async_d2h=RecordingD2h(d2h_calls),
     )
+
+
+class RecordingD2h:
+    """SGLang's ``async_d2h`` as the tests see it: each tensor it is given is recorded,
+    and a copy returned."""
+
+    def __init__(self, calls: list[torch.Tensor]) -> None:
+        self.calls = calls
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls.append(t)
+        return t.clone()
 
 
 def params(ns: object | None = NS, max_new_tokens: int = 0, **extra: object) -> SimpleNamespace:

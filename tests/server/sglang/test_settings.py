@@ -75,3 +75,36 @@ def test_all_problems_reported_at_once() -> None:
         check_server_settings(bad, CFG)
     assert "--disable-radix-cache" in str(info.value)
     assert "--pp-size 4" in str(info.value)
+
+
+# The hook's own capture path (SGLang 0.5.14-0.5.22: no capture-only aux mode there).
+HOOK_PATH = dataclasses.replace(GOOD, capture="hook", aux_capture=None)
+
+
+@pytest.mark.parametrize("algorithm", [None, "", "NONE"])
+def test_the_hook_path_needs_no_aux_capture_setting(algorithm: str | None) -> None:
+    assert (
+        server_problems(dataclasses.replace(HOOK_PATH, speculative_algorithm=algorithm), CFG) == []
+    )
+
+
+def test_the_hook_path_refuses_a_speculative_algorithm() -> None:
+    settings = dataclasses.replace(HOOK_PATH, speculative_algorithm="EAGLE3", radix_cache=True)
+    with pytest.raises(ConfigError) as refused:
+        check_server_settings(settings, CFG)
+    message = str(refused.value)
+    assert "--disable-radix-cache" in message
+    assert "drop --speculative-algorithm EAGLE3 (and its draft model)" in message
+    assert "before 0.5.23" in message and "--enable-return-aux-hidden-states" not in message
+
+
+def test_the_hook_path_refuses_dp_attention_it_was_never_run_under() -> None:
+    settings = dataclasses.replace(HOOK_PATH, attn_dp_size=8, attn_tp_size=1)
+    [problem] = server_problems(settings, CFG)
+    assert problem.startswith("DP attention (attention DP size 8) with the hsx hook is checked")
+    assert "drop --enable-dp-attention on this release" in problem
+    # The server path (0.5.23) runs it (tests/real_sglang/test_real_deepseek.py).
+    assert (
+        server_problems(dataclasses.replace(settings, capture="server", aux_capture="eagle3"), CFG)
+        == []
+    )

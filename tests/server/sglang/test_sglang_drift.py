@@ -17,11 +17,16 @@ from pathlib import Path
 import pytest
 
 from hsx_async.server.sglang.drift import (
+    HOOK_CAPTURE_TARGETS,
+    SERVER_CAPTURE_TARGETS,
     SGLANG_TARGETS,
     Target,
     check_targets,
+    forward_hooks_call_problems,
     launch_flags,
     release_problems,
+    release_targets,
+    release_version,
     server_arguments,
     sglang_source_root,
 )
@@ -30,6 +35,7 @@ from hsx_async.server.sglang.hook import (
     forward_hooks_arg,
     installed_sglang_version,
 )
+from hsx_async.server.sglang.releases import SERVER_CAPTURE_FLAGS
 from tests.real_sglang.conftest import DEFAULT_PYTHON, ENV_PYTHON
 
 
@@ -57,6 +63,20 @@ def sglang_root() -> Path:
     return ROOT
 
 
+OLDEST = Path(__file__).resolve().parents[3] / ".venv-sglang-0.5.14"
+
+
+@pytest.mark.skipif(
+    not list(OLDEST.glob("lib/python3*/site-packages/sglang")),
+    reason="no .venv-sglang-0.5.14 (bash .ci/sglang-oldest-env; .ci/engine-drift checks "
+    "every release's wheel in CI)",
+)
+def test_the_oldest_release_installed_passes_its_own_targets() -> None:
+    [root] = OLDEST.glob("lib/python3*/site-packages/sglang")
+    assert release_version(root) == "0.5.14"
+    assert release_problems(root) == []
+
+
 def test_installed_sglang_is_in_the_range() -> None:
     assert VERSION is not None and SGLANG_RANGE.accepts(VERSION), (
         f"sglang {VERSION} is installed, the hook supports {SGLANG_RANGE.describe()}: run "
@@ -82,7 +102,12 @@ def copy_of(tmp_path: Path, rel: str, edit: str | None = None, new: str = "") ->
     return tmp_path / "sglang"
 
 
-@pytest.mark.parametrize("target", SGLANG_TARGETS, ids=lambda t: f"{t.label}@{t.path}")
+@pytest.mark.parametrize(
+    "target",
+    # The hook path's targets are in 0.5.23's source too (the tier's): each renamed there.
+    [*SGLANG_TARGETS, *HOOK_CAPTURE_TARGETS],
+    ids=lambda t: f"{t.label}@{t.path}:{t.kind}",
+)
 def test_a_renamed_target_is_named(tmp_path: Path, target: Target) -> None:
     moved = copy_of(tmp_path, target.path, target.name, target.name + "_moved")
     problems = check_targets(moved, [target])
@@ -134,18 +159,79 @@ def test_readme_shows_the_launch_command() -> None:
     block = readme.split("python3 -m sglang.launch_server", 1)[1].split("```", 1)[0]
     script = (DEPLOY / "launch.sh").read_text(encoding="utf-8")
     optional = {"chunked_prefill_size"}
-    assert set(launch_flags(block)) == set(launch_flags(script)) - optional
+    capture = set(launch_flags(" ".join(SERVER_CAPTURE_FLAGS)))  # (0.5.23's: the README's)
+    assert set(launch_flags(block)) == (set(launch_flags(script)) | capture) - optional
 
 
-def test_a_launch_flag_the_release_lacks_is_named(tmp_path: Path) -> None:
-    """0.5.14-0.5.22 have no --enable-return-aux-hidden-states: .ci/engine-drift names it."""
+def fields_only(tmp_path: Path, version: str) -> Path:
+    """A fake sglang root: the installed release's server arguments, as ``version``."""
     fields = Path("srt") / "arg_groups" / "fields"
     shutil.copytree(sglang_root() / fields, tmp_path / "sglang" / fields)
+    (tmp_path / "sglang" / "_version.py").write_text(f"__version__ = version = '{version}'\n")
     exec_ = tmp_path / "sglang" / fields / "exec_.py"
     text = exec_.read_text(encoding="utf-8")
     exec_.write_text(text.replace("enable_return_aux_hidden_states:", "moved:"), encoding="utf-8")
-    flags = [p for p in release_problems(tmp_path / "sglang") if p.startswith("--")]
+    return tmp_path / "sglang"
+
+
+def test_a_launch_flag_the_release_lacks_is_named(tmp_path: Path) -> None:
+    """A release of the server capture path without --enable-return-aux-hidden-states:
+    .ci/engine-drift names it (launch.sh passes it there)."""
+    flags = [p for p in release_problems(fields_only(tmp_path, "0.5.23")) if p.startswith("--")]
     assert flags == [
         "--enable-return-aux-hidden-states: no such server argument; deploy/sglang/launch.sh "
-        "passes it"
+        "passes it on sglang 0.5.23"
     ]
+
+
+def test_a_release_before_the_server_capture_needs_no_capture_flag(tmp_path: Path) -> None:
+    """0.5.14-0.5.22: launch.sh passes no capture flag there (the hook captures itself)."""
+    problems = release_problems(fields_only(tmp_path, "0.5.22"))
+    assert not [p for p in problems if p.startswith("--")]
+
+
+def test_each_release_is_checked_for_its_own_capture_path(tmp_path: Path) -> None:
+    root = fields_only(tmp_path, "0.5.14")
+    assert release_version(root) == "0.5.14"
+    old, new = release_targets(root, "0.5.14"), release_targets(root, "0.5.23")
+    assert set(HOOK_CAPTURE_TARGETS) <= set(old) and not set(SERVER_CAPTURE_TARGETS) & set(old)
+    assert set(SERVER_CAPTURE_TARGETS) <= set(new) and not set(HOOK_CAPTURE_TARGETS) & set(new)
+
+
+def test_a_source_without_a_version_is_named(tmp_path: Path) -> None:
+    (tmp_path / "sglang").mkdir()
+    assert release_version(tmp_path / "sglang") is None
+    [problem] = release_problems(tmp_path / "sglang")
+    assert "sglang/_version.py: no __version__" in problem
+
+
+def test_server_arguments_before_0_5_20_are_server_args_fields(tmp_path: Path) -> None:
+    root = tmp_path / "sglang"
+    (root / "srt").mkdir(parents=True)
+    (root / "srt" / "server_args.py").write_text(
+        "class ServerArgs:\n    model_path: str\n    disable_radix_cache: bool = False\n"
+        "class Other:\n    not_an_argument: int = 0\n"
+    )
+    assert server_arguments(root) == {"model_path", "disable_radix_cache"}
+
+
+@pytest.mark.parametrize(
+    ("rel", "text", "found"),
+    [
+        ("srt/model_executor/model_runner.py",
+         "def f(m):\n    register_forward_hooks(m, s)\n", True),
+        ("srt/model_executor/model_runner_components/cuda_graph_setup.py",
+         "def f(r):\n    hm.register_forward_hooks(r.model, s)\n", True),
+        ("srt/model_executor/model_runner.py", "from x import register_forward_hooks\n", False),
+    ],
+)  # fmt: skip
+def test_the_call_that_loads_the_hook_is_found_where_it_moved(
+    tmp_path: Path, rel: str, text: str, found: bool
+) -> None:
+    dest = tmp_path / "sglang" / rel
+    dest.parent.mkdir(parents=True)
+    dest.write_text(text)
+    problems = forward_hooks_call_problems(tmp_path / "sglang")
+    assert (problems == []) is found
+    if not found:
+        assert "register_forward_hooks" in problems[0] and "no call left" in problems[0]

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -815,8 +816,8 @@ def server_env(
     monkeypatch.setenv("HSX_AUX_LAYERS", "1,4")
     monkeypatch.setenv("HSX_DUMP_ROOT", str(shm_root))
     monkeypatch.delenv("HSX_MODEL_NAME", raising=False)
-    monkeypatch.setattr(sglang_hook, "_read_server_info", lambda: info["info"])
-    monkeypatch.setattr(sglang_hook, "_load_sglang_api", lambda: api)
+    monkeypatch.setattr(sglang_hook, "_read_server_info", lambda path: info["info"])
+    monkeypatch.setattr(sglang_hook, "_load_sglang_api", lambda path: api)
     # The dev environment has no sglang; the factory refuses any other version.
     newest = sglang_hook.SGLANG_RANGE.versions[-1]
     monkeypatch.setattr(sglang_hook, "installed_sglang_version", lambda: newest)
@@ -957,8 +958,8 @@ def test_factory_refuses_other_sglang(
     message = str(refused.value)
     # One line naming the range (the one table: hsx_async.server.engine_versions).
     assert message == (
-        "the hsx hook supports sglang 0.5.23, but sglang 0.6.0 is installed: install "
-        "sglang==0.5.23, or set HSX_ALLOW_SGLANG_VERSION=0.6.0 to run it anyway (after "
+        "the hsx hook supports sglang 0.5.14 to 0.5.23, but sglang 0.6.0 is installed: "
+        "install one of them, or set HSX_ALLOW_SGLANG_VERSION=0.6.0 to run it anyway (after "
         "checking its dumps)"
     )
     assert sglang_hook._Installed.state is None
@@ -981,7 +982,7 @@ def test_factory_runs_other_sglang_when_allowed(
     monkeypatch.setenv("HSX_ALLOW_SGLANG_VERSION", "0.6.0")
     with caplog.at_level(logging.WARNING, logger=sglang_hook.__name__):
         sglang_hook.hsx_hook_factory({})
-    assert "supports sglang 0.5.23, running sglang 0.6.0 (allowed by" in caplog.text
+    assert "supports sglang 0.5.14 to 0.5.23, running sglang 0.6.0 (allowed by" in caplog.text
     state = sglang_hook._Installed.state
     assert state is not None and state.config.server == "sglang 0.6.0"
 
@@ -1005,14 +1006,14 @@ def test_checked_version_needs_no_override(caplog: pytest.LogCaptureFixture) -> 
     assert not caplog.records
 
 
-@pytest.mark.parametrize("version", ["0.5.14", "0.5.22", "0.5.24", "0.5.23rc1", ""])
+@pytest.mark.parametrize("version", ["0.5.13.post1", "0.5.24", "0.5.23rc1", ""])
 def test_a_release_outside_the_range_is_refused(version: str) -> None:
-    """SpecForge's 0.5.14 and every release up to 0.5.22 fail the drift check (no
-    capture-only aux mode, no post-norm final state): refused in one line."""
+    """0.5.13.post1 fails the drift check (no runtime_context, no
+    --disable-prefill-cuda-graph), newer ones are unchecked: refused in one line."""
     with pytest.raises(ConfigError) as refused:
         sglang_hook.check_sglang_version(version or None, {})
     message = str(refused.value)
-    assert "\n" not in message and "supports sglang 0.5.23" in message
+    assert "\n" not in message and "supports sglang 0.5.14 to 0.5.23" in message
     assert f"sglang {version or 'unknown'} is installed" in message
 
 
@@ -1031,12 +1032,18 @@ FAKE_LAUNCHER = textwrap.dedent(
 
 
 def run_launch(
-    tmp_path: Path, env: dict[str, str], *args: str
+    tmp_path: Path, env: dict[str, str], *args: str, version: str = "0.5.23"
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
+    """launch.sh against a fake ``sglang`` distribution of ``version``."""
     fake = tmp_path / "fake"
     (fake / "sglang").mkdir(parents=True, exist_ok=True)
     (fake / "sglang" / "__init__.py").write_text("")
     (fake / "sglang" / "launch_server.py").write_text(FAKE_LAUNCHER)
+    for old in fake.glob("sglang-*.dist-info"):
+        shutil.rmtree(old)
+    dist = fake / f"sglang-{version}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sglang\nVersion: {version}\n")
     capture = tmp_path / "capture.json"
     capture.unlink(missing_ok=True)
     full_env = {
@@ -1087,6 +1094,22 @@ def test_launch_script_runs_sglang_with_every_required_flag(tmp_path: Path) -> N
     assert "--return-aux-hidden-state-layer-ids" not in argv
     assert got["env"]["HSX_AUX_LAYERS"] == "2,30,58"
     assert got["env"]["HSX_DUMP_ROOT"] == "/dev/shm/hsx"
+
+
+@pytest.mark.parametrize("version", ["0.5.14", "0.5.22"])
+def test_launch_script_before_0_5_23_asks_for_no_capture_mode(tmp_path: Path, version: str) -> None:
+    """No --enable-return-aux-hidden-states there (the hook captures itself), and no
+    speculative algorithm (it would load a draft model)."""
+    proc, got = run_launch(tmp_path, {"HSX_AUX_LAYERS": "2,30,58"}, "/models/m", version=version)
+    assert proc.returncode == 0, proc.stderr
+    assert got is not None
+    argv = got["argv"]
+    assert "--enable-return-aux-hidden-states" not in argv
+    assert "--speculative-algorithm" not in argv
+    assert "" not in argv
+    for flag in ("--disable-radix-cache", "--disable-prefill-cuda-graph", "--forward-hooks"):
+        assert flag in argv
+    assert flag_value(argv, "--model-path") == "/models/m"
 
 
 def test_launch_script_defaults(tmp_path: Path) -> None:
