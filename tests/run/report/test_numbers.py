@@ -32,7 +32,7 @@ from hsx_async.server.fake.server import FakeOptions, running_fake_server
 from tests.dataset_factory import write_dataset
 from tests.e2e import make_config, write_samples
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 H, AUX = 64, (1, 3, 5)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
