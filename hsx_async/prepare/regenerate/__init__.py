@@ -7,7 +7,7 @@ SGLang's ``/generate``, vLLM's ``/v1/completions``), seeded per conversation and
 
 It is a client of the run pipeline's parts, not a second pipeline:
 
-- the servers: :class:`~hsx_async.run.servers.client.ServerPool` (least loaded server in rotation;
+- the servers: :class:`~hsx_async.run.servers.pool.ServerPool` (least loaded server in rotation;
   out of rotation with its reason) and :mod:`.serving` (admitted only
   after a decode probe passes; a wrong ``[server].engine`` stops the run, exit 2; no server
   for ``server.unreachable_timeout``, exit 3);

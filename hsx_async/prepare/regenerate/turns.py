@@ -4,7 +4,7 @@ quarantined through the run's group commit.
 
 Each turn is one decode request and its attempts (:class:`~hsx_async.run.servers.retry.Attempts`):
 a failed attempt gets its cause (:func:`~hsx_async.run.servers.faults.fault_of`); the server's
-faults take it out of rotation (:meth:`~hsx_async.run.servers.client.ServerPool.fault`) and cost the
+faults take it out of rotation (:meth:`~hsx_async.run.servers.pool.ServerPool.fault`) and cost the
 conversation nothing, its own (a 4xx about its content, a suspicion shown to be its doing)
 count against ``workers.max_attempts``, and then the conversation is quarantined.
 """

@@ -5,9 +5,9 @@ plugged into it (STYLE §4c: *arq*'s one ``Worker`` runs every job).
 
 What it owns, once for every kind:
 
-- the servers: one :class:`~hsx_async.run.servers.client.ServerPool` built from ``[server]``
-  (:func:`server_pool`; ``hsx check`` builds its own the same way) and one HTTP session
-  (:func:`connected`);
+- the servers: one :class:`~hsx_async.run.servers.pool.ServerPool` built from ``[server]``
+  (:func:`~hsx_async.run.servers.pool.server_pool`; ``hsx check`` builds its own the same
+  way) and one HTTP session (:func:`~hsx_async.run.servers.client.connected`);
 - one :class:`asyncio.TaskGroup` with the work's tasks, the admission task (the one wait
   for a server: :class:`~hsx_async.run.servers.admission.ServerWait`, exit 3 after
   ``server.unreachable_timeout``), the events log and the signals (STYLE §5, §7);

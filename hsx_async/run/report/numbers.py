@@ -153,7 +153,7 @@ class RunRecorder:
 
     def server_changed(self, server: Server, in_rotation: bool) -> None:
         """A server left rotation, was refused again, or came back (a
-        :class:`~hsx_async.run.servers.client.ServerPool` ``on_change`` listener)."""
+        :class:`~hsx_async.run.servers.pool.ServerPool` ``on_change`` listener)."""
         self.note(
             "server_back" if in_rotation else "server_out",
             server=server.display,
