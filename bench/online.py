@@ -97,13 +97,17 @@ class Watch:
     def _run(self) -> None:
         log = ConsumerLog(self.out, self.consumer) if self.consumer else None
         while not self._stop.is_set():
-            held = data_bytes(self.out / "data")
-            lag = 0
-            if log is not None and (self.out / "consumers").is_dir():
-                committed = self._committed()  # before the acks: the lag is never negative
-                lag = max(0, committed - len(log.refresh().acked.get(0, set())))
-            self.points.append((time.monotonic() - self._t0, held, lag))
+            self._look(log)
             self._stop.wait(self.interval)
+        self._look(log)  # at the stop: after the consumer's last acknowledgement
+
+    def _look(self, log: ConsumerLog | None) -> None:
+        held = data_bytes(self.out / "data")
+        lag = 0
+        if log is not None and (self.out / "consumers").is_dir():
+            committed = self._committed()  # before the acks: the lag is never negative
+            lag = max(0, committed - len(log.refresh().acked.get(0, set())))
+        self.points.append((time.monotonic() - self._t0, held, lag))
 
     def __enter__(self) -> Watch:
         self._thread.start()
