@@ -18,7 +18,6 @@ outcome and fault and what Mooncake holds for the trainer.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,9 +30,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hsx_async.config import Config
 from hsx_async.dataset.export.plan import FinalConversion
-from hsx_async.dataset.target import final_norm_weight, norm_gain, read_target
 from hsx_async.errors import ArgumentError
-from hsx_async.front.extract import ExtractionFailed, Extractor, check_config, extracting
+from hsx_async.front.extract import (
+    ExtractionFailed,
+    Extractor,
+    check_config,
+    extracting,
+    final_conversion,
+)
+from hsx_async.front.listen import listen_until
 from hsx_async.front.metrics import ERROR_MARKER, PUBLISHED, REFUSED, UNANSWERED, FrontMetrics
 from hsx_async.front.mooncake import (
     UNREACHABLE,
@@ -43,7 +48,7 @@ from hsx_async.front.mooncake import (
     error_manifest,
     pack,
 )
-from hsx_async.net import listen_address, listen_ok
+from hsx_async.net import listen_ok
 from hsx_async.protocol import PRE_NORM
 
 log = structlog.get_logger("hsx.front")
@@ -181,11 +186,7 @@ def build_app(front: Front) -> web.Application:
 def conversion(model: Path | None) -> FinalConversion:
     """To the pre-norm final state speculators reads; the norm from ``--model`` when given
     (needed when the servers dump the post-norm state)."""
-    if model is None:
-        return FinalConversion(PRE_NORM)
-    target = read_target(model)
-    weight = final_norm_weight(target)
-    return FinalConversion(PRE_NORM, norm_gain(weight, target.norm_kind), target.norm_eps)
+    return final_conversion(PRE_NORM, model)
 
 
 async def serve(
@@ -207,38 +208,9 @@ async def serve(
         state = config.output.dir / "front"
         async with extracting(config, final, state) as extractor:
             front = Front(extractor, publisher, model_name, FrontMetrics(publisher.held))
-            await _listen(front, listen, on_bound, stop)
+            await listen_until(build_app(front), listen, on_bound, stop)
     finally:
         await asyncio.to_thread(publisher.close)
-
-
-async def _listen(
-    front: Front, listen: str, on_bound: Callable[[str], None] | None, stop: asyncio.Event | None
-) -> None:
-    host, port = listen_address(listen)
-    runner = web.AppRunner(build_app(front), access_log=None)
-    await runner.setup()
-    own_stop = stop is None
-    stop = stop or asyncio.Event()
-    if own_stop:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        try:
-            await web.TCPSite(runner, host, port).start()
-        except OSError as exc:
-            raise ArgumentError(
-                "--listen", f"cannot listen on {listen}: {exc.strerror}; pick another"
-            ) from None
-        bound = runner.addresses[0]
-        url = f"http://{bound[0]}:{bound[1]}"
-        log.info("front_listening", url=url, model=front.model)
-        if on_bound is not None:
-            on_bound(url)
-        await stop.wait()
-    finally:
-        await runner.cleanup()
 
 
 __all__ = ["Front", "build_app", "serve"]

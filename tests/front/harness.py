@@ -31,24 +31,25 @@ async def start_front(
     buffer_mib: int = 16,
     segment_mib: int = 64,
     name: str = "tiny",
+    trainer: str = "speculators",
 ) -> tuple[asyncio.subprocess.Process, str]:
-    """``hsx front speculators`` listening on 127.0.0.1 (its log: ``tmp/front.log``)."""
+    """``hsx front <trainer>`` listening on 127.0.0.1 (its log: ``tmp/front.log``)."""
     port = free_port()
     log = (tmp / "front.log").open("wb")
+    named = ["--served-model-name", name] if trainer == "speculators" else []
     proc = await asyncio.create_subprocess_exec(
         mooncake_python(),
         "-m",
         "hsx_async",
         "front",
-        "speculators",
+        trainer,
         "--config",
         str(config),
         "--model",
         str(model),
         "--listen",
         f"127.0.0.1:{port}",
-        "--served-model-name",
-        name,
+        *named,
         "--mooncake-master",
         master,
         "--mooncake-segment-mib",

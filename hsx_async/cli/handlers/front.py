@@ -1,5 +1,6 @@
-"""``hsx front speculators``: the front's options, :func:`hsx_async.front.speculators.serve`,
-and the URL it serves."""
+"""``hsx front speculators|specforge``: the front's options, its ``serve``
+(:mod:`hsx_async.front.speculators`, :mod:`hsx_async.front.specforge`), and the URL it
+serves."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+from hsx_async.cli.front import DEFAULT_LISTEN, DEFAULT_SPECFORGE_LISTEN
 from hsx_async.config import load_config
+from hsx_async.front import specforge, speculators
+from hsx_async.front.extract import final_conversion
 from hsx_async.front.mooncake import MooncakeOptions
-from hsx_async.front.speculators import conversion, serve
 from hsx_async.logs import configure_logging
+from hsx_async.protocol import POST_NORM
 
 
 def front_command(args: argparse.Namespace) -> int:
-    """``hsx front speculators`` (``hsx_async.cli.front``)."""
+    """``hsx front speculators|specforge`` (``hsx_async.cli.front``)."""
     configure_logging("auto", "info")
     config = load_config(Path(args.config))
     options = MooncakeOptions(
@@ -25,20 +29,36 @@ def front_command(args: argparse.Namespace) -> int:
         segment_bytes=args.mooncake_segment_mib << 20,
         buffer_bytes=args.mooncake_buffer_mib << 20,
     )
+    model = Path(args.model) if args.model else None
+    if args.trainer == "specforge":
+
+        def announce_capture(url: str) -> None:
+            print(f"hsx front specforge: capturing for SpecForge's producer on {url}", flush=True)
+
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(
+                specforge.serve(
+                    config,
+                    options,
+                    listen=args.listen or DEFAULT_SPECFORGE_LISTEN,
+                    final=final_conversion(POST_NORM, model),
+                    on_bound=announce_capture,
+                )
+            )
+        return 0
     name = args.served_model_name or config.model.name or "hsx"
 
     def announce(url: str) -> None:
         print(f"hsx front speculators: serving {name} on {url}", flush=True)
 
-    model = Path(args.model) if args.model else None
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(
-            serve(
+            speculators.serve(
                 config,
                 options,
-                listen=args.listen,
+                listen=args.listen or DEFAULT_LISTEN,
                 model_name=name,
-                final=conversion(model),
+                final=speculators.conversion(model),
                 on_bound=announce,
             )
         )
