@@ -1,6 +1,7 @@
-"""Driving ``hsx front speculators`` and speculators' own reader as subprocesses of
-.venv-mooncake (the front's own Mooncake client and segment; the reader as the trainer
-runs it), shared by the fake-server and the real-SGLang tiers."""
+"""Driving ``hsx front speculators|specforge``, speculators' own reader and SpecForge's own
+producer and consumer as subprocesses of .venv-mooncake (the front's own Mooncake client
+and segment; the trainers' code as they run it), shared by the fake-server and the
+real-SGLang tiers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import torch
@@ -19,6 +21,7 @@ from tests.e2e import free_port
 from tests.front.conftest import REPO, mooncake_python, stop, wait_listening
 
 READER = Path(__file__).with_name("speculators_reader.py")
+CLIENT = Path(__file__).with_name("specforge_client.py")
 READ_TIMEOUT = 180.0  # s: a real server's prefill of every prompt on two busy cores
 
 
@@ -102,6 +105,62 @@ async def read_through(url: str, master: str, tmp: Path, prompts: list[list[int]
     with safe_open(out, framework="pt") as fh:
         notes = dict(fh.metadata())
     return Read(load_file(out), notes)
+
+
+@dataclass(frozen=True)
+class Produced:
+    """What SpecForge's consumer read (``{feature}_{i}``) and the notes: ``error_<i>``,
+    ``retryable_<i>``, ``gone_<i>``, ``consumed``."""
+
+    tensors: dict[str, torch.Tensor]
+    notes: dict[str, str]
+
+
+async def produce(
+    url: str,
+    master: str,
+    tmp: Path,
+    tasks: list[dict[str, Any]],
+    *,
+    aux_layer_ids: list[int],
+    hidden_size: int,
+) -> Produced:
+    """SpecForge's producer captures ``tasks`` (one lease batch) through the front; its
+    consumer reads every good ref off the channel; the producer frees them."""
+    plan = {
+        "store_id": f"sf{free_port()}",
+        "run_id": "run",
+        "aux_layer_ids": aux_layer_ids,
+        "hidden_size": hidden_size,
+        "tasks": tasks,
+    }
+    plan_path = tmp / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    out = tmp / "produced.safetensors"
+    client = await asyncio.create_subprocess_exec(
+        mooncake_python(),
+        str(CLIENT),
+        url,
+        master,
+        str(plan_path),
+        str(out),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
+    try:
+        log, _ = await asyncio.wait_for(client.communicate(), READ_TIMEOUT)
+    finally:
+        await stop(client)
+    assert client.returncode == 0, log.decode(errors="replace")[-3000:]
+    with safe_open(out, framework="pt") as fh:
+        notes = dict(fh.metadata())
+    return Produced(load_file(out), notes)
+
+
+def task(ids: list[int], mask: list[int] | None = None, attempt: int = 0) -> dict[str, Any]:
+    """One of SpecForge's prompt tasks for :func:`produce` (all-ones loss mask by default)."""
+    return {"input_ids": ids, "loss_mask": mask or [1] * len(ids), "attempt": attempt}
 
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:

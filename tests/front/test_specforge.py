@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 from hsx_async.cli import main
 from hsx_async.dataset.export.specforge import specforge_relpath
@@ -31,14 +27,13 @@ from hsx_async.server.fake.options import FakeOptions
 from hsx_async.server.fake.server import running_fake_server
 from tests.dataset.test_export import model_dir
 from tests.e2e import config_raw, free_port, make_config, write_config, write_samples
-from tests.front.conftest import REPO, mooncake_python, running_master, stop
-from tests.front.harness import READ_TIMEOUT, scrape, start_front
+from tests.front.conftest import running_master, stop
+from tests.front.harness import produce, scrape, start_front, task
 
 pytestmark = pytest.mark.mooncake
 
-CLIENT = Path(__file__).with_name("specforge_client.py")
 HIDDEN = 64
-AUX = [1, 3, 5]  # the fake server's and the configs' aux layers
+AUX = [1, 3, 5]  # the fake server's and the configs' aux layers (harness.produce's default)
 VOCAB = 50_000  # the fake server refuses an id at or past it (a 400: the sample's fault)
 FEATURES = ("hidden_state", "target", "input_ids", "loss_mask", "attention_mask")
 
@@ -48,61 +43,6 @@ async def fake(shm_root: Path) -> AsyncIterator[str]:
     options = FakeOptions(dump_root=shm_root, chunk_size=32, max_batch_tokens=96, vocab_size=VOCAB)
     async with running_fake_server(options) as srv:
         yield srv.url
-
-
-@dataclass(frozen=True)
-class Produced:
-    """What SpecForge's consumer read (``{feature}_{i}``) and the notes: ``error_<i>``,
-    ``retryable_<i>``, ``gone_<i>``, ``consumed``."""
-
-    tensors: dict[str, torch.Tensor]
-    notes: dict[str, str]
-
-
-async def produce(
-    url: str,
-    master: str,
-    tmp: Path,
-    tasks: list[dict[str, Any]],
-    *,
-    aux_layer_ids: list[int] = AUX,
-    hidden_size: int = HIDDEN,
-) -> Produced:
-    """SpecForge's producer captures ``tasks`` (one lease batch) through the front; its
-    consumer reads every good ref off the channel; the producer frees them."""
-    plan = {
-        "store_id": f"sf{free_port()}",
-        "run_id": "run",
-        "aux_layer_ids": aux_layer_ids,
-        "hidden_size": hidden_size,
-        "tasks": tasks,
-    }
-    plan_path = tmp / "plan.json"
-    plan_path.write_text(json.dumps(plan))
-    out = tmp / "produced.safetensors"
-    client = await asyncio.create_subprocess_exec(
-        mooncake_python(),
-        str(CLIENT),
-        url,
-        master,
-        str(plan_path),
-        str(out),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-    )
-    try:
-        log, _ = await asyncio.wait_for(client.communicate(), READ_TIMEOUT)
-    finally:
-        await stop(client)
-    assert client.returncode == 0, log.decode(errors="replace")[-3000:]
-    with safe_open(out, framework="pt") as fh:
-        notes = dict(fh.metadata())
-    return Produced(load_file(out), notes)
-
-
-def task(ids: list[int], mask: list[int] | None = None, attempt: int = 0) -> dict[str, Any]:
-    return {"input_ids": ids, "loss_mask": mask or [1] * len(ids), "attempt": attempt}
 
 
 async def _offline(tmp: Path, samples: Path, url: str, dump: Path, model: Path) -> Path:
@@ -157,7 +97,9 @@ async def test_specforge_reads_what_hsx_run_writes(
         tmp_path, sample_set.path, [fake], shm_root, model=model, master=mooncake_master
     )
     try:
-        got = await produce(url, mooncake_master, tmp_path, tasks)
+        got = await produce(
+            url, mooncake_master, tmp_path, tasks, aux_layer_ids=AUX, hidden_size=HIDDEN
+        )
         async with aiohttp.ClientSession() as session:
             metrics = await scrape(session, url)
     finally:
@@ -198,10 +140,20 @@ async def test_a_capture_the_draft_cannot_use_is_the_producers_mismatch(
     )
     try:
         layers = await produce(
-            url, mooncake_master, tmp_path, [task([1, 2, 3])], aux_layer_ids=[2, 4, 6]
+            url,
+            mooncake_master,
+            tmp_path,
+            [task([1, 2, 3])],
+            aux_layer_ids=[2, 4, 6],
+            hidden_size=HIDDEN,
         )
         width = await produce(
-            url, mooncake_master, tmp_path, [task([4, 5])], hidden_size=2 * HIDDEN
+            url,
+            mooncake_master,
+            tmp_path,
+            [task([4, 5])],
+            aux_layer_ids=AUX,
+            hidden_size=2 * HIDDEN,
         )
     finally:
         await stop(proc)
@@ -242,7 +194,14 @@ async def test_a_full_mooncake_and_a_server_down_are_the_producers_failures(
     )
     prompts = [[10 + i] * 9000 for i in range(5)]
     try:
-        got = await produce(url, mooncake_master, tmp_path, [task(p) for p in prompts])
+        got = await produce(
+            url,
+            mooncake_master,
+            tmp_path,
+            [task(p) for p in prompts],
+            aux_layer_ids=AUX,
+            hidden_size=HIDDEN,
+        )
         async with aiohttp.ClientSession() as session:
             metrics = await scrape(session, url)
     finally:
