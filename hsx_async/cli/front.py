@@ -40,7 +40,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--model",
         default=None,
         help="the target model's local HF directory: its final norm converts the servers' "
-        "final state to the trainer's (pre-norm for speculators, post-norm for SpecForge)",
+        "final state to the trainer's (pre-norm for speculators, post-norm for SpecForge); "
+        "specforge needs it: the target's family decides the layer ids SpecForge checks",
     )
     p.add_argument(
         "--listen",

@@ -13,6 +13,10 @@ with ``get_into``, its shape and dtype from the ref) and answers, per row,
 aux_layer_ids}`` or ``{..., "error": reason}``, which the producer turns into a retryable
 ``ServerCaptureFailure``. ``aux`` is the aux layers' states concatenated ``[1, L, n·H]``,
 ``last_hidden`` the **post-norm** final state ``[1, L, H]`` (the LM head's input).
+``aux_layer_ids`` are the ids the server was launched with (``--spec-capture-aux-layer-ids``:
+the drafter config's ``eagle_aux_hidden_state_layer_ids``), in SGLang's numbering for the
+target's family, which is not hsx's (:mod:`hsx_async.layer_ids`): the front answers
+``[model].aux_layers`` in that numbering, from ``--model``'s ``config.json``.
 
 This front answers that call from hsx's own extraction path (:mod:`hsx_async.front.extract`:
 ``hsx run``'s admission, request, dump checks and fault attribution) in front of stock
@@ -37,8 +41,9 @@ removes the keys a lost earlier answer may have left before putting.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -48,6 +53,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hsx_async.config import Config
 from hsx_async.dataset.export.plan import FinalConversion
+from hsx_async.dataset.target import read_target
 from hsx_async.errors import ArgumentError, HsxError
 from hsx_async.front.extract import (
     Extracted,
@@ -59,6 +65,7 @@ from hsx_async.front.extract import (
 from hsx_async.front.listen import listen_until
 from hsx_async.front.metrics import ERROR_MARKER, PUBLISHED, REFUSED, FrontMetrics
 from hsx_async.front.mooncake import MooncakeError, MooncakeOptions, Publisher
+from hsx_async.layer_ids import draft_ids
 from hsx_async.net import listen_ok
 
 log = structlog.get_logger("hsx.front")
@@ -108,9 +115,11 @@ def parse_capture(entry: Any, length: int) -> Capture:
     if not isinstance(entry, dict):
         raise CaptureRefused(f"spec_capture entry is {type(entry).__name__}, not an object")
     store_id, sample_id, gen = entry.get("store_id"), entry.get("sample_id"), entry.get("gen")
-    for name, value in (("store_id", store_id), ("sample_id", sample_id)):
-        if not isinstance(value, str) or not value:
-            raise CaptureRefused(f"spec_capture {name} {value!r} is not a non-empty string")
+    if not (isinstance(store_id, str) and store_id and isinstance(sample_id, str) and sample_id):
+        raise CaptureRefused(
+            f"spec_capture store_id {store_id!r} and sample_id {sample_id!r} must be "
+            "non-empty strings"
+        )
     if isinstance(gen, bool) or not isinstance(gen, int) or gen < 1:
         raise CaptureRefused(f"spec_capture gen {gen!r} is not a generation (an int >= 1)")
     features = entry.get("features", {})
@@ -183,8 +192,8 @@ def parse_request(body: Any) -> tuple[list[Task], bool]:
             "producer (SGLangServerCaptureAdapter)"
         )
     batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-    prompts = ids if batched else [ids]
-    entries = capture if isinstance(capture, list) else [capture]
+    prompts: list[Any] = list(ids) if batched and isinstance(ids, list) else [ids]
+    entries: list[Any] = capture if isinstance(capture, list) else [capture]
     for prompt in prompts:
         if not (
             isinstance(prompt, list)
@@ -205,6 +214,29 @@ def parse_request(body: Any) -> tuple[list[Task], bool]:
             "sampling_params.max_new_tokens must be 0: the front captures the prompt only"
         )
     return [Task(p, e) for p, e in zip(prompts, entries, strict=True)], batched
+
+
+def capture_layer_ids(config: Config, model: Path | None) -> list[int]:
+    """``[model].aux_layers`` in SpecForge's numbering (its drafter config's
+    ``eagle_aux_hidden_state_layer_ids``, which its producer checks the answer's
+    ``aux_layer_ids`` against), by SGLang's rule for the target's family
+    (:mod:`hsx_async.layer_ids`); :class:`ArgumentError` when ``--model`` is missing or
+    no ids give those layers."""
+    if model is None:
+        raise ArgumentError(
+            "--model",
+            "hsx front specforge needs the target's Hugging Face directory: its family "
+            "decides the layer ids SpecForge's producer checks the capture against",
+        )
+    target = read_target(model)
+    if target.architecture is None or target.num_layers is None:
+        raise ArgumentError(
+            "--model", f"{model}/config.json names no architecture or num_hidden_layers"
+        )
+    ids = draft_ids(target.architecture, config.model.aux_layers, target.num_layers)
+    if ids.ids is None:
+        raise ArgumentError("--model", ids.describe(config.model.aux_layers))
+    return list(ids.ids)
 
 
 def features(got: Extracted, capture: Capture) -> dict[str, torch.Tensor]:
@@ -351,10 +383,12 @@ async def serve(
     *,
     listen: str,
     final: FinalConversion,
+    layer_ids: Sequence[int],
     on_bound: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve until ``stop`` is set (or SIGINT/SIGTERM when none is given)."""
+    """Serve until ``stop`` is set (or SIGINT/SIGTERM when none is given); ``layer_ids``:
+    the aux layers as SpecForge numbers them (:func:`capture_layer_ids`)."""
     if not listen_ok(listen):
         raise ArgumentError("--listen", f"{listen!r} is not HOST:PORT (e.g. 127.0.0.1:30000)")
     check_config(config)
@@ -365,7 +399,7 @@ async def serve(
             front = SpecForgeFront(
                 extractor,
                 publisher,
-                list(config.model.aux_layers),
+                list(layer_ids),
                 FrontMetrics(publisher.held),
             )
             await listen_until(build_app(front), listen, on_bound, stop)
@@ -373,4 +407,11 @@ async def serve(
         await asyncio.to_thread(publisher.close)
 
 
-__all__ = ["SpecForgeFront", "build_app", "parse_capture", "parse_request", "serve"]
+__all__ = [
+    "SpecForgeFront",
+    "build_app",
+    "capture_layer_ids",
+    "parse_capture",
+    "parse_request",
+    "serve",
+]

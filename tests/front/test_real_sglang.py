@@ -66,6 +66,9 @@ from tests.real_sglang.traffic import final_norm
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.mooncake, pytest.mark.timeout(600)]
 
+# AUX_LAYERS as a DeepSeek-V3 drafter's config names them (SGLang's rule for the family):
+# what SpecForge's producer asks for and checks the front's answer against.
+SPECFORGE_IDS = [1, 2, 4]
 CHUNK = 64  # SGLang's chunked prefill: a long prompt's rows come in parts
 CONTEXT = 1024  # CPU_FLAGS' --context-length: a longer prompt is refused (a 400)
 # The teacher the trainer computes, lm_head(norm(last slot)), against the model's logits:
@@ -164,7 +167,7 @@ async def _through_front(
         try:
             tasks = [task(ids) for ids in sent]
             specforge = await produce(
-                sf_url, master, sf_tmp, tasks, aux_layer_ids=list(AUX_LAYERS), hidden_size=HIDDEN
+                sf_url, master, sf_tmp, tasks, aux_layer_ids=SPECFORGE_IDS, hidden_size=HIDDEN
             )
         finally:
             await stop(sf_proc)

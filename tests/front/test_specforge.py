@@ -22,6 +22,8 @@ import torch
 
 from hsx_async.cli import main
 from hsx_async.dataset.export.specforge import specforge_relpath
+from hsx_async.errors import ArgumentError
+from hsx_async.front.specforge import capture_layer_ids
 from hsx_async.run.daemon.daemon import Daemon
 from hsx_async.server.fake.options import FakeOptions
 from hsx_async.server.fake.server import running_fake_server
@@ -33,7 +35,8 @@ from tests.front.harness import produce, scrape, start_front, task
 pytestmark = pytest.mark.mooncake
 
 HIDDEN = 64
-AUX = [1, 3, 5]  # the fake server's and the configs' aux layers (harness.produce's default)
+AUX = [1, 3, 5]  # the fake server's and the configs' aux layers (hsx numbering)
+IDS = [0, 2, 4]  # the same layers as a Llama drafter's config names them (SpecForge's)
 VOCAB = 50_000  # the fake server refuses an id at or past it (a 400: the sample's fault)
 FEATURES = ("hidden_state", "target", "input_ids", "loss_mask", "attention_mask")
 
@@ -67,9 +70,9 @@ async def _front(
     master: str,
     buffer_mib: int = 16,
     segment_mib: int = 64,
-    **overrides: dict[str, Any],
+    server: dict[str, Any] | None = None,
 ) -> tuple[asyncio.subprocess.Process, str]:
-    raw = config_raw(tmp / "front", samples, urls, dump, hidden_size=HIDDEN, **overrides)
+    raw = config_raw(tmp / "front", samples, urls, dump, hidden_size=HIDDEN, server=server or {})
     config = write_config(tmp, raw, "front.toml")
     return await start_front(
         tmp,
@@ -98,7 +101,7 @@ async def test_specforge_reads_what_hsx_run_writes(
     )
     try:
         got = await produce(
-            url, mooncake_master, tmp_path, tasks, aux_layer_ids=AUX, hidden_size=HIDDEN
+            url, mooncake_master, tmp_path, tasks, aux_layer_ids=IDS, hidden_size=HIDDEN
         )
         async with aiohttp.ClientSession() as session:
             metrics = await scrape(session, url)
@@ -152,13 +155,13 @@ async def test_a_capture_the_draft_cannot_use_is_the_producers_mismatch(
             mooncake_master,
             tmp_path,
             [task([4, 5])],
-            aux_layer_ids=AUX,
+            aux_layer_ids=IDS,
             hidden_size=2 * HIDDEN,
         )
     finally:
         await stop(proc)
     assert (
-        "aux-layer id mismatch: recorded (1, 3, 5) != requested (2, 4, 6)"
+        "aux-layer id mismatch: recorded (0, 2, 4) != requested (2, 4, 6)"
         in (layers.notes["error_0"])
     ), layers.notes
     assert (
@@ -199,7 +202,7 @@ async def test_a_full_mooncake_and_a_server_down_are_the_producers_failures(
             mooncake_master,
             tmp_path,
             [task(p) for p in prompts],
-            aux_layer_ids=AUX,
+            aux_layer_ids=IDS,
             hidden_size=HIDDEN,
         )
         async with aiohttp.ClientSession() as session:
@@ -219,6 +222,30 @@ async def test_a_full_mooncake_and_a_server_down_are_the_producers_failures(
     failures = 'hsx_front_failures_total{cause="mooncake",kind="mooncake_full"}'
     assert metrics[failures] == len(full)
     assert metrics["hsx_front_mooncake_objects_held"] == 0
+
+
+def test_the_layer_ids_are_answered_in_specforges_numbering_or_the_front_does_not_start(
+    tmp_path: Path,
+) -> None:
+    """SpecForge's drafter names layers as SGLang's family rule does (a Llama's ids are
+    hsx's minus one); without ``--model`` the family is unknown, and a family hsx has no
+    rule for, or layers no ids express, stop the front before it serves."""
+    config = make_config(
+        tmp_path, tmp_path / "unused.jsonl", ["http://127.0.0.1:1"], tmp_path, hidden_size=HIDDEN
+    )
+    model, _ = model_dir(tmp_path / "llama", HIDDEN)
+    assert capture_layer_ids(config, model) == IDS
+    deepseek, _ = model_dir(
+        tmp_path / "deepseek", HIDDEN, architecture="DeepseekV3ForCausalLM", model_type="x"
+    )
+    unknown, _ = model_dir(tmp_path / "unknown", HIDDEN, architecture="NoSuchForCausalLM")
+    with pytest.raises(ArgumentError, match="argument --model: hsx front specforge needs"):
+        capture_layer_ids(config, None)
+    with pytest.raises(ArgumentError, match="NoSuchForCausalLM: no draft-config ids"):
+        capture_layer_ids(config, unknown)
+    # DeepSeek-V3's rule adds one only to ids starting at 1: none give layers [1, 3, 5].
+    with pytest.raises(ArgumentError, match="rule 'plus_one_if_first_is_one' maps no ids"):
+        capture_layer_ids(config, deepseek)
 
 
 async def _generate(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
@@ -269,7 +296,7 @@ async def test_requests_that_are_not_specforges_are_refused_and_a_server_down_na
         master=mooncake_master,
         server={"unreachable_timeout": 1.0},
     )
-    refused = [
+    refused: list[tuple[Any, dict[str, Any]]] = [
         ([1, 2], {}),  # no spec_capture
         ([], {"spec_capture": [_entry()]}),
         ([[1, 2], [3]], {"spec_capture": [_entry()]}),  # two prompts, one entry

@@ -31,6 +31,7 @@ def front_command(args: argparse.Namespace) -> int:
     )
     model = Path(args.model) if args.model else None
     if args.trainer == "specforge":
+        layer_ids = specforge.capture_layer_ids(config, model)
 
         def announce_capture(url: str) -> None:
             print(f"hsx front specforge: capturing for SpecForge's producer on {url}", flush=True)
@@ -42,6 +43,7 @@ def front_command(args: argparse.Namespace) -> int:
                     options,
                     listen=args.listen or DEFAULT_SPECFORGE_LISTEN,
                     final=final_conversion(POST_NORM, model),
+                    layer_ids=layer_ids,
                     on_bound=announce_capture,
                 )
             )
