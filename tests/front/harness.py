@@ -124,6 +124,7 @@ async def produce(
     *,
     aux_layer_ids: list[int],
     hidden_size: int,
+    client_segment_mib: int = 0,
 ) -> Produced:
     """SpecForge's producer captures ``tasks`` (one lease batch) through the front; its
     consumer reads every good ref off the channel; the producer frees them."""
@@ -132,6 +133,7 @@ async def produce(
         "run_id": "run",
         "aux_layer_ids": aux_layer_ids,
         "hidden_size": hidden_size,
+        "client_segment_mib": client_segment_mib,
         "tasks": tasks,
     }
     plan_path = tmp / "plan.json"

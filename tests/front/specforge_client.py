@@ -4,8 +4,9 @@ specforge``: run in .venv-mooncake by tests/front/test_specforge.py.
 
 Usage: specforge_client.py FRONT_URL MASTER PLAN_JSON OUT_SAFETENSORS
 
-PLAN_JSON: ``{store_id, run_id, aux_layer_ids, hidden_size, tasks: [{input_ids, loss_mask,
-attempt}]}``. The producer (a ``MooncakeFeatureStore`` and the EAGLE-3 streaming layout's
+PLAN_JSON: ``{store_id, run_id, aux_layer_ids, hidden_size, client_segment_mib (0 by
+default, as SpecForge's launcher), tasks: [{input_ids, loss_mask, attempt}]}``. The
+producer (a ``MooncakeFeatureStore`` and the EAGLE-3 streaming layout's
 ``SGLangServerCaptureAdapter``, its request code unchanged) captures every task in one
 ``produce_refs`` lease batch and publishes the good refs on a ``StreamingRefChannel``; the
 consumer (its own ``MooncakeFeatureStore`` client, ``retain_on_release`` as in the
@@ -34,18 +35,18 @@ from specforge.runtime.contracts import PromptTask
 from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
 from specforge.runtime.data_plane.streaming_ref_channel import StreamingRefChannel
 
-SEGMENT = 16 << 20  # Mooncake's least; the consumer hosts no sample
+BUFFER = 256 << 20  # its client_buffer_size default
 
 
-def _store(master: str, store_id: str, *, retain: bool) -> MooncakeFeatureStore:
+def _store(master: str, store_id: str, *, retain: bool, segment: int) -> MooncakeFeatureStore:
     return MooncakeFeatureStore(
         store_id=store_id,
         setup_kwargs={
             "local_hostname": "127.0.0.1",
             "metadata_server": "P2PHANDSHAKE",
             "master_server_addr": master,
-            "global_segment_size": SEGMENT,
-            "local_buffer_size": SEGMENT,
+            "global_segment_size": segment,
+            "local_buffer_size": BUFFER,
         },
         retain_on_release=retain,
     )
@@ -70,8 +71,11 @@ def main() -> int:
         target_repr=streaming.target_representation,
         target_hidden_size=plan["hidden_size"],
     )
-    producer = _store(master, plan["store_id"], retain=False)
-    consumer = _store(master, plan["store_id"], retain=True)
+    # Online capture is server-owned: SpecForge's launcher gives both roles' clients no
+    # segment (DisaggregatedDeploymentConfig); a plan may give them one, as a hand-made job.
+    segment = plan.get("client_segment_mib", 0) << 20
+    producer = _store(master, plan["store_id"], retain=False, segment=segment)
+    consumer = _store(master, plan["store_id"], retain=True, segment=segment)
     adapter = SGLangServerCaptureAdapter(
         url,
         producer,

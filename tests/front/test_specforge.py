@@ -174,14 +174,27 @@ async def test_a_capture_the_draft_cannot_use_is_the_producers_mismatch(
         assert got.notes["consumed"] == "0"
 
 
+# SpecForge's clients with no segment (its launcher's online roles): Mooncake refuses the
+# put (no space); with one each: Mooncake would place the object in theirs, and it would go
+# with them, so the front takes it back and refuses it as full.
+@pytest.mark.parametrize(
+    ("client_segment_mib", "why"),
+    [(0, "(status -200)"), (16, "Mooncake placed it with ['127.0.0.1:")],
+)
 async def test_a_full_mooncake_and_a_server_down_are_the_producers_failures(
-    tmp_path: Path, fake: str, shm_root: Path, mooncake_master: str
+    tmp_path: Path,
+    fake: str,
+    shm_root: Path,
+    mooncake_master: str,
+    *,
+    client_segment_mib: int,
+    why: str,
 ) -> None:
     """The front takes the servers in turn (the fake one and one that is down: what the down
     one fails moves on to the fake one) and has a 16 MiB segment (Mooncake's least). In one
     lease batch of five 9000-token prompts (4.7 MiB each: at most three fit), the ones that
     find the segment full are the producer's retryable failures naming it, with none of
-    their objects left; the others are read as published."""
+    their objects left; the others are read as published, from the front's segment."""
     sample_set = write_samples(tmp_path / "samples.jsonl", 1, seed=3, max_len=40)
     model, _ = model_dir(tmp_path / "model", HIDDEN)
     dead = f"http://127.0.0.1:{free_port()}"
@@ -204,6 +217,7 @@ async def test_a_full_mooncake_and_a_server_down_are_the_producers_failures(
             [task(p) for p in prompts],
             aux_layer_ids=IDS,
             hidden_size=HIDDEN,
+            client_segment_mib=client_segment_mib,
         )
         async with aiohttp.ClientSession() as session:
             metrics = await scrape(session, url)
@@ -213,6 +227,7 @@ async def test_a_full_mooncake_and_a_server_down_are_the_producers_failures(
     assert len(full) >= 2, got.notes
     for i in full:
         assert "server_capture:Mooncake is full" in got.notes[f"error_{i}"], got.notes
+        assert why in got.notes[f"error_{i}"], got.notes
         assert got.notes[f"retryable_{i}"] == "True"
     for i in set(range(5)) - set(full):
         assert got.tensors[f"input_ids_{i}"].tolist() == [prompts[i]]
