@@ -49,24 +49,16 @@ from typing import Any
 import structlog
 import torch
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hsx_async.config import Config
 from hsx_async.dataset.export.plan import FinalConversion
 from hsx_async.dataset.target import read_target
 from hsx_async.errors import ArgumentError, HsxError
-from hsx_async.front.extract import (
-    Extracted,
-    ExtractionFailed,
-    Extractor,
-    check_config,
-    extracting,
-)
-from hsx_async.front.listen import listen_until
+from hsx_async.front.extract import Extracted, ExtractionFailed, Extractor
 from hsx_async.front.metrics import ERROR_MARKER, PUBLISHED, REFUSED, FrontMetrics
 from hsx_async.front.mooncake import MooncakeError, MooncakeOptions, Publisher
+from hsx_async.front.serving import front_app, listen_until, publishing
 from hsx_async.layer_ids import draft_ids
-from hsx_async.net import listen_ok
 
 log = structlog.get_logger("hsx.front")
 
@@ -360,20 +352,8 @@ def build_app(front: SpecForgeFront) -> web.Application:
         status, answer = await front.generate(body)
         return web.json_response(answer, status=status)
 
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def metrics(_: web.Request) -> web.Response:
-        # What SpecForge removed. Mooncake's existence check takes a short read lease: a
-        # plain remove by SpecForge meanwhile is deferred to its gc, as after its own reads.
-        await asyncio.to_thread(front.publisher.refresh_held)
-        body = generate_latest(front.metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app = web.Application(client_max_size=MAX_REQUEST)
+    app = front_app(front.publisher, front.metrics, MAX_REQUEST)
     app.router.add_post("/generate", generate)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
     return app
 
 
@@ -389,22 +369,9 @@ async def serve(
 ) -> None:
     """Serve until ``stop`` is set (or SIGINT/SIGTERM when none is given); ``layer_ids``:
     the aux layers as SpecForge numbers them (:func:`capture_layer_ids`)."""
-    if not listen_ok(listen):
-        raise ArgumentError("--listen", f"{listen!r} is not HOST:PORT (e.g. 127.0.0.1:30000)")
-    check_config(config)
-    publisher = await asyncio.to_thread(Publisher, options)
-    try:
-        state = config.output.dir / "front"
-        async with extracting(config, final, state) as extractor:
-            front = SpecForgeFront(
-                extractor,
-                publisher,
-                list(layer_ids),
-                FrontMetrics(publisher.held),
-            )
-            await listen_until(build_app(front), listen, on_bound, stop)
-    finally:
-        await asyncio.to_thread(publisher.close)
+    async with publishing(config, options, final, listen=listen) as (extractor, publisher, m):
+        front = SpecForgeFront(extractor, publisher, list(layer_ids), m)
+        await listen_until(build_app(front), listen, on_bound, stop)
 
 
 __all__ = [

@@ -26,19 +26,14 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hsx_async.config import Config
 from hsx_async.dataset.export.plan import FinalConversion
-from hsx_async.errors import ArgumentError
 from hsx_async.front.extract import (
     ExtractionFailed,
     Extractor,
-    check_config,
-    extracting,
     final_conversion,
 )
-from hsx_async.front.listen import listen_until
 from hsx_async.front.metrics import ERROR_MARKER, PUBLISHED, REFUSED, UNANSWERED, FrontMetrics
 from hsx_async.front.mooncake import (
     UNREACHABLE,
@@ -48,7 +43,7 @@ from hsx_async.front.mooncake import (
     error_manifest,
     pack,
 )
-from hsx_async.net import listen_ok
+from hsx_async.front.serving import front_app, listen_until, publishing
 from hsx_async.protocol import PRE_NORM
 
 log = structlog.get_logger("hsx.front")
@@ -167,19 +162,9 @@ def build_app(front: Front) -> web.Application:
         status, answer = await front.completion(body)
         return web.json_response(answer, status=status)
 
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def metrics(_: web.Request) -> web.Response:
-        await asyncio.to_thread(front.publisher.refresh_held)  # what the trainer removed
-        body = generate_latest(front.metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app = web.Application(client_max_size=MAX_REQUEST)
+    app = front_app(front.publisher, front.metrics, MAX_REQUEST)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
     return app
 
 
@@ -200,17 +185,9 @@ async def serve(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Serve until ``stop`` is set (or SIGINT/SIGTERM when none is given)."""
-    if not listen_ok(listen):
-        raise ArgumentError("--listen", f"{listen!r} is not HOST:PORT (e.g. 127.0.0.1:8000)")
-    check_config(config)
-    publisher = await asyncio.to_thread(Publisher, options)
-    try:
-        state = config.output.dir / "front"
-        async with extracting(config, final, state) as extractor:
-            front = Front(extractor, publisher, model_name, FrontMetrics(publisher.held))
-            await listen_until(build_app(front), listen, on_bound, stop)
-    finally:
-        await asyncio.to_thread(publisher.close)
+    async with publishing(config, options, final, listen=listen) as (extractor, publisher, m):
+        front = Front(extractor, publisher, model_name, m)
+        await listen_until(build_app(front), listen, on_bound, stop)
 
 
 __all__ = ["Front", "build_app", "serve"]

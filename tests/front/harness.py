@@ -6,7 +6,9 @@ real-SGLang tiers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,12 +19,28 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.e2e import free_port
-from tests.front.conftest import REPO, mooncake_python, stop, wait_listening
+from hsx_async.cli import main
+from hsx_async.run.daemon.daemon import Daemon
+from tests.e2e import free_port, make_config
+from tests.front.conftest import REPO, mooncake_python, running_master, stop, wait_listening
 
 READER = Path(__file__).with_name("speculators_reader.py")
 CLIENT = Path(__file__).with_name("specforge_client.py")
 READ_TIMEOUT = 180.0  # s: a real server's prefill of every prompt on two busy cores
+
+
+async def run_and_export(
+    tmp: Path, samples: Path, url: str, dump: Path, *, model: Path, fmt: str, hidden_size: int
+) -> Path:
+    """``hsx run`` of the 3 samples then ``hsx export --format FMT --model``: where it wrote."""
+    config = make_config(tmp / "run", samples, [url], dump, hidden_size=hidden_size)
+    summary = await Daemon(config).run()
+    assert (summary.done, summary.quarantined) == (3, 0), summary
+    dest = tmp / fmt
+    args = ["export", str(config.output.dir), "--format", fmt, "--to", str(dest)]
+    code = await asyncio.to_thread(main, [*args, "--model", str(model)])
+    assert code == 0
+    return dest
 
 
 async def start_front(
@@ -84,27 +102,46 @@ class Read:
     notes: dict[str, str]
 
 
-async def read_through(url: str, master: str, tmp: Path, prompts: list[list[int]]) -> Read:
-    """speculators' own reader over ``prompts``, one request each, in order."""
-    requests = tmp / "requests.json"
-    requests.write_text(json.dumps(prompts))
-    out = tmp / "read.safetensors"
-    reader = await asyncio.create_subprocess_exec(
+async def run_trainer_code(
+    script: Path, url: str, master: str, given: object, tmp: Path
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``script URL MASTER GIVEN_JSON OUT`` in .venv-mooncake as the trainer runs its code
+    (bounded; its output shown when it fails): the tensors it wrote to OUT and their notes."""
+    given_path = tmp / f"{script.stem}.json"
+    given_path.write_text(json.dumps(given))
+    out = tmp / f"{script.stem}.safetensors"
+    proc = await asyncio.create_subprocess_exec(
         mooncake_python(),
-        str(READER),
+        str(script),
         url,
         master,
-        str(requests),
+        str(given_path),
         str(out),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
     )
-    log, _ = await asyncio.wait_for(reader.communicate(), READ_TIMEOUT)
-    assert reader.returncode == 0, log.decode(errors="replace")[-3000:]
+    try:
+        log, _ = await asyncio.wait_for(proc.communicate(), READ_TIMEOUT)
+    finally:
+        await stop(proc)
+    assert proc.returncode == 0, log.decode(errors="replace")[-3000:]
     with safe_open(out, framework="pt") as fh:
         notes = dict(fh.metadata())
-    return Read(load_file(out), notes)
+    return load_file(out), notes
+
+
+@contextlib.asynccontextmanager
+async def master_that_goes(tmp: Path) -> AsyncIterator[tuple[str, Callable[[], Awaitable[None]]]]:
+    """A real mooncake_master (its HOST:PORT) and the call that stops it early."""
+    async with contextlib.AsyncExitStack() as masters:
+        master = await masters.enter_async_context(running_master(tmp))
+        yield master, masters.aclose
+
+
+async def read_through(url: str, master: str, tmp: Path, prompts: list[list[int]]) -> Read:
+    """speculators' own reader over ``prompts``, one request each, in order."""
+    return Read(*await run_trainer_code(READER, url, master, prompts, tmp))
 
 
 @dataclass(frozen=True)
@@ -136,28 +173,7 @@ async def produce(
         "client_segment_mib": client_segment_mib,
         "tasks": tasks,
     }
-    plan_path = tmp / "plan.json"
-    plan_path.write_text(json.dumps(plan))
-    out = tmp / "produced.safetensors"
-    client = await asyncio.create_subprocess_exec(
-        mooncake_python(),
-        str(CLIENT),
-        url,
-        master,
-        str(plan_path),
-        str(out),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-    )
-    try:
-        log, _ = await asyncio.wait_for(client.communicate(), READ_TIMEOUT)
-    finally:
-        await stop(client)
-    assert client.returncode == 0, log.decode(errors="replace")[-3000:]
-    with safe_open(out, framework="pt") as fh:
-        notes = dict(fh.metadata())
-    return Produced(load_file(out), notes)
+    return Produced(*await run_trainer_code(CLIENT, url, master, plan, tmp))
 
 
 def task(ids: list[int], mask: list[int] | None = None, attempt: int = 0) -> dict[str, Any]:

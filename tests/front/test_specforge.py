@@ -11,8 +11,6 @@ object of theirs is left in Mooncake."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,44 +18,28 @@ import aiohttp
 import pytest
 import torch
 
-from hsx_async.cli import main
 from hsx_async.dataset.export.specforge import specforge_relpath
 from hsx_async.errors import ArgumentError
 from hsx_async.front.specforge import capture_layer_ids
-from hsx_async.run.daemon.daemon import Daemon
-from hsx_async.server.fake.options import FakeOptions
-from hsx_async.server.fake.server import running_fake_server
 from tests.dataset.test_export import model_dir
 from tests.e2e import config_raw, free_port, make_config, write_config, write_samples
-from tests.front.conftest import running_master, stop
-from tests.front.harness import produce, scrape, start_front, task
+from tests.front.conftest import VOCAB, stop
+from tests.front.harness import master_that_goes, produce, run_and_export, scrape, start_front, task
 
 pytestmark = pytest.mark.mooncake
 
 HIDDEN = 64
 AUX = [1, 3, 5]  # the fake server's and the configs' aux layers (hsx numbering)
 IDS = [0, 2, 4]  # the same layers as a Llama drafter's config names them (SpecForge's)
-VOCAB = 50_000  # the fake server refuses an id at or past it (a 400: the sample's fault)
 FEATURES = ("hidden_state", "target", "input_ids", "loss_mask", "attention_mask")
 
 
 @pytest.fixture
-async def fake(shm_root: Path) -> AsyncIterator[str]:
-    options = FakeOptions(dump_root=shm_root, chunk_size=32, max_batch_tokens=96, vocab_size=VOCAB)
-    async with running_fake_server(options) as srv:
-        yield srv.url
-
-
-async def _offline(tmp: Path, samples: Path, url: str, dump: Path, model: Path) -> Path:
-    """``hsx run`` then ``hsx export --format specforge --model``: its destination."""
-    config = make_config(tmp / "run", samples, [url], dump, hidden_size=HIDDEN)
-    summary = await Daemon(config).run()
-    assert (summary.done, summary.quarantined) == (3, 0), summary
-    dest = tmp / "specforge"
-    args = ["export", str(config.output.dir), "--format", "specforge", "--to", str(dest)]
-    code = await asyncio.to_thread(main, [*args, "--model", str(model)])
-    assert code == 0
-    return dest
+def one_sample(tmp_path: Path) -> tuple[Path, Path]:
+    """A one-sample input file (the front reads none; its config names one) and the model."""
+    sample_set = write_samples(tmp_path / "samples.jsonl", 1, seed=3, max_len=40)
+    model, _ = model_dir(tmp_path / "model", HIDDEN)
+    return sample_set.path, model
 
 
 async def _front(
@@ -88,16 +70,18 @@ async def _front(
 async def test_specforge_reads_what_hsx_run_writes(
     tmp_path: Path, fake: str, shm_root: Path, mooncake_master: str
 ) -> None:
-    sample_set = write_samples(tmp_path / "samples.jsonl", 3, seed=7, max_len=90)
+    samples = write_samples(tmp_path / "samples.jsonl", 3, seed=7, max_len=90).path
     model, _ = model_dir(tmp_path / "model", HIDDEN)
-    dest = await _offline(tmp_path, sample_set.path, fake, shm_root, model)
+    dest = await run_and_export(
+        tmp_path, samples, fake, shm_root, model=model, fmt="specforge", hidden_size=HIDDEN
+    )
     offline = [torch.load(dest / specforge_relpath(i), weights_only=True) for i in range(3)]
     tasks = [task(o["input_ids"].tolist(), o["loss_mask"].tolist()) for o in offline]
     tasks.append(task([1, VOCAB + 5, 2]))  # the server refuses it: the sample's fault
     tasks.append(task(tasks[0]["input_ids"], tasks[0]["loss_mask"], attempt=1))  # a retry
 
     proc, url = await _front(
-        tmp_path, sample_set.path, [fake], shm_root, model=model, master=mooncake_master
+        tmp_path, samples, [fake], shm_root, model=model, master=mooncake_master
     )
     try:
         got = await produce(
@@ -131,15 +115,14 @@ async def test_specforge_reads_what_hsx_run_writes(
 
 
 async def test_a_capture_the_draft_cannot_use_is_the_producers_mismatch(
-    tmp_path: Path, fake: str, shm_root: Path, mooncake_master: str
+    tmp_path: Path, one_sample: tuple[Path, Path], fake: str, shm_root: Path, mooncake_master: str
 ) -> None:
     """The front answers its aux layer ids and shapes; a producer whose draft wants other
     layers or another hidden size refuses the capture with its own ``CaptureMismatchError``
     (not retryable) and aborts the keys: nothing is left in Mooncake."""
-    sample_set = write_samples(tmp_path / "samples.jsonl", 1, seed=3, max_len=40)
-    model, _ = model_dir(tmp_path / "model", HIDDEN)
+    samples, model = one_sample
     proc, url = await _front(
-        tmp_path, sample_set.path, [fake], shm_root, model=model, master=mooncake_master
+        tmp_path, samples, [fake], shm_root, model=model, master=mooncake_master
     )
     try:
         layers = await produce(
@@ -183,6 +166,7 @@ async def test_a_capture_the_draft_cannot_use_is_the_producers_mismatch(
 )
 async def test_a_full_mooncake_and_a_server_down_are_the_producers_failures(
     tmp_path: Path,
+    one_sample: tuple[Path, Path],
     fake: str,
     shm_root: Path,
     mooncake_master: str,
@@ -195,12 +179,11 @@ async def test_a_full_mooncake_and_a_server_down_are_the_producers_failures(
     lease batch of five 9000-token prompts (4.7 MiB each: at most three fit), the ones that
     find the segment full are the producer's retryable failures naming it, with none of
     their objects left; the others are read as published, from the front's segment."""
-    sample_set = write_samples(tmp_path / "samples.jsonl", 1, seed=3, max_len=40)
-    model, _ = model_dir(tmp_path / "model", HIDDEN)
+    samples, model = one_sample
     dead = f"http://127.0.0.1:{free_port()}"
     proc, url = await _front(
         tmp_path,
-        sample_set.path,
+        samples,
         [fake, dead],
         shm_root,
         model=model,
@@ -293,18 +276,17 @@ def _body(ids: Any, *entries: dict[str, Any], **overrides: Any) -> dict[str, Any
 
 
 async def test_requests_that_are_not_specforges_are_refused_and_a_server_down_named(
-    tmp_path: Path, shm_root: Path, mooncake_master: str
+    tmp_path: Path, one_sample: tuple[Path, Path], shm_root: Path, mooncake_master: str
 ) -> None:
     """A body that is not SpecForge's capture request is SGLang's 400 (the producer fails
     the lease batch); an entry this capture cannot write is that task's error, naming the
     identity it asked for; with the only server down (unreachable for 1 s) every task is
     the server's fault; the front stays up."""
-    sample_set = write_samples(tmp_path / "samples.jsonl", 1, seed=3, max_len=40)
-    model, _ = model_dir(tmp_path / "model", HIDDEN)
+    samples, model = one_sample
     dead = f"http://127.0.0.1:{free_port()}"
     proc, url = await _front(
         tmp_path,
-        sample_set.path,
+        samples,
         [dead],
         shm_root,
         model=model,
@@ -364,28 +346,25 @@ async def test_requests_that_are_not_specforges_are_refused_and_a_server_down_na
 
 
 async def test_mooncake_down_is_each_tasks_error_naming_the_master(
-    tmp_path: Path, fake: str, shm_root: Path
+    tmp_path: Path, one_sample: tuple[Path, Path], fake: str, shm_root: Path
 ) -> None:
     """With mooncake_master gone the capture cannot be written: the task's error names the
     master (the producer retries it); the front stays up."""
-    sample_set = write_samples(tmp_path / "samples.jsonl", 1, seed=3, max_len=40)
-    model, _ = model_dir(tmp_path / "model", HIDDEN)
-    async with contextlib.AsyncExitStack() as stack:
-        masters = contextlib.AsyncExitStack()  # closed early: the master goes
-        master = await masters.enter_async_context(running_master(tmp_path))
-        stack.push_async_callback(masters.aclose)
-        proc, url = await _front(
-            tmp_path, sample_set.path, [fake], shm_root, model=model, master=master
-        )
-        stack.push_async_callback(stop, proc)
-        async with aiohttp.ClientSession() as session:
-            status, row = await _generate(session, url, _body([[1, 2]], _entry()))
-            assert status == 200
-            assert "error" not in row[0]["meta_info"]["spec_capture"], row
-            await masters.aclose()
-            status, row = await _generate(session, url, _body([[1, 2]], _entry(sample_id="run:t1")))
-            assert status == 200
-            error = row[0]["meta_info"]["spec_capture"]["error"]
-            async with session.get(f"{url}/health") as resp:
-                assert resp.status == 200
+    samples, model = one_sample
+    async with master_that_goes(tmp_path) as (master, stop_master):
+        proc, url = await _front(tmp_path, samples, [fake], shm_root, model=model, master=master)
+        try:
+            async with aiohttp.ClientSession() as session:
+                status, row = await _generate(session, url, _body([[1, 2]], _entry()))
+                assert status == 200
+                assert "error" not in row[0]["meta_info"]["spec_capture"], row
+                await stop_master()
+                again = _body([[1, 2]], _entry(sample_id="run:t1"))
+                status, row = await _generate(session, url, again)
+                assert status == 200
+                error = row[0]["meta_info"]["spec_capture"]["error"]
+                async with session.get(f"{url}/health") as resp:
+                    assert resp.status == 200
+        finally:
+            await stop(proc)
     assert f"Mooncake's master at {master} did not answer" in error, error

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from hsx_async.cli.front import DEFAULT_LISTEN, DEFAULT_SPECFORGE_LISTEN
 from hsx_async.config import load_config
@@ -30,38 +32,33 @@ def front_command(args: argparse.Namespace) -> int:
         buffer_bytes=args.mooncake_buffer_mib << 20,
     )
     model = Path(args.model) if args.model else None
+
+    def announce(what: str, url: str) -> None:
+        print(f"hsx front {args.trainer}: {what} on {url}", flush=True)
+
+    serving: Coroutine[Any, Any, None]
     if args.trainer == "specforge":
-        layer_ids = specforge.capture_layer_ids(config, model)
-
-        def announce_capture(url: str) -> None:
-            print(f"hsx front specforge: capturing for SpecForge's producer on {url}", flush=True)
-
-        with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(
-                specforge.serve(
-                    config,
-                    options,
-                    listen=args.listen or DEFAULT_SPECFORGE_LISTEN,
-                    final=final_conversion(POST_NORM, model),
-                    layer_ids=layer_ids,
-                    on_bound=announce_capture,
-                )
-            )
-        return 0
-    name = args.served_model_name or config.model.name or "hsx"
-
-    def announce(url: str) -> None:
-        print(f"hsx front speculators: serving {name} on {url}", flush=True)
+        what = "capturing for SpecForge's producer"
+        serving = specforge.serve(
+            config,
+            options,
+            listen=args.listen or DEFAULT_SPECFORGE_LISTEN,
+            final=final_conversion(POST_NORM, model),
+            layer_ids=specforge.capture_layer_ids(config, model),
+            on_bound=lambda url: announce(what, url),
+        )
+    else:
+        name = args.served_model_name or config.model.name or "hsx"
+        what = f"serving {name}"
+        serving = speculators.serve(
+            config,
+            options,
+            listen=args.listen or DEFAULT_LISTEN,
+            model_name=name,
+            final=speculators.conversion(model),
+            on_bound=lambda url: announce(what, url),
+        )
 
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(
-            speculators.serve(
-                config,
-                options,
-                listen=args.listen or DEFAULT_LISTEN,
-                model_name=name,
-                final=speculators.conversion(model),
-                on_bound=announce,
-            )
-        )
+        asyncio.run(serving)
     return 0
