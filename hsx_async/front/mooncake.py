@@ -181,6 +181,12 @@ class Publisher:
         with self._lock:
             return len(self._held), sum(self._held.values())
 
+    def taken(self, keys: list[str]) -> list[str]:
+        """Those of ``keys`` Mooncake holds now (a put there would keep the old bytes and
+        answer 0)."""
+        present = self._store.batch_is_exist(keys)
+        return [key for key, there in zip(keys, present, strict=True) if there == 1]
+
     def refresh_held(self) -> None:
         """Forget what the trainer has removed (one batched lookup at the master)."""
         with self._lock:

@@ -35,7 +35,8 @@ until SpecForge removes it (its producer's ``abort`` once the consumer acknowled
 sample, or its ``discard_external_attempts``/``drain_pending_removals`` at shutdown), so the
 front must stay up while the trainer runs; the segment bounds what is held: a full one is
 that task's error. A task that fails part way has its objects removed; ``replace`` (a retry)
-removes the keys a lost earlier answer may have left before putting.
+removes the keys a lost earlier answer may have left before putting; a first attempt whose
+keys already hold objects is refused (Mooncake would keep the old bytes and say 0).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ AUX = "aux"  # the aux layers' states, concatenated
 LAST_HIDDEN = "last_hidden"  # the post-norm final state
 ARTIFACTS = (AUX, LAST_HIDDEN)
 PASSTHROUGH_DTYPE = "int64"  # the only one SpecForge's adapter sends
+TAKEN = "mooncake_key_taken"  # a first attempt's keys already hold objects
 
 
 class RequestRefused(HsxError):
@@ -327,9 +329,18 @@ class SpecForgeFront:
             await asyncio.to_thread(self._put_all, capture, tensors)
 
     def _put_all(self, capture: Capture, tensors: Mapping[str, torch.Tensor]) -> None:
+        keys = [capture.key(name) for name in capture.names]
         if capture.replace:  # a retry: what a lost answer's attempt left goes first
-            for name in capture.names:
-                self.publisher.remove(capture.key(name))
+            for key in keys:
+                self.publisher.remove(key)
+        else:  # Mooncake keeps an old object on a put to its key, and says 0
+            taken = self.publisher.taken(keys)
+            if taken:
+                raise MooncakeError(
+                    f"{taken} are already in Mooncake and this is the task's first attempt "
+                    "(no replace): another run with this store_id and run_id wrote them",
+                    TAKEN,
+                )
         put: list[str] = []
         try:
             for name, tensor in tensors.items():

@@ -162,11 +162,12 @@ async def produce(
     aux_layer_ids: list[int],
     hidden_size: int,
     client_segment_mib: int = 0,
+    store_id: str = "",
 ) -> Produced:
     """SpecForge's producer captures ``tasks`` (one lease batch) through the front; its
     consumer reads every good ref off the channel; the producer frees them."""
     plan = {
-        "store_id": f"sf{free_port()}",
+        "store_id": store_id or f"sf{free_port()}",
         "run_id": "run",
         "aux_layer_ids": aux_layer_ids,
         "hidden_size": hidden_size,

@@ -368,3 +368,67 @@ async def test_mooncake_down_is_each_tasks_error_naming_the_master(
         finally:
             await stop(proc)
     assert f"Mooncake's master at {master} did not answer" in error, error
+
+
+def _stale(store_id: str, ids: list[int]) -> dict[str, Any]:
+    """The body of an attempt at task ``t0`` of run ``run`` whose answer the producer lost,
+    with the features its producer names."""
+    shape = [1, len(ids)]
+    passthrough = [
+        {"name": name, "data": data, "shape": shape, "dtype": "int64"}
+        for name, data in (("input_ids", ids), ("loss_mask", [1] * len(ids)))
+    ]
+    passthrough.append(
+        {"name": "attention_mask", "data": [1] * len(ids), "shape": shape, "dtype": "int64"}
+    )
+    return _body([ids], _entry(store_id=store_id, sample_id="run:t0", passthrough=passthrough))
+
+
+async def test_a_retry_replaces_what_a_lost_answer_left_and_a_first_attempt_is_refused(
+    tmp_path: Path, one_sample: tuple[Path, Path], fake: str, shm_root: Path, mooncake_master: str
+) -> None:
+    """An attempt's objects are in Mooncake but its answer never reached the producer: the
+    retry (``replace``) reads its own prompt's features, not the lost attempt's (Mooncake
+    keeps an old object on a put to its key); a first attempt finding its keys taken is
+    refused instead of answering with someone else's bytes."""
+    samples, model = one_sample
+    proc, url = await _front(
+        tmp_path, samples, [fake], shm_root, model=model, master=mooncake_master
+    )
+    try:
+        async with aiohttp.ClientSession() as session:
+            for store_id in ("retry", "first"):
+                status, rows = await _generate(session, url, _stale(store_id, [7, 8, 9]))
+                assert status == 200 and "error" not in rows[0]["meta_info"]["spec_capture"]
+        fresh = await produce(
+            url, mooncake_master, tmp_path, [task([4, 5, 6])], aux_layer_ids=IDS, hidden_size=HIDDEN
+        )
+        retry = await produce(
+            url,
+            mooncake_master,
+            tmp_path,
+            [task([4, 5, 6], attempt=1)],
+            aux_layer_ids=IDS,
+            hidden_size=HIDDEN,
+            store_id="retry",
+        )
+        first = await produce(
+            url,
+            mooncake_master,
+            tmp_path,
+            [task([4, 5, 6])],
+            aux_layer_ids=IDS,
+            hidden_size=HIDDEN,
+            store_id="first",
+        )
+    finally:
+        await stop(proc)
+    assert "error_0" not in retry.notes, retry.notes
+    assert retry.tensors["input_ids_0"].tolist() == [[4, 5, 6]]
+    for name in ("hidden_state", "target"):
+        assert torch.equal(retry.tensors[f"{name}_0"], fresh.tensors[f"{name}_0"])
+    assert retry.notes["gone_0"] == "1"
+    error = first.notes["error_0"]
+    assert "are already in Mooncake and this is the task's first attempt" in error, error
+    assert "sf/run:t0" not in error and "first/run:t0/g1/hidden_state" in error
+    assert "input_ids_0" not in first.tensors
