@@ -213,17 +213,23 @@ class Publisher:
     def put_error(self, handle: str, reason: str) -> None:
         self._put(handle + ERROR_SUFFIX, error_payload(reason))
 
-    def _put(self, key: str, blob: bytes) -> None:
-        size = min(len(blob), self.options.buffer_bytes)
+    def _staged_put(self, key: str, blob: bytes, room: int) -> int:
+        """One put once ``room`` bytes of the local buffer are free of other puts'."""
         with self._room:
-            self._room.wait_for(lambda: self._staging + size <= self.options.buffer_bytes)
-            self._staging += size
+            self._room.wait_for(lambda: self._staging + room <= self.options.buffer_bytes)
+            self._staging += room
         try:
-            status = self._store.put(key, blob, self._pinned)
+            status: int = self._store.put(key, blob, self._pinned)
         finally:
             with self._room:
-                self._staging -= size
+                self._staging -= room
                 self._room.notify_all()
+        return status
+
+    def _put(self, key: str, blob: bytes) -> None:
+        status = self._staged_put(key, blob, min(len(blob), self.options.buffer_bytes))
+        if status == NO_BUFFER:  # the others' bytes left no room in one piece: once, alone
+            status = self._staged_put(key, blob, self.options.buffer_bytes)
         if status == 0:
             self._check_placed(key, len(blob))
             with self._lock:

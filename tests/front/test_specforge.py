@@ -54,7 +54,17 @@ async def _front(
     segment_mib: int = 64,
     server: dict[str, Any] | None = None,
 ) -> tuple[asyncio.subprocess.Process, str]:
-    raw = config_raw(tmp / "front", samples, urls, dump, hidden_size=HIDDEN, server=server or {})
+    # Bounds for prefill on two busy cores (five 9000-token prompts at once in one test).
+    bounds = {"request_timeout": 60.0} | (server or {})
+    raw = config_raw(
+        tmp / "front",
+        samples,
+        urls,
+        dump,
+        hidden_size=HIDDEN,
+        server=bounds,
+        dump={"timeout": 60.0},
+    )
     config = write_config(tmp, raw, "front.toml")
     return await start_front(
         tmp,
