@@ -39,6 +39,7 @@ import torch
 from hsx_async.config import Config
 from hsx_async.dataset.export.plan import FinalConversion
 from hsx_async.dataset.provenance import FinalStateGuard
+from hsx_async.dataset.target import final_norm_weight, norm_gain, read_target
 from hsx_async.errors import (
     ConfigError,
     DatasetError,
@@ -77,7 +78,7 @@ class ExtractionFailed(HsxError):
 
 @dataclass(frozen=True)
 class Extracted:
-    hidden_states: torch.Tensor  # [T, n_aux + 1, H] bfloat16, the last slot pre-norm
+    hidden_states: torch.Tensor  # [T, n_aux + 1, H] bfloat16, the last slot as converted
     token_ids: torch.Tensor  # [T] int64
 
 
@@ -267,6 +268,16 @@ class Extractor:
         if final.data_ptr() != hidden[:, -1].data_ptr():
             hidden[:, -1] = final
         return hidden
+
+
+def final_conversion(want: str, model: Path | None) -> FinalConversion:
+    """To the final state of kind ``want`` the trainer reads; the norm from ``--model`` when
+    given (needed when the servers dump the other kind)."""
+    if model is None:
+        return FinalConversion(want)
+    target = read_target(model)
+    weight = final_norm_weight(target)
+    return FinalConversion(want, norm_gain(weight, target.norm_kind), target.norm_eps)
 
 
 @contextlib.asynccontextmanager

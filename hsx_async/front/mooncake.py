@@ -36,6 +36,7 @@ MAX_REASON = 4096  # hs-connectors truncates its own reasons there
 # Mooncake's status codes met here (mooncake-transfer-engine 0.3.13).
 NO_SPACE = -200  # the segments cannot hold the object (pinned objects are never evicted)
 NO_BUFFER = -600  # the object is larger than the client's local buffer
+OBJECT_NOT_FOUND = -704  # a remove of a key that is not there
 RPC_FAIL = -900  # the master did not answer (it is down, or unreachable from here)
 MIN_SEGMENT = 16 << 20  # Mooncake refuses a smaller segment ("Total size must be at least")
 
@@ -155,16 +156,36 @@ class Publisher:
                 f"({options.segment_bytes} bytes) and buffer ({options.buffer_bytes} bytes)?"
             )
         self._store: Any = store
+        # Hard-pinned, in this client's own segment: Mooncake spills an object that does not
+        # fit into any other mounted segment (a trainer's client's), and it is gone when
+        # that client leaves; such a put is taken back and refused as full (_check_placed).
+        self.segment = store.get_hostname()
         self._pinned: Any = ReplicateConfig()
         self._pinned.with_hard_pin = True
+        self._pinned.preferred_segment = self.segment
         # What this client put and the trainer may not have removed yet: key -> bytes.
         self._held: dict[str, int] = {}
         self._lock = threading.Lock()
+        try:
+            self.endpoint = self._own_endpoint()
+        except BaseException:
+            store.close()
+            raise
+        # A put stages its bytes in the client's local buffer: concurrent puts together
+        # past it are refused (NO_BUFFER), so they wait for room (each alone fits).
+        self._room = threading.Condition()
+        self._staging = 0
 
     def held(self) -> tuple[int, int]:
         """(objects, bytes) put and not yet removed, as last refreshed."""
         with self._lock:
             return len(self._held), sum(self._held.values())
+
+    def taken(self, keys: list[str]) -> list[str]:
+        """Those of ``keys`` Mooncake holds now (a put there would keep the old bytes and
+        answer 0)."""
+        present = self._store.batch_is_exist(keys)
+        return [key for key, there in zip(keys, present, strict=True) if there == 1]
 
     def refresh_held(self) -> None:
         """Forget what the trainer has removed (one batched lookup at the master)."""
@@ -192,9 +213,25 @@ class Publisher:
     def put_error(self, handle: str, reason: str) -> None:
         self._put(handle + ERROR_SUFFIX, error_payload(reason))
 
+    def _staged_put(self, key: str, blob: bytes, room: int) -> int:
+        """One put once ``room`` bytes of the local buffer are free of other puts'."""
+        with self._room:
+            self._room.wait_for(lambda: self._staging + room <= self.options.buffer_bytes)
+            self._staging += room
+        try:
+            status: int = self._store.put(key, blob, self._pinned)
+        finally:
+            with self._room:
+                self._staging -= room
+                self._room.notify_all()
+        return status
+
     def _put(self, key: str, blob: bytes) -> None:
-        status = self._store.put(key, blob, self._pinned)
+        status = self._staged_put(key, blob, min(len(blob), self.options.buffer_bytes))
+        if status == NO_BUFFER:  # the others' bytes left no room in one piece: once, alone
+            status = self._staged_put(key, blob, self.options.buffer_bytes)
         if status == 0:
+            self._check_placed(key, len(blob))
             with self._lock:
                 self._held[key] = len(blob)
             return
@@ -211,6 +248,49 @@ class Publisher:
                 UNREACHABLE,
             )
         raise MooncakeError(f"Mooncake put of {key} ({len(blob)} bytes) failed: status {status}")
+
+    def _own_endpoint(self) -> str:
+        """Where Mooncake says this client's segment is (an object's replica names its
+        transfer endpoint, not the segment's name): a probe put there, then removed."""
+        key = f"hsx-front-probe/{self.segment}"
+        status = self._store.put(key, b"\0", self._pinned)
+        if status != 0:
+            raise MooncakeError(f"Mooncake put of its probe object failed: status {status}")
+        try:
+            [endpoint] = self._hosts(key)
+        finally:
+            self._store.remove(key, True)
+        return endpoint
+
+    def _hosts(self, key: str) -> set[str]:
+        return {
+            replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
+            for replica in self._store.get_replica_desc(key)
+            if replica.is_memory_replica()
+        }
+
+    def _check_placed(self, key: str, size: int) -> None:
+        """:class:`MooncakeError` (full) after taking ``key`` back when Mooncake placed it
+        outside this client's segment (asking where takes no read lease)."""
+        hosts = self._hosts(key)
+        if hosts == {self.endpoint}:
+            return
+        self._store.remove(key, True)
+        raise MooncakeError(
+            f"Mooncake is full for {key} ({size} bytes): this front's segment ({self.endpoint}) "
+            f"has no room and Mooncake placed it with {sorted(hosts)}, whose segment leaves "
+            "with its client; the trainer has not removed what it read, or "
+            "--mooncake-segment-mib is too small",
+            FULL,
+        )
+
+    def remove(self, key: str) -> bool:
+        """Remove ``key`` if this client's puts hold it (forced: past Mooncake's read
+        leases); False when Mooncake refused."""
+        status = self._store.remove(key, True)
+        with self._lock:
+            self._held.pop(key, None)
+        return status in (0, OBJECT_NOT_FOUND)
 
     def close(self) -> None:
         """Unmount the segment: the objects still in it are gone."""

@@ -18,7 +18,6 @@ outcome and fault and what Mooncake holds for the trainer.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,13 +26,14 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hsx_async.config import Config
 from hsx_async.dataset.export.plan import FinalConversion
-from hsx_async.dataset.target import final_norm_weight, norm_gain, read_target
-from hsx_async.errors import ArgumentError
-from hsx_async.front.extract import ExtractionFailed, Extractor, check_config, extracting
+from hsx_async.front.extract import (
+    ExtractionFailed,
+    Extractor,
+    final_conversion,
+)
 from hsx_async.front.metrics import ERROR_MARKER, PUBLISHED, REFUSED, UNANSWERED, FrontMetrics
 from hsx_async.front.mooncake import (
     UNREACHABLE,
@@ -43,7 +43,7 @@ from hsx_async.front.mooncake import (
     error_manifest,
     pack,
 )
-from hsx_async.net import listen_address, listen_ok
+from hsx_async.front.serving import front_app, listen_until, publishing
 from hsx_async.protocol import PRE_NORM
 
 log = structlog.get_logger("hsx.front")
@@ -162,30 +162,16 @@ def build_app(front: Front) -> web.Application:
         status, answer = await front.completion(body)
         return web.json_response(answer, status=status)
 
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def metrics(_: web.Request) -> web.Response:
-        await asyncio.to_thread(front.publisher.refresh_held)  # what the trainer removed
-        body = generate_latest(front.metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app = web.Application(client_max_size=MAX_REQUEST)
+    app = front_app(front.publisher, front.metrics, MAX_REQUEST)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
     return app
 
 
 def conversion(model: Path | None) -> FinalConversion:
     """To the pre-norm final state speculators reads; the norm from ``--model`` when given
     (needed when the servers dump the post-norm state)."""
-    if model is None:
-        return FinalConversion(PRE_NORM)
-    target = read_target(model)
-    weight = final_norm_weight(target)
-    return FinalConversion(PRE_NORM, norm_gain(weight, target.norm_kind), target.norm_eps)
+    return final_conversion(PRE_NORM, model)
 
 
 async def serve(
@@ -199,46 +185,9 @@ async def serve(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Serve until ``stop`` is set (or SIGINT/SIGTERM when none is given)."""
-    if not listen_ok(listen):
-        raise ArgumentError("--listen", f"{listen!r} is not HOST:PORT (e.g. 127.0.0.1:8000)")
-    check_config(config)
-    publisher = await asyncio.to_thread(Publisher, options)
-    try:
-        state = config.output.dir / "front"
-        async with extracting(config, final, state) as extractor:
-            front = Front(extractor, publisher, model_name, FrontMetrics(publisher.held))
-            await _listen(front, listen, on_bound, stop)
-    finally:
-        await asyncio.to_thread(publisher.close)
-
-
-async def _listen(
-    front: Front, listen: str, on_bound: Callable[[str], None] | None, stop: asyncio.Event | None
-) -> None:
-    host, port = listen_address(listen)
-    runner = web.AppRunner(build_app(front), access_log=None)
-    await runner.setup()
-    own_stop = stop is None
-    stop = stop or asyncio.Event()
-    if own_stop:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        try:
-            await web.TCPSite(runner, host, port).start()
-        except OSError as exc:
-            raise ArgumentError(
-                "--listen", f"cannot listen on {listen}: {exc.strerror}; pick another"
-            ) from None
-        bound = runner.addresses[0]
-        url = f"http://{bound[0]}:{bound[1]}"
-        log.info("front_listening", url=url, model=front.model)
-        if on_bound is not None:
-            on_bound(url)
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    async with publishing(config, options, final, listen=listen) as (extractor, publisher, m):
+        front = Front(extractor, publisher, model_name, m)
+        await listen_until(build_app(front), listen, on_bound, stop)
 
 
 __all__ = ["Front", "build_app", "serve"]

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from hsx_async.server.fake.options import FakeOptions
+from hsx_async.server.fake.server import running_fake_server
 from tests.e2e import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MOONCAKE_VENV = Path(os.environ.get("HSX_MOONCAKE_VENV", REPO / ".venv-mooncake"))
 START_TIMEOUT = 30.0
+VOCAB = 50_000  # the fake server refuses an id at or past it (a 400: the sample's fault)
 
 
 def mooncake_python() -> Path:
@@ -83,3 +86,11 @@ async def mooncake_master(tmp_path: Path) -> AsyncIterator[str]:
     """A real mooncake_master on 127.0.0.1; its HOST:PORT."""
     async with running_master(tmp_path) as master:
         yield master
+
+
+@pytest.fixture
+async def fake(shm_root: Path) -> AsyncIterator[str]:
+    """The fake server, chunked prefill of 32 rows, refusing ids from :data:`VOCAB` on."""
+    options = FakeOptions(dump_root=shm_root, chunk_size=32, max_batch_tokens=96, vocab_size=VOCAB)
+    async with running_fake_server(options) as srv:
+        yield srv.url

@@ -5,6 +5,7 @@ in .venv-mooncake), and the layer ids agree across the server, hsx and the train
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -13,6 +14,7 @@ import subprocess
 import pytest
 
 from hsx_async.cli import build_parser
+from hsx_async.layer_ids import draft_ids
 from tests.front.conftest import REPO, mooncake_python
 
 HEADING = "### speculators' own online trainer, through Mooncake (`hsx front speculators`)"
@@ -65,3 +67,63 @@ def test_every_speculators_train_option_is_one_the_trainer_takes() -> None:
     ).stdout
     missing = [o for o in options if not re.search(rf"{re.escape(o)}\b", shown)]
     assert missing == [], f"speculators train --help does not show {missing}"
+
+
+SPECFORGE_HEADING = (
+    "### SpecForge's own online producer and consumer, through Mooncake (`hsx front specforge`)"
+)
+
+
+def _specforge_blocks() -> tuple[str, str]:
+    text = (REPO / "README.md").read_text()
+    at = text.index(f"\n{SPECFORGE_HEADING}\n")
+    end = text.index("\n#", at + 1)
+    section = text[at:end]
+    [serve] = re.findall(r"```text\n(.*?)```", section, re.S)
+    [run_config] = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    return serve, run_config
+
+
+def test_the_hsx_front_specforge_line_parses_and_names_specforges_layer_ids() -> None:
+    """The front line parses with hsx's parser; the drafter ids the README gives are
+    hsx's layers in Kimi-K2.5's numbering (what the front answers SpecForge)."""
+    serve, _ = _specforge_blocks()
+    commands = _commands(serve)
+    [front] = [c for c in commands if c[:3] == ["hsx", "front", "specforge"]]
+    args = build_parser().parse_args(front[1:])
+    assert args.handler == "hsx_async.cli.handlers.front:front_command"
+    assert args.trainer == "specforge" and args.listen == "0.0.0.0:30000"
+    [launch] = [c for c in commands if any(w.endswith("launch.sh") for w in c)]
+    layers = next(w for w in launch if w.startswith("HSX_AUX_LAYERS=")).split("=")[1]
+    ids = draft_ids("KimiK25ForConditionalGeneration", [int(k) for k in layers.split(",")], 61)
+    text = (REPO / "README.md").read_text()
+    assert f'"eagle_aux_hidden_state_layer_ids": {list(ids.ids or ())}' in text
+
+
+@pytest.mark.mooncake
+def test_the_run_config_block_is_one_specforge_takes() -> None:
+    """SpecForge's own schema validates the README's ``deployment.disaggregated`` block,
+    which points at the front's port and Mooncake master."""
+    serve, run_config = _specforge_blocks()
+    [front] = [c for c in _commands(serve) if c[:3] == ["hsx", "front", "specforge"]]
+    args = build_parser().parse_args(front[1:])
+    check = (
+        "import sys, json, yaml\n"
+        "from specforge.config.schema import DisaggregatedDeploymentConfig\n"
+        "block = yaml.safe_load(sys.stdin.read())['deployment']['disaggregated']\n"
+        "print(json.dumps(DisaggregatedDeploymentConfig(**block).model_dump()))\n"
+    )
+    shown = subprocess.run(
+        [str(mooncake_python()), "-c", check],
+        input=run_config,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": os.fspath(REPO)},
+    ).stdout
+    deployment = json.loads(shown)
+    port = args.listen.split(":")[1]
+    assert deployment["server_urls"] == [f"http://FRONT_NODE:{port}"]
+    assert deployment["mooncake_master_server_addr"] == args.mooncake_master
+    assert deployment["backend"] == "mooncake"

@@ -35,7 +35,7 @@ import torch
 from hsx_async.server.reference.model import TINY_VOCAB, bf16_mismatch, save_default_model
 from tests.e2e import config_raw, write_config
 from tests.front.conftest import mooncake_python, running_master, stop
-from tests.front.harness import Read, read_through, scrape, start_front
+from tests.front.harness import Produced, Read, produce, read_through, scrape, start_front, task
 from tests.real_sglang.conftest import (
     CPU_GAPS,
     launch_command,
@@ -50,6 +50,7 @@ from tests.real_sglang.conftest import (
     stop as stop_server,
 )
 from tests.real_sglang.test_real_deepseek import (
+    MAX_RELATIVE_ERROR,
     MIN_WRONG_ERROR,
     relative_error,
 )
@@ -65,6 +66,9 @@ from tests.real_sglang.traffic import final_norm
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.mooncake, pytest.mark.timeout(600)]
 
+# AUX_LAYERS as a DeepSeek-V3 drafter's config names them (SGLang's rule for the family):
+# what SpecForge's producer asks for and checks the front's answer against.
+SPECFORGE_IDS = [1, 2, 4]
 CHUNK = 64  # SGLang's chunked prefill: a long prompt's rows come in parts
 CONTEXT = 1024  # CPU_FLAGS' --context-length: a longer prompt is refused (a 400)
 # The teacher the trainer computes, lm_head(norm(last slot)), against the model's logits:
@@ -104,6 +108,7 @@ class FrontRun:
     after_stop: Read  # one prompt once SGLang was gone
     metrics: dict[str, float]  # the front's /metrics at the end
     front_log: str
+    specforge: Produced  # SpecForge's producer and consumer through ``hsx front specforge``
 
 
 @pytest.fixture(scope="module")
@@ -136,18 +141,36 @@ def front_run(tmp_path_factory: pytest.TempPathFactory, deepseek: Path) -> Itera
             server={"request_timeout": 120.0}, dump={"timeout": 60.0},
         )  # fmt: skip
         config = write_config(tmp, raw, "front.toml")
-        run = asyncio.run(_through_front(tmp, config, deepseek, server.process, sent))
+        raw["dump"]["namespace_prefix"] = "hsxsf"  # beside the speculators front
+        sf_config = write_config(tmp, raw, "front-specforge.toml")
+        run = asyncio.run(
+            _through_front(tmp, config, sf_config, deepseek, sglang=server.process, sent=sent)
+        )
     yield run
 
 
 async def _through_front(
     tmp: Path,
     config: Path,
+    sf_config: Path,
     model: Path,
+    *,
     sglang: subprocess.Popen[bytes],
     sent: list[list[int]],
 ) -> FrontRun:
     async with running_master(tmp) as master:
+        sf_tmp = tmp / "specforge"
+        sf_tmp.mkdir()
+        sf_proc, sf_url = await start_front(
+            sf_tmp, sf_config, model=model, master=master, trainer="specforge"
+        )
+        try:
+            tasks = [task(ids) for ids in sent]
+            specforge = await produce(
+                sf_url, master, sf_tmp, tasks, aux_layer_ids=SPECFORGE_IDS, hidden_size=HIDDEN
+            )
+        finally:
+            await stop(sf_proc)
         proc, url = await start_front(tmp, config, model=model, master=master)
         try:
             read = await read_through(url, master, tmp, sent)
@@ -160,7 +183,7 @@ async def _through_front(
         finally:
             await stop(proc)
     log = (tmp / "front.log").read_text()
-    return FrontRun(sent, len(sent) - 1, read, after_stop, metrics, log)
+    return FrontRun(sent, len(sent) - 1, read, after_stop, metrics, log, specforge)
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +265,45 @@ def test_a_refused_prompt_and_a_server_gone_reach_the_trainer_as_error_markers(
     assert re.search(r":error: server fault \((unreachable|connection_lost)\)", gone), gone
     assert front_run.after_stop.notes["gone_0"] == "0"
     assert "hidden_states_0" not in front_run.after_stop.tensors
+
+
+def test_specforges_consumer_reads_a_hugging_face_forward_in_its_layout(
+    front_run: FrontRun, hf: Any
+) -> None:
+    """SpecForge's own producer (its request) and consumer (its channel and Mooncake
+    store) through ``hsx front specforge``: ``hidden_state [1, T, n·H]`` the aux layers
+    concatenated, ``target [1, T, H]`` the **post-norm** final state (the LM head's input:
+    the model's logits from it), ``input_ids``/``loss_mask``/``attention_mask`` as sent; the
+    prompt past the context is its retryable failure naming the sample's fault; SpecForge
+    freed every object."""
+    read, notes = front_run.specforge.tensors, front_run.specforge.notes
+    worst_error, worst_logits = 0.0, 0.0
+    for i, ids in enumerate(front_run.prompts[: front_run.too_long]):
+        assert f"error_{i}" not in notes, notes
+        aux_got, target = read[f"hidden_state_{i}"], read[f"target_{i}"]
+        assert aux_got.dtype == target.dtype == torch.bfloat16
+        assert aux_got.shape == (1, len(ids), len(AUX_LAYERS) * HIDDEN)
+        assert target.shape == (1, len(ids), HIDDEN)
+        assert read[f"input_ids_{i}"].tolist() == [ids]
+        assert read[f"loss_mask_{i}"].tolist() == read[f"attention_mask_{i}"].tolist()
+        norm = final_norm(hf, ids)
+        aux = torch.cat([norm.hidden_states[k] for k in AUX_LAYERS], dim=-1)
+        problem = bf16_mismatch(aux_got[0], aux.to(torch.bfloat16))
+        assert problem is None, f"prompt {i} ({len(ids)} tokens): {problem}"
+        worst_error = max(worst_error, float(relative_error(target[0].float(), norm.post).max()))
+        with torch.inference_mode():
+            teacher = hf.lm_head(target[0].float())
+            logits = hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+        worst_logits = max(worst_logits, float(_error(teacher, logits).max()))
+    print(f"specforge front: target worst error {worst_error:.5f}, logits {worst_logits:.5f}")
+    assert worst_error <= MAX_RELATIVE_ERROR
+    assert worst_logits <= MAX_LOGITS_ERROR
+    refused = notes[f"error_{front_run.too_long}"]
+    assert refused.startswith("server_capture:sample fault (rejected)"), refused
+    assert "context length" in refused, refused
+    assert notes[f"retryable_{front_run.too_long}"] == "True"
+    assert notes["consumed"] == str(front_run.too_long)
+    assert {notes[f"gone_{i}"] for i in range(len(front_run.prompts))} == {"1"}
 
 
 def _normed(hf: Any, state: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,6 @@ as hs-connectors' ``:error`` marker naming the sample's fault."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -18,50 +16,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hsx_async.cli import main
 from hsx_async.front.mooncake import aligned
-from hsx_async.run.daemon.daemon import Daemon
-from hsx_async.server.fake.options import FakeOptions
-from hsx_async.server.fake.server import running_fake_server
 from tests.dataset.test_export import model_dir
-from tests.e2e import config_raw, free_port, make_config, write_config, write_samples
-from tests.front.conftest import running_master, stop
-from tests.front.harness import read_through, scrape, start_front
+from tests.e2e import config_raw, free_port, write_config, write_samples
+from tests.front.conftest import VOCAB, stop
+from tests.front.harness import master_that_goes, read_through, run_and_export, scrape, start_front
 
 pytestmark = pytest.mark.mooncake
 
 HIDDEN = 64
-VOCAB = 50_000  # the fake server refuses an id at or past it (a 400: the sample's fault)
-
-
-@pytest.fixture
-async def fake(shm_root: Path) -> AsyncIterator[str]:
-    options = FakeOptions(dump_root=shm_root, chunk_size=32, max_batch_tokens=96, vocab_size=VOCAB)
-    async with running_fake_server(options) as srv:
-        yield srv.url
-
-
-async def _offline(tmp: Path, samples: Path, url: str, dump: Path, model: Path) -> Path:
-    """``hsx run`` then ``hsx export --format speculators --model``: its destination."""
-    config = make_config(tmp / "run", samples, [url], dump, hidden_size=HIDDEN)
-    summary = await Daemon(config).run()
-    assert (summary.done, summary.quarantined) == (3, 0), summary
-    dest = tmp / "speculators"
-    code = await asyncio.to_thread(
-        main,
-        [
-            "export",
-            str(config.output.dir),
-            "--format",
-            "speculators",
-            "--to",
-            str(dest),
-            "--model",
-            str(model),
-        ],
-    )
-    assert code == 0
-    return dest
 
 
 async def _front(
@@ -88,7 +51,15 @@ async def test_speculators_reads_what_hsx_run_writes(
 ) -> None:
     sample_set = write_samples(tmp_path / "samples.jsonl", 3, seed=7, max_len=90)
     model, _ = model_dir(tmp_path / "model", HIDDEN)
-    dest = await _offline(tmp_path, sample_set.path, fake, shm_root, model)
+    dest = await run_and_export(
+        tmp_path,
+        sample_set.path,
+        fake,
+        shm_root,
+        model=model,
+        fmt="speculators",
+        hidden_size=HIDDEN,
+    )
     rows = [orjson.loads(line) for line in (dest / "samples.jsonl").read_bytes().splitlines()]
     prompts = [row["input_ids"] for row in rows] + [[1, VOCAB + 5, 2]]
 
@@ -207,25 +178,24 @@ async def test_mooncake_down_is_the_trainers_503_naming_the_master(
     answered 503 (its client raises), naming the master; the front stays up and counts it."""
     sample_set = write_samples(tmp_path / "samples.jsonl", 1, seed=3, max_len=40)
     model, _ = model_dir(tmp_path / "model", HIDDEN)
-    async with contextlib.AsyncExitStack() as stack:
-        masters = contextlib.AsyncExitStack()  # closed early: the master goes
-        master = await masters.enter_async_context(running_master(tmp_path))
-        stack.push_async_callback(masters.aclose)
+    async with master_that_goes(tmp_path) as (master, stop_master):
         proc, url = await _front(
             tmp_path, sample_set.path, fake, shm_root, model=model, master=master
         )
-        stack.push_async_callback(stop, proc)
         body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 1}
-        async with aiohttp.ClientSession() as session:
-            async with session.post(f"{url}/v1/completions", json=body) as resp:
-                assert resp.status == 200
-            await masters.aclose()
-            async with session.post(f"{url}/v1/completions", json=body) as resp:
-                assert resp.status == 503
-                message = (await resp.json())["error"]["message"]
-            async with session.get(f"{url}/health") as resp:
-                assert resp.status == 200
-            metrics = await scrape(session, url)
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                await stop_master()
+                async with session.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 503
+                    message = (await resp.json())["error"]["message"]
+                async with session.get(f"{url}/health") as resp:
+                    assert resp.status == 200
+                metrics = await scrape(session, url)
+        finally:
+            await stop(proc)
     assert f"Mooncake's master at {master} did not answer" in message, message
     assert metrics['hsx_front_requests_total{outcome="unanswered"}'] == 1
     assert metrics['hsx_front_requests_total{outcome="published"}'] == 1
