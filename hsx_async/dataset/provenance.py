@@ -19,7 +19,7 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -357,14 +357,16 @@ def record_input_count(out_dir: Path, samples: int) -> None:
         _record_key(out_dir, "input_samples", samples)
 
 
-def remove_stale_temps(out_dir: Path) -> int:
-    """Delete temp files of ``provenance.json`` left by a process killed mid-write. Call
-    under :func:`directory_lock`: every writer of the record holds it, so none is live."""
+def remove_stale_temps(out_dir: Path, names: Iterable[str] = (PROVENANCE,)) -> int:
+    """Delete temp files of the records ``names`` (``provenance.json``; the job report's)
+    left by a process killed mid-write. Call under :func:`directory_lock`: every writer of
+    those records holds it, so none is live."""
     removed = 0
-    for tmp in out_dir.glob(f".{PROVENANCE}.*.tmp"):
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-            removed += 1
+    for name in names:
+        for tmp in out_dir.glob(f".{name}.*.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+                removed += 1
     return removed
 
 

@@ -13,6 +13,7 @@ import structlog
 from hsx_async.config import Config, flatten_public
 from hsx_async.dataset.manifest import MANIFEST, QUARANTINE, AppendLog, DoneSet, load_done, log_name
 from hsx_async.dataset.provenance import (
+    PROVENANCE,
     Provenance,
     check_and_record,
     check_shard_layout,
@@ -22,6 +23,7 @@ from hsx_async.dataset.provenance import (
 )
 from hsx_async.run.daemon.resume import check_entries, clean_orphans
 from hsx_async.run.daemon.spool import prepare_spool
+from hsx_async.run.report.numbers import REPORT_JSON, REPORT_PNG
 from hsx_async.run.servers.identity import Identity, JobRecord
 from hsx_async.run.source import fingerprint_input
 
@@ -63,7 +65,7 @@ def prepare_output(
     )
     record = provenance_for(config, input_fp)
     with directory_lock(out):
-        remove_stale_temps(out)
+        remove_stale_temps(out, (PROVENANCE, REPORT_JSON, REPORT_PNG))
         check_shard_layout(out, shard.count)
         done = load_done(out)
         # What no sample (or line) was made under binds nothing: a rerun corrected after a

@@ -46,7 +46,7 @@ from hsx_async.dataset.manifest import (
     read_quarantine,
     retired_paths,
 )
-from hsx_async.dataset.provenance import read_provenance
+from hsx_async.dataset.provenance import directory_lock, read_provenance
 from hsx_async.dataset.quarantine import reason_of
 from hsx_async.errors import DatasetError
 
@@ -448,13 +448,16 @@ def write_report(out_dir: Path, *, png: bool = True) -> tuple[Path, Path | None,
     Returns (json path, png path or None, a hint when the PNG was not drawn)."""
     report = build_report(out_dir)
     json_path = out_dir / REPORT_JSON
-    write_atomic(json_path, orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
-    if not png:
-        return json_path, None, ""
-    try:
-        from hsx_async.run.report.plot import render  # noqa: PLC0415 - matplotlib is optional
-    except ImportError:
-        return json_path, None, PLOT_HINT
-    png_path = out_dir / REPORT_PNG
-    render(report, png_path)
+    # Under the directory's lock, as every top-level record: a run's start-up removes what
+    # a writer killed mid-write left (remove_stale_temps), and no writer is live then.
+    with directory_lock(out_dir):
+        write_atomic(json_path, orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        if not png:
+            return json_path, None, ""
+        try:
+            from hsx_async.run.report.plot import render  # noqa: PLC0415 - matplotlib is optional
+        except ImportError:
+            return json_path, None, PLOT_HINT
+        png_path = out_dir / REPORT_PNG
+        render(report, png_path)
     return json_path, png_path, ""

@@ -14,6 +14,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from hsx_async.dataset.durable import write_durably
 from hsx_async.units import human_bytes
 
 _INK = "#1f2430"
@@ -318,9 +319,7 @@ def render(report: dict[str, Any], path: Path) -> None:
           "no failed attempts")  # fmt: skip
     _servers_out(fig, footer)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    tmp.replace(path)
+    write_durably(path, lambda tmp: fig.savefig(tmp, format="png"))
 
 
 def _on_disk(totals: dict[str, Any]) -> str:

@@ -180,3 +180,28 @@ async def test_request_stop_drains_and_resume_finishes(tmp_path: Path, shm_root:
         second = await Daemon(config).run()
     assert first.done + second.done == len(samples.good)
     check_dataset(config.output.dir, samples, hidden_size=H, num_layers=L)
+
+
+async def test_a_record_s_temp_left_by_a_killed_writer_goes_at_the_next_start(
+    tmp_path: Path, shm_root: Path
+) -> None:
+    """A run killed while it wrote the job report (after its last sample) left
+    ``.report.json.<pid>-<tag>.tmp`` beside the dataset: the crash soak found one after
+    the final resume. Every writer of the top-level records holds the directory's lock, so
+    the next run's start-up removes what a dead one left; other files stay."""
+    samples = write_samples(tmp_path / "in.jsonl", 6)
+    async with running_fake_server(fake_options(shm_root)) as fake:
+        config = make_config(tmp_path, samples.path, [fake.url], shm_root)
+        await Daemon(config).run()
+        out = config.output.dir
+        left = [out / f".{name}.4242-0badf00d.tmp" for name in
+                ("report.json", "report.png", "provenance.json")]  # fmt: skip
+        for path in left:
+            path.write_bytes(b"half")
+        kept = out / ".notes.4242-0badf00d.tmp"
+        kept.write_bytes(b"someone else's")
+        summary = await Daemon(config).run()
+    assert summary.done == 0 and summary.unfinished == 0
+    assert [p.name for p in left if p.exists()] == []
+    assert kept.exists()
+    check_dataset(out, samples, hidden_size=H, num_layers=L)
