@@ -10,7 +10,8 @@ producer (a ``MooncakeFeatureStore`` and the EAGLE-3 streaming layout's
 ``SGLangServerCaptureAdapter``, its request code unchanged) captures every task in one
 ``produce_refs`` lease batch and publishes the good refs on a ``StreamingRefChannel``; the
 consumer (its own ``MooncakeFeatureStore`` client, ``retain_on_release`` as in the
-consumer role) polls the channel, ``get``s each sample and releases it; then the producer
+consumer role) polls the channel and reads each sample through SpecForge's own
+``FeatureDataLoader`` (get, clone, release, stacked in batches of one); then the producer
 aborts the acknowledged samples as its ack controller does. Written to OUT: each read
 feature as ``{name}_{i}``; metadata ``error_{i}`` (a failure's reason), ``retryable_{i}``,
 ``gone_{i}`` ("1" once every key of the task is absent from Mooncake), ``consumed``.
@@ -32,6 +33,7 @@ from specforge.inference.adapters.server_capture import (
 )
 from specforge.inference.capture import CaptureConfig
 from specforge.runtime.contracts import PromptTask
+from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
 from specforge.runtime.data_plane.mooncake_store import MooncakeFeatureStore
 from specforge.runtime.data_plane.streaming_ref_channel import StreamingRefChannel
 
@@ -119,11 +121,16 @@ def main() -> int:
         channel.close()
         reader = StreamingRefChannel(channel_path)
         polled = reader.poll()
-        for ref in polled:
-            got, handle = consumer.get(ref)
-            i = int(ref.source_task_id.removeprefix("t"))
-            tensors.update({f"{name}_{i}": t for name, t in got.items()})
-            consumer.release(handle)
+        task_of = {ref.sample_id: int(ref.source_task_id.removeprefix("t")) for ref in polled}
+        # SpecForge's own loader (refs mode, as its trainer's offline/streamed epochs):
+        # get, clone, release; batches of one, stacked (dim 0 is the batch).
+        loader = FeatureDataLoader(
+            consumer, refs=polled, batch_size=1, drop_last=False, gc_interval_s=None
+        )
+        for batch in loader:
+            [sample_id] = batch.sample_ids
+            i = task_of[sample_id]
+            tensors.update({f"{name}_{i}": t[0] for name, t in batch.tensors.items()})
         reader.mark_consumed(len(polled))
         notes["consumed"] = str(reader.consumed_remote())
     for ref in refs:  # the producer frees what the consumer acknowledged
